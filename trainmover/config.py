@@ -1,0 +1,186 @@
+"""Configuration dataclasses, one per component, each validated with errors that quote the
+bad value. A whole job is a ``JobConfig``; named recipes (``recipes.py``) produce them."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from .topology import Layout, split_layers
+
+
+def _positive(owner: str, **values) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{owner}.{name} must be a positive integer, got {v!r}")
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only GPT (pre-norm blocks, learned positions, untied head)."""
+
+    vocab_size: int = 256
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    seq_len: int = 64
+    dropout: float = 0.0
+    mlp_ratio: int = 4
+
+    def validate(self) -> None:
+        _positive("model", vocab_size=self.vocab_size, n_layers=self.n_layers,
+                  d_model=self.d_model, n_heads=self.n_heads, seq_len=self.seq_len,
+                  mlp_ratio=self.mlp_ratio)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by "
+                             f"model.n_heads={self.n_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+
+    def validate_layout(self, layout: Layout) -> None:
+        if self.n_heads % layout.tp:
+            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by tp={layout.tp}")
+        if self.vocab_size % layout.tp:
+            raise ValueError(f"model.vocab_size={self.vocab_size} is not divisible by "
+                             f"tp={layout.tp} (the head is split over tensor-parallel ranks)")
+        if (self.d_model * self.mlp_ratio) % layout.tp:
+            raise ValueError(f"MLP width {self.d_model * self.mlp_ratio} is not divisible by "
+                             f"tp={layout.tp}")
+        split_layers(self.n_layers, layout.pp)  # raises naming n_layers and pp
+
+    def num_params(self) -> int:
+        d, v, t, h = self.d_model, self.vocab_size, self.seq_len, self.d_model * self.mlp_ratio
+        per_block = 4 * d * d + 4 * d + 2 * d * h + h + d + 4 * d
+        return v * d + t * d + self.n_layers * per_block + 2 * d + d * v
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation. ``global_batch`` sequences per step are split over ``dp`` replicas and
+    each replica's share into ``num_microbatches`` micro-batches, so any two layouts train on
+    exactly the same tokens."""
+
+    steps: int = 20
+    global_batch: int = 16
+    num_microbatches: int = 2
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    compile: bool = False
+    bucket_mb: float = 25.0
+    threads_per_worker: int = 0  # 0: cores // workers, at least 1
+
+    def validate(self) -> None:
+        _positive("train", steps=self.steps, global_batch=self.global_batch,
+                  num_microbatches=self.num_microbatches)
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"train.lr={self.lr!r}, train.min_lr={self.min_lr!r}: need "
+                             f"0 <= min_lr <= lr and lr > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"train.bucket_mb must be > 0, got {self.bucket_mb!r}")
+        if self.threads_per_worker < 0:
+            raise ValueError(f"train.threads_per_worker must be >= 0, got "
+                             f"{self.threads_per_worker!r}")
+
+    def validate_layout(self, layout: Layout) -> None:
+        per = layout.dp * self.num_microbatches
+        if self.global_batch % per:
+            raise ValueError(f"train.global_batch={self.global_batch} is not divisible by "
+                             f"dp={layout.dp} x num_microbatches={self.num_microbatches}")
+
+    def micro_batch_size(self, layout: Layout) -> int:
+        return self.global_batch // (layout.dp * self.num_microbatches)
+
+
+@dataclass
+class DataConfig:
+    """``source``: ``builtin`` (byte-level tokens of the Python standard library's sources,
+    present on every Python install), or a path. ``format``: ``text`` (bytes as tokens, vocab
+    256) or ``uint16`` (a flat little-endian token file)."""
+
+    source: str = "builtin"
+    format: str = "text"
+    builtin_max_bytes: int = 4_000_000
+
+    def validate(self) -> None:
+        if self.format not in ("text", "uint16"):
+            raise ValueError(f"data.format must be 'text' or 'uint16', got {self.format!r}")
+        if self.source == "builtin":
+            if self.format != "text":
+                raise ValueError("data.source='builtin' is text; data.format must be 'text'")
+            return
+        if not os.path.isfile(self.source):
+            raise ValueError(f"data file {self.source!r} does not exist or is not a file")
+        if not os.access(self.source, os.R_OK):
+            raise ValueError(f"data file {self.source!r} is not readable")
+        size = os.path.getsize(self.source)
+        if size == 0:
+            raise ValueError(f"data file {self.source!r} is empty")
+        if self.format == "uint16" and size % 2:
+            raise ValueError(f"data file {self.source!r} has odd size {size}: not uint16 tokens")
+
+
+@dataclass
+class RuntimeConfig:
+    """Process-level settings of a job (not of the model)."""
+
+    device: str = "cpu"
+    group_timeout_s: float = 120.0
+    store_host: str = "127.0.0.1"
+    standbys: int = 0
+
+    def validate(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"runtime.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.group_timeout_s <= 0:
+            raise ValueError(f"runtime.group_timeout_s must be > 0, got {self.group_timeout_s!r}")
+        if not isinstance(self.standbys, int) or self.standbys < 0:
+            raise ValueError(f"runtime.standbys must be >= 0, got {self.standbys!r}")
+
+
+@dataclass
+class JobConfig:
+    name: str = "job"
+    layout: Layout = field(default_factory=Layout)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def validate(self) -> "JobConfig":
+        self.model.validate()
+        self.train.validate()
+        self.data.validate()
+        self.runtime.validate()
+        self.model.validate_layout(self.layout)
+        self.train.validate_layout(self.layout)
+        if self.data.format == "text" and self.model.vocab_size < 256:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} is below 256, but text "
+                             f"data uses byte tokens 0..255")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "JobConfig":
+        return JobConfig(
+            name=d["name"], layout=Layout(**d["layout"]), model=ModelConfig(**d["model"]),
+            train=TrainConfig(**d["train"]), data=DataConfig(**d["data"]),
+            runtime=RuntimeConfig(**d["runtime"]))
+
+    def threads_per_worker(self) -> int:
+        if self.train.threads_per_worker:
+            return self.train.threads_per_worker
+        workers = self.layout.num_roles + self.runtime.standbys
+        return max(1, (os.cpu_count() or 1) // workers)

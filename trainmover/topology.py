@@ -1,0 +1,199 @@
+"""Parallel layout maths: roles, their coordinates, and the communication groups they belong to.
+
+Pure Python on purpose (no torch.distributed): the controller plans migrations with these
+functions, and every group that a migration rebuilds is named here first.
+
+Vocabulary
+- A *role* is one position in the DP x PP x TP layout, written ``dp{d}.pp{p}.tp{t}``. Roles are
+  fixed for the life of a job; the *worker* process holding a role may change (migration).
+- A *group* is one communicator: a named, ordered list of roles. Four kinds:
+  ``tp``   tensor-parallel peers of one (dp, pp) cell, ordered by tp rank;
+  ``dp``   data-parallel replicas of one (pp, tp) cell, ordered by dp rank;
+  ``pp``   the pipeline column of one (dp, tp) pair, ordered by stage (gradient norm, loss);
+  ``p2p``  one pipeline neighbour pair (stage p and p + 1), carrying activations and gradients.
+  Groups with a single member are *trivial*: they exist in the plan but need no communicator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+import re
+
+GROUP_KINDS = ("tp", "dp", "pp", "p2p")
+
+
+class StageKind(str, Enum):
+    """What a pipeline stage owns besides its transformer blocks."""
+
+    ONLY = "only"      # pp == 1: embedding, blocks and head
+    FIRST = "first"    # embedding + blocks
+    MIDDLE = "middle"  # blocks only
+    LAST = "last"      # blocks + final norm + head
+
+
+@dataclass(frozen=True, order=True)
+class Role:
+    dp: int
+    pp: int
+    tp: int
+
+    @property
+    def name(self) -> str:
+        return f"dp{self.dp}.pp{self.pp}.tp{self.tp}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def parse(text: str) -> "Role":
+        m = re.fullmatch(r"dp(\d+)\.pp(\d+)\.tp(\d+)", text)
+        if not m:
+            raise ValueError(f"not a role name: {text!r} (expected dp<d>.pp<p>.tp<t>)")
+        return Role(int(m.group(1)), int(m.group(2)), int(m.group(3)))
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One communicator of the plan: its stable name and its members in group-rank order."""
+
+    name: str
+    kind: str
+    members: tuple[Role, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def trivial(self) -> bool:
+        return len(self.members) == 1
+
+    def rank_of(self, role: Role) -> int:
+        return self.members.index(role)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A DP x PP x TP layout. Global rank order is dp-major, then pp, then tp (tp fastest),
+    so tensor-parallel peers are adjacent, as a launcher would place them on one host."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "pp", "tp"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"layout axis {axis} must be a positive integer, got {value!r}")
+
+    @property
+    def num_roles(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def __str__(self) -> str:
+        return f"DP{self.dp}xPP{self.pp}xTP{self.tp}"
+
+    def as_dict(self) -> dict:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    # --- roles --------------------------------------------------------------------------
+    def roles(self) -> list[Role]:
+        return [self.role_of(r) for r in range(self.num_roles)]
+
+    def role_of(self, global_rank: int) -> Role:
+        if not 0 <= global_rank < self.num_roles:
+            raise ValueError(f"global rank {global_rank} outside layout {self}")
+        tp = global_rank % self.tp
+        pp = (global_rank // self.tp) % self.pp
+        dp = global_rank // (self.tp * self.pp)
+        return Role(dp, pp, tp)
+
+    def global_rank(self, role: Role) -> int:
+        self.check_role(role)
+        return (role.dp * self.pp + role.pp) * self.tp + role.tp
+
+    def check_role(self, role: Role) -> None:
+        if not (0 <= role.dp < self.dp and 0 <= role.pp < self.pp and 0 <= role.tp < self.tp):
+            raise ValueError(f"role {role} is outside layout {self}")
+
+    def stage_kind(self, role_or_stage: Role | int) -> StageKind:
+        stage = role_or_stage.pp if isinstance(role_or_stage, Role) else role_or_stage
+        if not 0 <= stage < self.pp:
+            raise ValueError(f"stage {stage} outside layout {self}")
+        if self.pp == 1:
+            return StageKind.ONLY
+        if stage == 0:
+            return StageKind.FIRST
+        if stage == self.pp - 1:
+            return StageKind.LAST
+        return StageKind.MIDDLE
+
+    # --- groups -------------------------------------------------------------------------
+    def tp_group(self, role: Role) -> GroupSpec:
+        return GroupSpec(f"tp.dp{role.dp}.pp{role.pp}", "tp",
+                         tuple(Role(role.dp, role.pp, t) for t in range(self.tp)))
+
+    def dp_group(self, role: Role) -> GroupSpec:
+        return GroupSpec(f"dp.pp{role.pp}.tp{role.tp}", "dp",
+                         tuple(Role(d, role.pp, role.tp) for d in range(self.dp)))
+
+    def pp_group(self, role: Role) -> GroupSpec:
+        return GroupSpec(f"pp.dp{role.dp}.tp{role.tp}", "pp",
+                         tuple(Role(role.dp, p, role.tp) for p in range(self.pp)))
+
+    def p2p_group(self, dp: int, tp: int, stage: int) -> GroupSpec:
+        """The pair (stage, stage + 1) of pipeline column (dp, tp)."""
+        if not 0 <= stage < self.pp - 1:
+            raise ValueError(f"no pipeline pair starts at stage {stage} in layout {self}")
+        return GroupSpec(f"p2p.dp{dp}.tp{tp}.pp{stage}-{stage + 1}", "p2p",
+                         (Role(dp, stage, tp), Role(dp, stage + 1, tp)))
+
+    def groups_of(self, role: Role) -> dict[str, GroupSpec]:
+        """The groups a role belongs to, keyed by its local slot name:
+        ``tp``, ``dp``, ``pp``, ``p2p_prev`` (to stage - 1), ``p2p_next`` (to stage + 1)."""
+        self.check_role(role)
+        out = {"tp": self.tp_group(role), "dp": self.dp_group(role), "pp": self.pp_group(role)}
+        if role.pp > 0:
+            out["p2p_prev"] = self.p2p_group(role.dp, role.tp, role.pp - 1)
+        if role.pp < self.pp - 1:
+            out["p2p_next"] = self.p2p_group(role.dp, role.tp, role.pp)
+        return out
+
+    def all_groups(self) -> dict[str, GroupSpec]:
+        """Every group of the layout, trivial ones included, keyed by group name."""
+        out: dict[str, GroupSpec] = {}
+        for role in self.roles():
+            for spec in self.groups_of(role).values():
+                out[spec.name] = spec
+        return out
+
+    def communicator_groups(self) -> dict[str, GroupSpec]:
+        """The groups that need a real communicator (two or more members)."""
+        return {n: g for n, g in self.all_groups().items() if not g.trivial}
+
+    def affected_groups(self, *roles: Role) -> dict[str, GroupSpec]:
+        """Groups that must be rebuilt when the workers holding ``roles`` are replaced:
+        every non-trivial group containing any of them. Everything else is inherited."""
+        out: dict[str, GroupSpec] = {}
+        for role in roles:
+            for spec in self.groups_of(role).values():
+                if not spec.trivial:
+                    out[spec.name] = spec
+        return dict(sorted(out.items()))
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous block ranges per pipeline stage; earlier stages take the remainder, since
+    the last stage also carries the head."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_layers < num_stages:
+        raise ValueError(f"n_layers={num_layers} is fewer than pipeline stages pp={num_stages}")
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
