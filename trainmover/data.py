@@ -10,6 +10,7 @@ import hashlib
 import mmap
 import os
 import sysconfig
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,9 @@ def load_tokens(cfg: DataConfig) -> TokenData:
         else:
             # map the file instead of reading it: token files can be far larger than memory
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            tokens = torch.frombuffer(mm, dtype=torch.int16)
+            with warnings.catch_warnings():  # read-only on purpose: tokens are never written
+                warnings.simplefilter("ignore", UserWarning)
+                tokens = torch.frombuffer(mm, dtype=torch.int16)
             digest = _file_digest(cfg.source)
     return TokenData(tokens, digest, f"{cfg.format} file {cfg.source}")
 

@@ -202,7 +202,7 @@ def save_canonical_checkpoint(state: dict[str, torch.Tensor], path: str) -> None
     shutil.rmtree(tmp, ignore_errors=True)
     with warnings.catch_warnings():  # "assuming ... single process" is exactly the intent
         warnings.simplefilter("ignore", UserWarning)
-            dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)

@@ -1,0 +1,32 @@
+# One environment for everything: a local virtualenv with the pinned CPU build of torch.
+# GPU users: `make install TORCH_SPEC="torch==<your CUDA build>"` or pip install -e . yourself.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: install demo test test-slow bench-step clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# the pinned CPU wheel first, so the range in pyproject never pulls a CUDA build
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+demo: install
+	$(BIN)/trainmover demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+bench-step: install
+	$(BIN)/trainmover bench step
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

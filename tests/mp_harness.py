@@ -1,0 +1,62 @@
+"""Runs a function in N spawned processes around one TCPStore hosted by the test, with a hard
+deadline: on timeout every child is killed by PID and the test fails instead of hanging."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+
+from trainmover.comm import StoreAddress, start_store_server
+
+
+def _entry(fn, rank, address, args, results):
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(rank, address, *args)))
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_processes(fn, nprocs: int, *args, timeout: float = 60.0, expect: int | None = None):
+    """Returns {rank: ("ok", value) | ("error", text)} for the ranks that reported; waits for
+    ``expect`` reports (default all ranks)."""
+    ctx = mp.get_context("spawn")
+    store = start_store_server()
+    address = StoreAddress("127.0.0.1", store.port)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(fn, r, address, args, results), daemon=True)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout
+    want = nprocs if expect is None else expect
+    try:
+        while len(out) < want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"only {len(out)}/{want} processes reported within "
+                                   f"{timeout} s: {sorted(out)}")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            out[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    return out
+
+
+def values(results: dict) -> dict:
+    errors = {r: v for r, (s, v) in results.items() if s != "ok"}
+    assert not errors, errors
+    return {r: v for r, (s, v) in results.items()}

@@ -1,0 +1,123 @@
+"""Communication layer with real processes on a local TCPStore (gloo)."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from mp_harness import run_processes, values
+from trainmover.comm import (CommError, GroupBuilder, StoreClients, build_comm_groups)
+from trainmover.topology import Layout, Role
+
+LAYOUT = Layout(2, 1, 2)  # 4 processes: two TP pairs, two DP pairs
+
+
+def _builder(address, timeout_s=30.0):
+    return GroupBuilder(StoreClients(address), torch.device("cpu"), timeout_s)
+
+
+def _collectives(rank, address):
+    role = LAYOUT.role_of(rank)
+    groups, times = build_comm_groups(_builder(address), LAYOUT, role)
+    t = torch.tensor([float(rank)])
+    groups.tp.allreduce(t)
+    d = torch.tensor([float(rank)])
+    groups.dp.allreduce(d)
+    b = torch.tensor([float(rank)])
+    groups.tp.broadcast(b, src=0)
+    gathered = [float(x) for x in groups.dp.allgather(torch.tensor([float(rank)]))]
+    groups.shutdown()
+    return float(t), float(d), float(b), gathered, sorted(times)
+
+
+@pytest.mark.timeout(120)
+def test_groups_without_a_global_world():
+    res = values(run_processes(_collectives, 4))
+    for rank, (t, d, b, gathered, names) in res.items():
+        role = LAYOUT.role_of(rank)
+        tp_peers = [LAYOUT.global_rank(m) for m in LAYOUT.tp_group(role).members]
+        dp_peers = [LAYOUT.global_rank(m) for m in LAYOUT.dp_group(role).members]
+        assert t == sum(tp_peers) and d == sum(dp_peers)
+        assert b == tp_peers[0]
+        assert gathered == [float(r) for r in dp_peers]
+        assert names == sorted(LAYOUT.groups_of(role)[s].name for s in ("tp", "dp", "pp"))
+
+
+def _rebuild_one(rank, address):
+    """dp0's TP group moves to generation 1 in a background thread (its own store client)
+    while every process keeps running DP all-reduces on untouched generation-0 groups."""
+    role = LAYOUT.role_of(rank)
+    builder = _builder(address)
+    groups, _ = build_comm_groups(builder, LAYOUT, role)
+    rebuilds = role.dp == 0
+    new = {}
+    if rebuilds:
+        spec = LAYOUT.tp_group(role)
+        th = threading.Thread(target=lambda: new.update({spec.name: builder.build(spec, role, 1)}))
+        th.start()
+    dp_results = []
+    for i in range(20):  # training traffic meanwhile, on groups that are not rebuilt
+        x = torch.tensor([float(i + rank)])
+        groups.dp.allreduce(x)
+        dp_results.append(float(x))
+    old_tp = groups.tp
+    if rebuilds:
+        th.join()
+        # switch at a boundary: nothing is pending on the old group any more
+        replaced = groups.install(new)
+        assert replaced == [old_tp]
+        for g in replaced:
+            g.shutdown()
+    t = torch.tensor([float(rank)])
+    groups.tp.allreduce(t)
+    gens = groups.generations()
+    old_closed = old_tp.closed
+    groups.shutdown()
+    return dp_results, float(t), gens, old_closed
+
+
+@pytest.mark.timeout(120)
+def test_rebuild_one_group_while_others_keep_working():
+    res = values(run_processes(_rebuild_one, 4))
+    for rank, (dp_results, t, gens, old_closed) in res.items():
+        role = LAYOUT.role_of(rank)
+        peers = [LAYOUT.global_rank(m) for m in LAYOUT.dp_group(role).members]
+        assert dp_results == [float(sum(i + p for p in peers)) for i in range(20)]
+        tp_peers = [LAYOUT.global_rank(m) for m in LAYOUT.tp_group(role).members]
+        assert t == sum(tp_peers)
+        tp_name = LAYOUT.tp_group(role).name
+        assert gens[tp_name] == (1 if role.dp == 0 else 0)
+        assert gens[LAYOUT.dp_group(role).name] == 0
+        assert old_closed == (role.dp == 0)
+
+
+def _peer_dies(rank, address, size, victim):
+    from trainmover.topology import GroupSpec
+
+    spec = GroupSpec("test.kill", "tp", tuple(Role(0, 0, i) for i in range(size)))
+    group = _builder(address, timeout_s=8.0).build(spec, Role(0, 0, rank), 0)
+    x = torch.ones(4)
+    group.allreduce(x)  # everyone is connected
+    if rank == victim:
+        time.sleep(0.5)  # the others are blocked inside the next all-reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        group.allreduce(torch.ones(1 << 16))
+    except CommError as exc:
+        return "error", time.monotonic() - t0, str(exc), group.error is not None
+    return "completed", time.monotonic() - t0, "", False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3])
+def test_killed_peer_mid_collective_raises_not_hangs(size):
+    res = run_processes(_peer_dies, size, size, size - 1, timeout=60, expect=size - 1)
+    for rank in range(size - 1):
+        status, (outcome, elapsed, message, recorded) = res[rank]
+        assert status == "ok"
+        assert outcome == "error", (rank, outcome)
+        assert "test.kill gen0" in message and recorded
+        assert elapsed < 8.0 + 4.0  # at worst the group timeout, never a hang
