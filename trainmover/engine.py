@@ -17,7 +17,8 @@ import torch
 from .comm import CommGroups, Work
 from .config import JobConfig
 from .data import BatchSource
-from .model import GPTStage, dropout_seed, shard_dim
+from .model import GPTStage, dropout_seed
+from .state import shard_dim
 from .topology import Role
 
 

@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from .comm import MAX, CommGroups
 from .config import ModelConfig
 from .data import derive_seed, generator
+from .state import SHARD_ATTR, shard_dim
 from .topology import Layout, StageKind, split_layers
-
-SHARD_ATTR = "_tm_shard_dim"
 
 
 # --- tensor-parallel autograd primitives -------------------------------------------------
@@ -62,10 +61,14 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+# Collectives are opaque to torch.compile: marking them disabled makes a clean graph break
+# instead of Dynamo trying (and failing) to trace into the process-group bindings.
+@torch.compiler.disable
 def copy_to_tp(x: torch.Tensor, groups: CommGroups) -> torch.Tensor:
     return x if groups.tp.size == 1 else _CopyToTP.apply(x, groups)
 
 
+@torch.compiler.disable
 def reduce_from_tp(x: torch.Tensor, groups: CommGroups) -> torch.Tensor:
     return x if groups.tp.size == 1 else _ReduceFromTP.apply(x, groups)
 
@@ -241,10 +244,10 @@ class GPTStage(nn.Module):
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                shard_dim = getattr(p, SHARD_ATTR, None)
+                dim = shard_dim(p)
                 full_shape = list(p.shape)
-                if shard_dim is not None:
-                    full_shape[shard_dim] *= self.tp
+                if dim is not None:
+                    full_shape[dim] *= self.tp
                 if name.endswith(".bias"):
                     full = torch.zeros(full_shape)
                 elif ".ln" in name or name.startswith("norm."):
@@ -252,13 +255,9 @@ class GPTStage(nn.Module):
                 else:
                     s = out_std if name.endswith(("proj.weight", "fc2.weight")) else std
                     full = torch.empty(full_shape).normal_(0.0, s, generator=generator(seed, "init", name))
-                if shard_dim is not None:
-                    full = full.chunk(self.tp, dim=shard_dim)[self.tp_rank]
+                if dim is not None:
+                    full = full.chunk(self.tp, dim=dim)[self.tp_rank]
                 p.copy_(full)
-
-
-def shard_dim(p: torch.Tensor) -> int | None:
-    return getattr(p, SHARD_ATTR, None)
 
 
 def dropout_seed(seed: int, dp_rank: int, stage: int, step: int, microbatch: int) -> int:

@@ -14,8 +14,16 @@ import hashlib
 
 import torch
 
-from .model import shard_dim
 from .topology import Layout, Role
+
+# A parameter split over tensor-parallel ranks declares the dimension it is split on with this
+# attribute; everything without it is replicated. This is the whole contract between a model
+# and the runtime's state handling, so the runtime never imports a model.
+SHARD_ATTR = "_tm_shard_dim"
+
+
+def shard_dim(p: torch.Tensor) -> int | None:
+    return getattr(p, SHARD_ATTR, None)
 
 
 def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
