@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from trainmover.events import read_jsonl
-from trainmover.launcher import load_canonical_checkpoint, run_job
+from trainmover.checkpoint import load_canonical as load_canonical_checkpoint
+from trainmover.coordinator import run_job
 from trainmover.recipes import get_recipe
 from trainmover.state import state_digest
 from trainmover.topology import Layout

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from trainmover.events import read_jsonl
-from trainmover.launcher import run_job
+from trainmover.coordinator import run_job
 from trainmover.recipes import get_recipe
 from trainmover.topology import Layout
 

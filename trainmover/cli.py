@@ -31,11 +31,23 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         cfg.data.format = args.data_format
     if args.device is not None:
         cfg.runtime.device = args.device
+    if getattr(args, "standbys", None) is not None:
+        cfg.runtime.standbys = args.standbys
     cfg.validate()
     if args.workers is not None and args.workers != cfg.layout.num_roles:
         raise ValueError(f"--workers={args.workers} does not match layout {cfg.layout} "
                          f"(dp*pp*tp = {cfg.layout.num_roles})")
     return cfg
+
+
+def build_injects(args: argparse.Namespace, cfg: JobConfig) -> list:
+    from .coordinator import worker_names
+    from .faults import parse_inject, validate_injects
+
+    injects = [parse_inject(text) for text in (args.inject or [])]
+    validate_injects(injects, cfg.train.steps, worker_names(cfg.layout.num_roles),
+                     worker_names(cfg.runtime.standbys, "s"))
+    return injects
 
 
 def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
@@ -51,6 +63,9 @@ def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
     p.add_argument("--data", help="text file (bytes as tokens) or uint16 token file")
     p.add_argument("--data-format", choices=["text", "uint16"])
     p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--standbys", type=int, help="standby processes started with the job")
+    p.add_argument("--inject", action="append", metavar="KIND@STEP:TARGET[:ARG]",
+                   help="scheduled event, e.g. migrate@12:w3 (repeatable)")
     p.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
     p.add_argument("--quiet", action="store_true")
 
@@ -60,30 +75,37 @@ def _default_run_dir(name: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .launcher import run_job
+    from .coordinator import run_job
 
     cfg = build_config(args)
+    injects = build_injects(args, cfg)
     run_dir = args.run_dir or _default_run_dir(cfg.name)
-    summary = run_job(cfg, run_dir, quiet=args.quiet)
+    summary = run_job(cfg, run_dir, quiet=args.quiet, injects=injects)
     print(json.dumps(summary, indent=2))
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .launcher import run_job
+    from .coordinator import run_job
+    from .demo import demo_injects, print_demo_summary
 
+    if args.standbys is None:
+        args.standbys = 1
     cfg = build_config(args)
+    injects = build_injects(args, cfg) if args.inject else demo_injects(cfg)
     run_dir = args.run_dir or _default_run_dir("demo")
-    summary = run_job(cfg, run_dir, quiet=args.quiet)
-    print()
-    print(f"demo finished: {summary['steps']} steps on {cfg.layout} "
-          f"({summary['workers']} workers), final loss {summary['final_loss']:.4f}")
-    if summary["mean_step_time_s"]:
-        print(f"  mean step time   {summary['mean_step_time_s'] * 1000:.1f} ms")
-    print(f"  weights sha256   {summary['weights_sha256']}")
-    print(f"  run dir          {os.path.abspath(run_dir)}  (metrics.jsonl, events.jsonl, "
-          f"summary.json, final/checkpoint)")
+    summary = run_job(cfg, run_dir, quiet=args.quiet, injects=injects)
+    print_demo_summary(cfg, run_dir, summary)
     return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from .demo import request_migration
+
+    result = request_migration(args.run_dir, args.worker, args.to, wait=not args.no_wait,
+                               timeout_s=args.timeout)
+    print(json.dumps(result, indent=2))
+    return 0 if result.get("status") in ("done", "started", "queued") else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -103,6 +125,14 @@ def make_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a small multi-worker job on the built-in corpus")
     _job_args(demo, "demo")
     demo.set_defaults(fn=cmd_demo)
+    mig = sub.add_parser("migrate", help="hand running workers' roles to standbys")
+    mig.add_argument("--run-dir", required=True, help="run directory of a running job")
+    mig.add_argument("--worker", action="append", required=True,
+                     help="worker to migrate (repeat for several at once)")
+    mig.add_argument("--to", action="append", help="standby to migrate to (one per --worker)")
+    mig.add_argument("--no-wait", action="store_true", help="return once the request is queued")
+    mig.add_argument("--timeout", type=float, default=600.0)
+    mig.set_defaults(fn=cmd_migrate)
     bench = sub.add_parser("bench", help="benchmarks (results under benchmarks/results/)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     step = bsub.add_parser("step", help="engine step time vs DistributedDataParallel (DP only)")

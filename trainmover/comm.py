@@ -255,7 +255,11 @@ class GroupBuilder:
         self.gloo_host = gloo_host or os.environ.get("TRAINMOVER_GLOO_HOST") or stores.address.host
 
     def build(self, spec: GroupSpec, role: Role, generation: int) -> Group:
-        rank = spec.rank_of(role)
+        return self.build_ranked(spec, spec.rank_of(role), generation)
+
+    def build_ranked(self, spec: GroupSpec, rank: int, generation: int) -> Group:
+        """Build with an explicit group rank (a transfer channel's two members hold the same
+        role, so the role cannot name the rank)."""
         if spec.trivial:
             return Group(spec, generation, rank, None, self.device)
         store = dist.PrefixStore(group_prefix(spec.name, generation), self.stores.get())

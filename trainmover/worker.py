@@ -1,7 +1,8 @@
-"""A worker process: holds one role, builds its groups, trains, reports.
+"""A worker process: holds one role (or waits as a standby), trains, reports.
 
 Started by the coordinator as ``python -m trainmover.worker --run-dir DIR --name w3 --store
-HOST:PORT``. Its role comes from the membership table in the store, not from its name.
+HOST:PORT`` (``--standby`` for a standby). An active worker's role comes from the membership
+table in the store, not from its name; a standby learns its role from an ``assign`` command.
 """
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ T_START = time.perf_counter()
 
 import torch  # noqa: E402  (import time is measured)
 
-from .comm import GroupBuilder, StoreAddress, StoreClients, build_comm_groups  # noqa: E402
+from . import protocol as P  # noqa: E402
+from .comm import (CommGroups, GroupBuilder, StoreAddress, StoreClients,  # noqa: E402
+                   build_comm_groups)
 from .config import JobConfig  # noqa: E402
 from .data import BatchSource, load_tokens  # noqa: E402
 from .engine import Engine  # noqa: E402
 from .events import EventLog, JsonlWriter  # noqa: E402
+from .runtime import LEAVE, CommandChannel, WorkerRuntime, rss_mb, transfer_spec  # noqa: E402
 from .state import local_state  # noqa: E402
 from .topology import Role  # noqa: E402
+from .transfer import recv_state  # noqa: E402
 
 
 def reporter_role(cfg: JobConfig) -> Role:
@@ -36,54 +41,133 @@ def save_atomic(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def run(run_dir: str, name: str, store_addr: StoreAddress) -> None:
-    t_imported = time.perf_counter()
-    with open(os.path.join(run_dir, "job.json")) as f:
-        cfg = JobConfig.from_dict(json.load(f))
-    torch.set_num_threads(cfg.threads_per_worker())
-    stores = StoreClients(store_addr, timeout_s=cfg.runtime.group_timeout_s)
-    store = stores.get()
-    role = Role.parse(store.get(f"membership/worker/{name}").decode())
-    events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name, role=role.name)
-    events.emit("worker_started", pid=os.getpid(), import_s=round(t_imported - T_START, 4))
+class Worker:
+    def __init__(self, run_dir: str, name: str, store_addr: StoreAddress):
+        self.t_imported = time.perf_counter()
+        self.run_dir, self.name = run_dir, name
+        with open(os.path.join(run_dir, "job.json")) as f:
+            self.cfg = cfg = JobConfig.from_dict(json.load(f))
+        torch.set_num_threads(cfg.threads_per_worker())
+        self.stores = StoreClients(store_addr, timeout_s=cfg.runtime.group_timeout_s)
+        self.store = self.stores.get()
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name)
+        self.device = self._device()
+        self.builder = GroupBuilder(self.stores, self.device, cfg.runtime.group_timeout_s)
+        self.commands = CommandChannel(self.stores, name)
+        self.data = load_tokens(cfg.data)
+        self.events.emit("worker_started", pid=os.getpid(),
+                         import_s=round(self.t_imported - T_START, 4))
 
-    device = torch.device(cfg.runtime.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", cfg.layout.global_rank(role)))
-                              % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    builder = GroupBuilder(stores, device, cfg.runtime.group_timeout_s)
-    t0 = time.perf_counter()
-    groups, build_times = build_comm_groups(builder, cfg.layout, role)
-    events.emit("groups_built", generation=0, duration_s=round(time.perf_counter() - t0, 4),
-                groups={k: round(v, 4) for k, v in build_times.items()})
+    def _device(self) -> torch.device:
+        if self.cfg.runtime.device != "cuda":
+            return torch.device("cpu")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
 
-    data = load_tokens(cfg.data)
-    batches = BatchSource(data, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
-                          cfg.model.vocab_size)
-    engine = Engine(cfg, role, groups, batches, device)
-    events.emit("engine_ready", setup_s=round(time.perf_counter() - t_imported, 4),
-                params=sum(p.numel() for p in engine.params))
+    def make_engine(self, role: Role, groups: CommGroups) -> Engine:
+        cfg = self.cfg
+        batches = BatchSource(self.data, cfg.model.seq_len, cfg.train.global_batch,
+                              cfg.train.seed, cfg.model.vocab_size)
+        return Engine(cfg, role, groups, batches, self.device)
 
-    metrics = JsonlWriter(os.path.join(run_dir, "metrics.jsonl")) \
-        if role == reporter_role(cfg) else None
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    for step in range(cfg.train.steps):
-        result = engine.train_step(step)
-        if metrics is not None:
-            metrics.write({"step": step, "loss": result.loss,
-                           "step_time_s": round(result.step_time_s, 6),
-                           "tokens_per_s": round(tokens_per_step / result.step_time_s, 1),
-                           "lr": result.lr, "grad_norm": result.grad_norm, "worker": name})
+    # --- an active worker from the start ---------------------------------------------------
+    def run_active(self) -> None:
+        role = Role.parse(self.store.get(P.membership_key(self.name)).decode())
+        self.events.fixed["role"] = role.name
+        t0 = time.perf_counter()
+        groups, build_times = build_comm_groups(self.builder, self.cfg.layout, role)
+        self.events.emit("groups_built", generation=0,
+                         duration_s=round(time.perf_counter() - t0, 4),
+                         groups={k: round(v, 4) for k, v in build_times.items()})
+        engine = self.make_engine(role, groups)
+        self.events.emit("engine_ready", setup_s=round(time.perf_counter() - self.t_imported, 4),
+                         params=sum(p.numel() for p in engine.params))
+        self.train(role, groups, engine, start_step=0)
 
-    if role.dp == 0:
-        shard_dir = os.path.join(run_dir, "final", "shards")
-        os.makedirs(shard_dir, exist_ok=True)
-        tensors, dims = local_state(engine.model, engine.optimizer)
-        save_atomic({"tensors": {k: v.cpu() for k, v in tensors.items()}, "dims": dims},
-                    os.path.join(shard_dir, f"{role.name}.pt"))
-    events.emit("worker_done", steps=cfg.train.steps)
-    groups.shutdown()
+    # --- a standby: wait, then join ----------------------------------------------------------
+    def run_standby(self) -> None:
+        self.store.set(P.standby_state_key(self.name), "cold")
+        self.events.emit("standby_registered", state="cold")
+        cmd = self.commands.next()
+        if cmd["type"] != "assign":
+            raise RuntimeError(f"standby {self.name}: expected an assign command, got {cmd}")
+        role = Role.parse(cmd["role"])
+        self.events.fixed["role"] = role.name
+        mid = cmd["migration_id"]
+        t0 = time.perf_counter()
+        # Phase 1: build the role's groups at their new generations and the transfer channel,
+        # in the one global name order every participant uses.
+        gens = cmd["groups"]
+        specs = self.cfg.layout.groups_of(role)
+        built = {}
+        todo = sorted([(s.name, s) for s in specs.values()] +
+                      [(cmd["transfer_group"], transfer_spec(cmd["transfer_group"], role))])
+        for name, spec in todo:
+            if spec.kind == "xfer":
+                built[name] = self.builder.build_ranked(spec, 1, cmd["transfer_generation"])
+            else:
+                built[name] = self.builder.build(spec, role, gens.get(name, 0))
+        channel = built.pop(cmd["transfer_group"])
+        groups = CommGroups.from_groups(role, self.cfg.layout, built)
+        build_s = time.perf_counter() - t0
+        engine = self.make_engine(role, groups)
+        prepare_s = time.perf_counter() - t0
+        self.store.set(P.mig_key(mid, "ready", self.name),
+                       P.encode({"build_s": build_s, "prepare_s": prepare_s}))
+        self.store.add(P.mig_key(mid, "ready_count"), 1)
+        self.events.emit("joiner_ready", migration_id=mid, build_s=round(build_s, 4),
+                         prepare_s=round(prepare_s, 4))
+        # Phase 2: the leaver sends its state at the switch boundary; that step is ours next.
+        t_recv = time.perf_counter()
+        start_step, got = recv_state(engine, channel, 0)
+        recv_s = time.perf_counter() - t_recv
+        channel.shutdown()
+        report = {"recv_s": recv_s, "transfer_s": got["seconds"], "transfer_bytes": got["bytes"],
+                  "build_s": build_s, "prepare_s": prepare_s}
+
+        def on_first_step(result) -> None:
+            report["first_step_s"] = result.step_time_s
+            report["rss_after"] = rss_mb()
+            self.store.set(P.mig_key(mid, "switched", self.name), P.encode(report))
+            self.store.add(P.mig_key(mid, "switched_count"), 1)
+            self.events.emit("joiner_started", migration_id=mid, step=start_step,
+                             first_step_s=round(result.step_time_s, 4), recv_s=round(recv_s, 4))
+
+        self.train(role, groups, engine, start_step, on_first_step)
+
+    # --- the training loop -------------------------------------------------------------------
+    def train(self, role: Role, groups: CommGroups, engine: Engine, start_step: int,
+              on_first_step=None) -> None:
+        cfg = self.cfg
+        runtime = WorkerRuntime(self.name, role, cfg.layout, groups, self.builder, self.stores,
+                                self.commands, self.events)
+        runtime.engine = engine
+        metrics = JsonlWriter(os.path.join(self.run_dir, "metrics.jsonl")) \
+            if role == reporter_role(cfg) else None
+        tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+        for step in range(start_step, cfg.train.steps):
+            if runtime.at_boundary(step) == LEAVE:
+                self.events.emit("worker_left", step=step)
+                return
+            result = engine.train_step(step)
+            if on_first_step is not None:
+                on_first_step(result)
+                on_first_step = None
+            if metrics is not None:
+                metrics.write({"step": step, "loss": result.loss,
+                               "step_time_s": round(result.step_time_s, 6),
+                               "tokens_per_s": round(tokens_per_step / result.step_time_s, 1),
+                               "lr": result.lr, "grad_norm": result.grad_norm,
+                               "worker": self.name})
+        if role.dp == 0:
+            shard_dir = os.path.join(self.run_dir, "final", "shards")
+            os.makedirs(shard_dir, exist_ok=True)
+            tensors, dims = local_state(engine.model, engine.optimizer)
+            save_atomic({"tensors": {k: v.cpu() for k, v in tensors.items()}, "dims": dims},
+                        os.path.join(shard_dir, f"{role.name}.pt"))
+        self.events.emit("worker_done", steps=cfg.train.steps)
+        groups.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--store", required=True, type=StoreAddress.parse)
+    p.add_argument("--standby", action="store_true")
     args = p.parse_args(argv)
-    run(args.run_dir, args.name, args.store)
+    worker = Worker(args.run_dir, args.name, args.store)
+    if args.standby:
+        worker.run_standby()
+    else:
+        worker.run_active()
     return 0
 
 

@@ -1,0 +1,51 @@
+"""Python API: start a job, act on it while it runs, wait for its summary.
+
+    job = Job(cfg, "runs/x").start()
+    result = job.migrate(["w3"])          # blocks until the migration is done or refused
+    summary = job.wait()
+"""
+from __future__ import annotations
+
+import threading
+
+from .config import JobConfig
+from .coordinator import Coordinator
+from .faults import Inject
+
+
+class Job:
+    def __init__(self, cfg: JobConfig, run_dir: str, quiet: bool = True,
+                 injects: list[Inject] | None = None, timeout_s: float | None = None):
+        self.coordinator = Coordinator(cfg.validate(), run_dir, quiet, injects, timeout_s)
+        self._thread: threading.Thread | None = None
+        self._summary: dict | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> "Job":
+        def target():
+            try:
+                self._summary = self.coordinator.run()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="coordinator", daemon=True)
+        self._thread.start()
+        self.coordinator.started.wait()
+        return self
+
+    def migrate(self, workers: list[str], to: list[str] | None = None,
+                timeout_s: float | None = 300) -> dict:
+        """Hand the roles of ``workers`` to standbys (``to`` names them, one-to-one)."""
+        future = self.coordinator.request_migration(workers, to)
+        return future.result(timeout=timeout_s)
+
+    def migrate_async(self, workers: list[str], to: list[str] | None = None):
+        return self.coordinator.request_migration(workers, to)
+
+    def wait(self, timeout_s: float | None = None) -> dict:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"job still running after {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+        return self._summary

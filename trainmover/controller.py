@@ -1,0 +1,230 @@
+"""Controller decisions, as pure functions over the membership table (no processes, no
+tensors): which migrations are allowed, who takes part, which groups move to which
+generation, and how a migration advances through its states.
+
+The coordinator process owns one ``Membership`` and applies these functions to it; workers
+only ever see the resulting commands.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .topology import Layout, Role
+
+
+class MigrationRefused(ValueError):
+    """A migration request that cannot be carried out; the job is left untouched."""
+
+
+class StandbyState(str, Enum):
+    STARTING = "starting"   # process launched, not registered yet
+    COLD = "cold"           # registered, nothing prepared
+    WARMING = "warming"
+    WARM = "warm"
+    RESERVED = "reserved"   # picked as a joiner by an in-flight migration
+    DEAD = "dead"
+
+
+@dataclass
+class Membership:
+    """Who holds which role, which standbys exist, and each group's current generation."""
+
+    layout: Layout
+    workers: dict[str, Role]                      # active workers only
+    standbys: dict[str, StandbyState] = field(default_factory=dict)
+    generations: dict[str, int] = field(default_factory=dict)   # group name -> live generation
+    next_generation: dict[str, int] = field(default_factory=dict)  # never reused, even on abort
+    departed: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def initial(layout: Layout, workers: list[str], standbys: list[str]) -> "Membership":
+        if len(workers) != layout.num_roles:
+            raise ValueError(f"{len(workers)} workers for {layout.num_roles} roles")
+        return Membership(
+            layout=layout, workers=dict(zip(workers, layout.roles())),
+            standbys={s: StandbyState.STARTING for s in standbys},
+            generations={n: 0 for n in layout.communicator_groups()},
+            next_generation={n: 1 for n in layout.communicator_groups()})
+
+    def worker_of(self, role: Role) -> str:
+        for w, r in self.workers.items():
+            if r == role:
+                return w
+        raise KeyError(role)
+
+    def free_standbys(self) -> list[str]:
+        """Standbys that may be picked, warm ones first, then by name."""
+        rank = {StandbyState.WARM: 0, StandbyState.WARMING: 1, StandbyState.COLD: 2,
+                StandbyState.STARTING: 3}
+        free = [s for s, st in self.standbys.items() if st in rank]
+        return sorted(free, key=lambda s: (rank[self.standbys[s]], _natural(s)))
+
+
+def _natural(name: str) -> tuple:
+    digits = "".join(c for c in name if c.isdigit())
+    return (name.rstrip("0123456789"), int(digits) if digits else -1)
+
+
+@dataclass(frozen=True)
+class Pair:
+    leaver: str
+    joiner: str
+    role: Role
+
+    @property
+    def transfer_group(self) -> str:
+        return f"xfer.{self.leaver}.{self.joiner}"
+
+
+@dataclass
+class MigrationPlan:
+    """Everything workers need for one migration (possibly several pairs at once)."""
+
+    migration_id: int
+    pairs: list[Pair]
+    generations: dict[str, int]            # affected group -> generation being built
+    stayers: dict[str, list[str]]          # affected stayer -> its affected groups
+    groups_total: int
+    rebuild_all: bool = False              # the naive baseline rebuilds every group
+
+    @property
+    def leavers(self) -> list[str]:
+        return [p.leaver for p in self.pairs]
+
+    @property
+    def joiners(self) -> list[str]:
+        return [p.joiner for p in self.pairs]
+
+    @property
+    def participants(self) -> list[str]:
+        return self.leavers + self.joiners + sorted(self.stayers)
+
+    def describe(self) -> dict:
+        return {"migration_id": self.migration_id,
+                "pairs": [{"leaver": p.leaver, "joiner": p.joiner, "role": p.role.name}
+                          for p in self.pairs],
+                "groups_rebuilt": len(self.generations), "groups_total": self.groups_total,
+                "affected_groups": sorted(self.generations),
+                "stayers": sorted(self.stayers)}
+
+
+def plan_migration(m: Membership, migration_id: int, leavers: list[str],
+                   targets: list[str] | None = None, busy: set[str] = frozenset(),
+                   rebuild_all: bool = False) -> MigrationPlan:
+    """Validate a request and decide who does what. Raises ``MigrationRefused`` naming the
+    offending worker; nothing is changed either way."""
+    if not leavers:
+        raise MigrationRefused("no worker to migrate was given")
+    seen = set()
+    for w in leavers:
+        if w in seen:
+            raise MigrationRefused(f"worker {w} is named twice in one migration")
+        seen.add(w)
+        if w in m.standbys:
+            raise MigrationRefused(f"worker {w} is a standby, not an active worker; only "
+                                   f"active workers can be migrated")
+        if w in m.departed:
+            raise MigrationRefused(f"worker {w} has already left the job")
+        if w not in m.workers:
+            raise MigrationRefused(f"unknown worker {w!r}; active workers: "
+                                   f"{', '.join(sorted(m.workers, key=_natural))}")
+        if w in busy:
+            raise MigrationRefused(f"worker {w} is already part of a migration in flight")
+    free = [s for s in m.free_standbys() if s not in busy]
+    if targets:
+        if len(targets) != len(leavers):
+            raise MigrationRefused(f"{len(leavers)} workers to migrate but {len(targets)} "
+                                   f"targets given (--to pairs one-to-one with --worker)")
+        for t in targets:
+            if t not in m.standbys:
+                raise MigrationRefused(f"target {t!r} is not a standby of this job")
+            if t not in free:
+                raise MigrationRefused(f"standby {t} is not free "
+                                       f"(state {m.standbys[t].value})")
+        if len(set(targets)) != len(targets):
+            raise MigrationRefused("the same standby is named twice as a target")
+        joiners = list(targets)
+    else:
+        if len(free) < len(leavers):
+            raise MigrationRefused(f"no free standby for {len(leavers)} worker(s): "
+                                   f"{len(free)} free of {len(m.standbys)}")
+        joiners = free[:len(leavers)]
+    pairs = [Pair(w, j, m.workers[w]) for w, j in zip(leavers, joiners)]
+    layout = m.layout
+    leaving_roles = [p.role for p in pairs]
+    affected = layout.communicator_groups() if rebuild_all else \
+        layout.affected_groups(*leaving_roles)
+    generations = {name: m.next_generation[name] for name in affected}
+    stayers: dict[str, list[str]] = {}
+    for w, role in m.workers.items():
+        if w in seen:
+            continue
+        mine = sorted(n for n, g in affected.items() if role in g.members)
+        if mine:
+            stayers[w] = mine
+    return MigrationPlan(migration_id, pairs, generations, stayers,
+                         len(layout.communicator_groups()), rebuild_all)
+
+
+def reserve(m: Membership, plan: MigrationPlan) -> Membership:
+    """The membership while a plan is in flight: joiners reserved, generations burned (an
+    aborted attempt never reuses a store prefix a stuck builder may still be waiting on)."""
+    out = copy.deepcopy(m)
+    for j in plan.joiners:
+        out.standbys[j] = StandbyState.RESERVED
+    for name, gen in plan.generations.items():
+        out.next_generation[name] = gen + 1
+    return out
+
+
+def commit(m: Membership, plan: MigrationPlan) -> Membership:
+    """The membership after the switch: joiners hold the roles, leavers are gone."""
+    out = copy.deepcopy(m)
+    for p in plan.pairs:
+        del out.workers[p.leaver]
+        out.workers[p.joiner] = p.role
+        out.standbys.pop(p.joiner, None)
+        out.departed.append(p.leaver)
+    out.generations.update(plan.generations)
+    return out
+
+
+def abort(m: Membership, plan: MigrationPlan, dead: set[str]) -> Membership:
+    """The membership after an aborted migration: live joiners return to the pool, dead
+    ones are marked; roles and live generations are unchanged."""
+    out = copy.deepcopy(m)
+    for j in plan.joiners:
+        if j in out.standbys:
+            out.standbys[j] = StandbyState.DEAD if j in dead else StandbyState.COLD
+    return out
+
+
+class MigrationState(str, Enum):
+    PREPARING = "preparing"   # phase 1: groups and joiner prepared while training continues
+    SWITCHING = "switching"   # phase 2 ordered: participants switch at an agreed boundary
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+def next_state(state: MigrationState, *, ready: set[str], switched: set[str],
+               participants: set[str], dead: set[str], joiners: set[str]
+               ) -> tuple[MigrationState, str]:
+    """One transition of the migration state machine, with the reason.
+
+    PREPARING -> ABORTED   a joiner died before the switch was ordered (nothing has changed
+                           for the job yet: it continues on the old generation)
+    PREPARING -> SWITCHING every participant finished phase 1
+    SWITCHING -> DONE      every participant reported its switch
+    A death after the switch was ordered is a failure during migration (failure handling).
+    """
+    if state is MigrationState.PREPARING:
+        if dead & joiners:
+            return MigrationState.ABORTED, f"joiner {sorted(dead & joiners)[0]} died in phase 1"
+        if participants <= ready:
+            return MigrationState.SWITCHING, "all participants prepared"
+    elif state is MigrationState.SWITCHING:
+        if participants <= switched:
+            return MigrationState.DONE, "all participants switched"
+    return state, ""

@@ -1,0 +1,551 @@
+"""The coordinator of a local job: hosts the store, runs the controller, starts and watches
+every process, shows progress, and assembles the final canonical state.
+
+The controller's decisions are the pure functions of ``controller.py``; this module carries
+them out (commands through the store) and watches for their completion. It is not on the
+training hot path: workers train on their own groups and only look at commands between steps.
+Every process it starts is tracked by PID and stopped by PID on any exit path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from . import controller as C
+from . import protocol as P
+from .checkpoint import save_canonical
+from .comm import start_store_server
+from .config import JobConfig
+from .events import EventLog, read_jsonl
+from .faults import Inject
+from .state import assemble, state_digest
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def worker_names(n: int, prefix: str = "w") -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+@dataclass
+class Process:
+    name: str
+    proc: subprocess.Popen
+    log_path: str
+    standby: bool
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Progress:
+    """Tails metrics.jsonl; prints one line per committed step."""
+
+    path: str
+    total_steps: int
+    enabled: bool = True
+    records: list = field(default_factory=list)
+    _offset: int = 0
+    _buf: str = ""
+
+    @property
+    def last_step(self) -> int:
+        return self.records[-1]["step"] if self.records else -1
+
+    def poll(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+            self._offset = f.tell()
+        self._buf += chunk
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            if not line:
+                continue
+            rec = json.loads(line)
+            self.records.append(rec)
+            if self.enabled:
+                print(f"step {rec['step'] + 1:>5}/{self.total_steps}  loss {rec['loss']:.4f}  "
+                      f"{rec['step_time_s'] * 1000:8.1f} ms/step  "
+                      f"{rec['tokens_per_s']:>10.0f} tok/s  [{rec['worker']}]", flush=True)
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(f"trainmover: {text}", flush=True)
+
+
+@dataclass
+class MigrationRequest:
+    workers: list[str]
+    targets: list[str] | None = None
+    source: str = "api"
+    store_index: int | None = None          # set for requests from `trainmover migrate`
+    future: Future = field(default_factory=Future)
+    naive: bool = False
+
+
+@dataclass
+class ActiveMigration:
+    plan: C.MigrationPlan
+    request: MigrationRequest
+    state: C.MigrationState = C.MigrationState.PREPARING
+    t_start: float = field(default_factory=time.time)
+    t_go: float | None = None
+    switch_step: int | None = None
+    result: dict | None = None
+
+
+def downtime_from_metrics(records: list[dict], switch_step: int, baseline_steps: int = 5
+                          ) -> tuple[float, float]:
+    """Stayers' gap between the end of the last step before the switch and the end of the
+    first step after it, minus a normal step (median of the steps just before).
+    Returns (downtime_s, normal_step_s)."""
+    by_step = {r["step"]: r for r in records}
+    before = [by_step[s]["step_time_s"] for s in range(max(1, switch_step - baseline_steps),
+                                                       switch_step) if s in by_step]
+    normal = statistics.median(before) if before else 0.0
+    gap = by_step[switch_step]["time"] - by_step[switch_step - 1]["time"]
+    return max(0.0, gap - normal), normal
+
+
+class Coordinator:
+    """Runs one job. ``run()`` blocks until it ends; ``Job`` in api.py runs it in a thread."""
+
+    def __init__(self, cfg: JobConfig, run_dir: str, quiet: bool = False,
+                 injects: list[Inject] | None = None, timeout_s: float | None = None):
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(run_dir)
+        self.quiet = quiet
+        self.injects = sorted(injects or [], key=lambda i: i.step)
+        self.timeout_s = timeout_s
+        self.requests: queue.Queue[MigrationRequest] = queue.Queue()
+        self.pending: list[MigrationRequest] = []
+        self.active: ActiveMigration | None = None
+        self.finished_migrations: list[dict] = []
+        self.awaiting_downtime: list[ActiveMigration] = []
+        self.processes: dict[str, Process] = {}
+        self.started = threading.Event()
+        self._next_standby = cfg.runtime.standbys
+        self._store_requests_seen = 0
+
+    # --- set-up ----------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        if os.path.exists(os.path.join(self.run_dir, "job.json")):
+            raise ValueError(f"run dir {self.run_dir!r} already holds a job; choose a new "
+                             f"--run-dir")
+        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        with open(os.path.join(self.run_dir, "job.json"), "w") as f:
+            json.dump(self.cfg.to_dict(), f, indent=2)
+        self.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), worker="coordinator")
+        self.store = start_store_server(self.cfg.runtime.store_host)
+        with open(os.path.join(self.run_dir, "control.json"), "w") as f:
+            json.dump({"store": f"{self.cfg.runtime.store_host}:{self.store.port}",
+                       "coordinator_pid": os.getpid()}, f)
+        workers = worker_names(self.cfg.layout.num_roles)
+        standbys = worker_names(self.cfg.runtime.standbys, "s")
+        self.membership = C.Membership.initial(self.cfg.layout, workers, standbys)
+        for name, role in self.membership.workers.items():
+            self.store.set(P.membership_key(name), role.name)
+        self.progress = Progress(os.path.join(self.run_dir, "metrics.jsonl"),
+                                 self.cfg.train.steps, not self.quiet)
+        self.env = dict(os.environ)
+        self.env.setdefault("OMP_NUM_THREADS", str(self.cfg.threads_per_worker()))
+        self.env["PYTHONUNBUFFERED"] = "1"
+
+    def _spawn(self, name: str, standby: bool) -> None:
+        log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
+        with open(log_path, "ab") as log:
+            cmd = [sys.executable, "-m", "trainmover.worker", "--run-dir", self.run_dir,
+                   "--name", name, "--store", f"{self.cfg.runtime.store_host}:{self.store.port}"]
+            if standby:
+                cmd.append("--standby")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.processes[name] = Process(name, proc, log_path, standby)
+        self.events.emit("process_started", name=name, pid=proc.pid, standby=standby)
+
+    # --- the run -----------------------------------------------------------------------------
+    def run(self) -> dict:
+        self._prepare()
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        self.events.emit("job_started", layout=cfg.layout.as_dict(),
+                         workers=len(self.membership.workers),
+                         standbys=len(self.membership.standbys), store_port=self.store.port)
+        self.progress.say(f"job {cfg.name!r} {cfg.layout} on {len(self.membership.workers)} "
+                          f"workers + {len(self.membership.standbys)} standby, "
+                          f"{cfg.model.num_params() / 1e6:.2f}M parameters, run dir {self.run_dir}")
+        try:
+            for name in self.membership.workers:
+                self._spawn(name, standby=False)
+            for name in self.membership.standbys:
+                self._spawn(name, standby=True)
+            self.started.set()
+            while not self._poll():
+                if self.timeout_s is not None and time.perf_counter() - t0 > self.timeout_s:
+                    raise JobFailed(f"job exceeded its timeout of {self.timeout_s} s")
+                time.sleep(0.02)
+        except BaseException as exc:
+            self._fail_requests(exc)
+            self._stop_all()
+            raise
+        finally:
+            self.started.set()
+        self._stop_all()  # standbys still waiting
+        self.progress.poll()
+        self._finish_downtimes(final=True)
+        wall = time.perf_counter() - t0
+        summary = self._finish(wall)
+        self.events.emit("job_done", wall_s=round(wall, 3),
+                         weights_sha256=summary["weights_sha256"])
+        return summary
+
+    def _poll(self) -> bool:
+        """One round of supervision; True when the job has finished."""
+        self.progress.poll()
+        self._check_processes()
+        self._update_standbys()
+        self._collect_requests()
+        self._fire_injects()
+        if self.active is None and self.pending:
+            self._start_migration(self.pending.pop(0))
+        if self.active is not None:
+            self._advance_migration()
+        self._finish_downtimes()
+        return self._job_finished()
+
+    def _job_finished(self) -> bool:
+        holders = [self.processes[w] for w in self.membership.workers]
+        if not all(p.proc.poll() == 0 for p in holders):
+            return False
+        if self.active is not None:
+            # the job ended before the switch boundary was reached: nothing changed
+            self._abort_active("the job finished before the switch step")
+        return True
+
+    def _check_processes(self) -> None:
+        for name, p in self.processes.items():
+            code = p.proc.poll()
+            if code in (None, 0):
+                continue
+            if p.standby and name not in self.membership.workers:
+                if self.membership.standbys.get(name) not in (C.StandbyState.DEAD, None):
+                    self.membership.standbys[name] = C.StandbyState.DEAD
+                    self.events.emit("standby_died", name=name, code=code)
+                    self.progress.say(f"standby {name} exited with code {code}")
+                continue
+            raise JobFailed(f"worker {name} exited with code {code}; last log lines:\n{p.tail()}")
+
+    def _update_standbys(self) -> None:
+        for name, st in self.membership.standbys.items():
+            if st is C.StandbyState.STARTING and name in self.processes and \
+                    self.store.check([P.standby_state_key(name)]):
+                self.membership.standbys[name] = C.StandbyState(
+                    self.store.get(P.standby_state_key(name)).decode())
+
+    # --- requests ----------------------------------------------------------------------------
+    def request_migration(self, workers: list[str], targets: list[str] | None = None,
+                          naive: bool = False, source: str = "api") -> Future:
+        req = MigrationRequest(list(workers), list(targets) if targets else None, source,
+                               naive=naive)
+        self.requests.put(req)
+        return req.future
+
+    def _collect_requests(self) -> None:
+        while True:
+            try:
+                self.pending.append(self.requests.get_nowait())
+            except queue.Empty:
+                break
+        count = self.store.add(P.REQUEST_COUNT_KEY, 0)
+        while self._store_requests_seen < count:
+            self._store_requests_seen += 1
+            idx = self._store_requests_seen
+            body = P.decode(self.store.get(P.request_key(idx)))
+            req = MigrationRequest(body["workers"], body.get("to"), "cli", store_index=idx)
+            self.pending.append(req)
+            if self.active is not None or len(self.pending) > 1:
+                self._answer(req, {"status": "queued",
+                                   "reason": "another migration is in flight"}, final=False)
+
+    def _fire_injects(self) -> None:
+        due = [i for i in self.injects if i.step <= self.progress.last_step + 1]
+        if not due:
+            return
+        self.injects = [i for i in self.injects if i not in due]
+        by_step: dict[int, list[Inject]] = {}
+        for inj in due:
+            by_step.setdefault(inj.step, []).append(inj)
+        for step, group in sorted(by_step.items()):
+            migrations = [i for i in group if i.kind == "migrate"]
+            if migrations:
+                targets = [i.arg for i in migrations]
+                self.events.emit("inject", kinds=[str(i) for i in migrations],
+                                 at_step=self.progress.last_step + 1)
+                self.pending.append(MigrationRequest(
+                    [i.target for i in migrations],
+                    targets if all(targets) else None, "inject"))
+
+    def _answer(self, req: MigrationRequest, result: dict, final: bool = True) -> None:
+        if req.store_index is not None:
+            self.store.set(P.request_key(req.store_index, "done" if final else "status"),
+                           P.encode(result))
+        if final and not req.future.done():
+            req.future.set_result(result)
+
+    def _fail_requests(self, exc: BaseException) -> None:
+        reqs = self.pending + ([self.active.request] if self.active else [])
+        for req in reqs:
+            self._answer(req, {"status": "failed", "reason": str(exc)})
+
+    # --- migrations --------------------------------------------------------------------------
+    def _start_migration(self, req: MigrationRequest) -> None:
+        mid = self.store.add(P.MIGRATION_COUNT_KEY, 1)
+        targets = req.targets
+        if req.naive and not targets:
+            # the naive baseline starts a fresh process on the spot: a new standby name
+            new = f"s{self._next_standby}"
+            self._next_standby += 1
+            self.membership.standbys[new] = C.StandbyState.COLD
+            targets = [new]
+        busy = set()
+        try:
+            plan = C.plan_migration(self.membership, mid, req.workers, targets, busy,
+                                    rebuild_all=req.naive)
+        except C.MigrationRefused as exc:
+            self.events.emit("migration_refused", migration_id=mid, workers=req.workers,
+                             reason=str(exc), source=req.source)
+            self.progress.say(f"migration of {', '.join(req.workers)} refused: {exc}")
+            self._answer(req, {"status": "refused", "reason": str(exc)})
+            return
+        self.membership = C.reserve(self.membership, plan)
+        mig = ActiveMigration(plan, req)
+        self.active = mig
+        info = plan.describe()
+        self.events.emit("migration_started", source=req.source, naive=req.naive, **info)
+        self.progress.say(
+            f"migration {mid}: " + ", ".join(f"{p.leaver} -> {p.joiner} ({p.role})"
+                                             for p in plan.pairs) +
+            f"; rebuilding {info['groups_rebuilt']}/{info['groups_total']} groups"
+            + (" [naive]" if req.naive else ""))
+        self._answer(req, {"status": "started", **info}, final=False)
+        for stayer, groups in plan.stayers.items():
+            P.send_command(self.store, stayer, {
+                "type": "prepare", "migration_id": mid, "naive": req.naive,
+                "groups": {g: plan.generations[g] for g in groups}})
+        for pair in plan.pairs:
+            P.send_command(self.store, pair.leaver, {
+                "type": "leave", "migration_id": mid, "naive": req.naive,
+                "joiner": pair.joiner, "transfer_group": pair.transfer_group,
+                "transfer_generation": mid})
+            role_groups = self.cfg.layout.groups_of(pair.role)
+            P.send_command(self.store, pair.joiner, {
+                "type": "assign", "migration_id": mid, "role": pair.role.name,
+                "leaver": pair.leaver, "transfer_group": pair.transfer_group,
+                "transfer_generation": mid, "naive": req.naive,
+                "groups": {s.name: plan.generations[s.name] for s in role_groups.values()
+                           if s.name in plan.generations}})
+        if req.naive:
+            # no preparation phase: the switch is ordered at once, the joiner starts cold
+            # when the leaver reaches the switch boundary
+            self._go(mig)
+
+    def _go(self, mig: ActiveMigration) -> None:
+        mig.state, mig.t_go = C.MigrationState.SWITCHING, time.time()
+        self.store.set(P.mig_key(mig.plan.migration_id, "go"), "1")
+        self.events.emit("migration_go", migration_id=mig.plan.migration_id)
+
+    def _advance_migration(self) -> None:
+        mig = self.active
+        plan, mid = mig.plan, mig.plan.migration_id
+        if mig.request.naive:
+            for pair in plan.pairs:
+                if pair.joiner not in self.processes and \
+                        self.store.check([P.mig_key(mid, "at_switch", pair.leaver)]):
+                    self._spawn(pair.joiner, standby=True)
+        dead = {j for j in plan.joiners
+                if j in self.processes and self.processes[j].proc.poll() not in (None, 0)}
+        participants = set(plan.participants)
+        ready = participants if mig.state is not C.MigrationState.PREPARING else \
+            (participants if self.store.add(P.mig_key(mid, "ready_count"), 0) >= len(participants)
+             else set())
+        switched = participants if self.store.add(P.mig_key(mid, "switched_count"), 0) >= \
+            len(participants) else set()
+        state, why = C.next_state(mig.state, ready=ready, switched=switched,
+                                  participants=participants, dead=dead,
+                                  joiners=set(plan.joiners))
+        if state is mig.state:
+            if dead and mig.state is C.MigrationState.SWITCHING:
+                raise JobFailed(f"joiner {sorted(dead)[0]} died during the switch of migration "
+                                f"{mid}")
+            return
+        if state is C.MigrationState.SWITCHING:
+            self._go(mig)
+        elif state is C.MigrationState.ABORTED:
+            self._abort_active(why, dead)
+        elif state is C.MigrationState.DONE:
+            self._complete(mig)
+
+    def _abort_active(self, reason: str, dead: set[str] = frozenset()) -> None:
+        mig = self.active
+        mid = mig.plan.migration_id
+        self.store.set(P.mig_key(mid, "abort"), reason)
+        self.membership = C.abort(self.membership, mig.plan, set(dead))
+        for j in mig.plan.joiners:
+            if j not in dead and j in self.processes and self.processes[j].proc.poll() is None:
+                # a joiner that prepared for an abandoned migration holds stale groups: retire
+                # it rather than reuse it
+                self._terminate(self.processes[j])
+                self.membership.standbys[j] = C.StandbyState.DEAD
+        self.events.emit("migration_aborted", migration_id=mid, reason=reason)
+        self.progress.say(f"migration {mid} aborted: {reason}; the job continues unchanged")
+        result = {"status": "aborted", "reason": reason, **mig.plan.describe()}
+        self.finished_migrations.append(result)
+        self._answer(mig.request, result)
+        self.active = None
+
+    def _complete(self, mig: ActiveMigration) -> None:
+        plan, mid = mig.plan, mig.plan.migration_id
+        self.membership = C.commit(self.membership, plan)
+        for p in plan.pairs:
+            self.store.set(P.membership_key(p.joiner), p.role.name)
+        mig.switch_step = int(self.store.get(P.mig_key(mid, "switch_at")))
+        mig.state = C.MigrationState.DONE
+        self.active = None
+        self.awaiting_downtime.append(mig)
+
+    def _finish_downtimes(self, final: bool = False) -> None:
+        """A migration's downtime is known once the job has committed its switch step."""
+        for mig in list(self.awaiting_downtime):
+            if self.progress.last_step < mig.switch_step and not final:
+                continue
+            self.awaiting_downtime.remove(mig)
+            self._report(mig)
+
+    def _report(self, mig: ActiveMigration) -> None:
+        plan, mid = mig.plan, mig.plan.migration_id
+        reports = {w: P.decode(self.store.get(P.mig_key(mid, "switched", w)))
+                   for w in plan.participants}
+        ready = {w: P.decode(self.store.get(P.mig_key(mid, "ready", w)))
+                 for w in plan.participants if self.store.check([P.mig_key(mid, "ready", w)])}
+        downtime, normal = (None, None)
+        if self.progress.last_step >= mig.switch_step:
+            downtime, normal = downtime_from_metrics(self.progress.records, mig.switch_step)
+        leaver_r = [reports[p.leaver] for p in plan.pairs]
+        joiner_r = [reports[p.joiner] for p in plan.pairs]
+        stayer_r = [reports[w] for w in plan.stayers]
+        rss_growth = [r["rss_after"]["peak_rss_mb"] / r["rss_before"]["peak_rss_mb"] - 1.0
+                      for r in stayer_r if r.get("rss_before") and r.get("rss_after")]
+        phases = {
+            # training continued through these (not downtime)
+            "prepare_s": max([r.get("prepare_s", r.get("build_s", 0.0))
+                              for r in ready.values()] or [0.0]),
+            "wait_boundary_s": max([r["wait_boundary_s"] for r in leaver_r] or [0.0]),
+            # the switch itself
+            "transfer_s": max(r["transfer_s"] for r in leaver_r),
+            "group_switch_s": max([r.get("build_s", 0.0) + r.get("install_s", 0.0)
+                                   if plan.rebuild_all else r.get("install_s", 0.0)
+                                   for r in stayer_r] or [0.0]),
+            "joiner_recv_s": max(r["recv_s"] for r in joiner_r),
+            "first_step_s": max(r["first_step_s"] for r in joiner_r),
+            "normal_step_s": normal,
+        }
+        result = {"status": "done", **plan.describe(), "switch_step": mig.switch_step,
+                  "downtime_s": downtime, "phases": phases,
+                  "transfer_bytes": sum(r["transfer_bytes"] for r in leaver_r),
+                  "stayer_peak_rss_growth": max(rss_growth) if rss_growth else None,
+                  "naive": mig.request.naive,
+                  "requested_to_done_s": time.time() - mig.t_start}
+        self.finished_migrations.append(result)
+        self.events.emit("migration_done", **result)
+        if downtime is not None:
+            self.progress.say(
+                f"migration {mid} done at step {mig.switch_step}: downtime {downtime:.3f} s "
+                f"(transfer {phases['transfer_s']:.3f} s, group switch "
+                f"{phases['group_switch_s']:.3f} s, joiner's first step "
+                f"{phases['first_step_s']:.3f} s vs normal {normal:.3f} s); "
+                f"{result['groups_rebuilt']}/{result['groups_total']} groups rebuilt")
+        self._answer(mig.request, result)
+
+    # --- stopping and the end ------------------------------------------------------------------
+    @staticmethod
+    def _terminate(p: Process, grace_s: float = 3.0) -> None:
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+            try:
+                p.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+
+    def _stop_all(self, grace_s: float = 3.0) -> None:
+        for p in self.processes.values():
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.processes.values():
+            try:
+                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+
+    def _finish(self, wall_s: float) -> dict:
+        cfg = self.cfg
+        shard_dir = os.path.join(self.run_dir, "final", "shards")
+        shards = {}
+        for role in cfg.layout.roles():
+            if role.dp == 0:
+                blob = torch.load(os.path.join(shard_dir, f"{role.name}.pt"), weights_only=True)
+                shards[role] = (blob["tensors"], blob["dims"])
+        canonical = assemble(shards, cfg.layout)
+        digest = state_digest(canonical)
+        ckpt_dir = os.path.join(self.run_dir, "final", "checkpoint")
+        save_canonical(canonical, ckpt_dir)
+        shutil.rmtree(shard_dir)
+        metrics = read_jsonl(os.path.join(self.run_dir, "metrics.jsonl"))
+        steady = [m["step_time_s"] for m in metrics[1:]]
+        summary = {
+            "name": cfg.name,
+            "steps": len(metrics),
+            "final_loss": metrics[-1]["loss"] if metrics else None,
+            "layout": cfg.layout.as_dict(),
+            "workers": cfg.layout.num_roles,
+            "standbys": cfg.runtime.standbys,
+            "membership": {w: r.name for w, r in sorted(self.membership.workers.items())},
+            "weights_sha256": digest,
+            "checkpoint": ckpt_dir,
+            "wall_s": round(wall_s, 3),
+            "mean_step_time_s": statistics.fmean(steady) if steady else None,
+            "migrations": self.finished_migrations,
+        }
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
+
+def run_job(cfg: JobConfig, run_dir: str, quiet: bool = False, timeout_s: float | None = None,
+            injects: list[Inject] | None = None) -> dict:
+    """Run a job to completion and return its summary (also written to summary.json).
+    ``cfg`` must already be validated: nothing here should fail on user input."""
+    return Coordinator(cfg, run_dir, quiet, injects, timeout_s).run()

@@ -1,0 +1,60 @@
+"""What ``trainmover demo`` adds to a plain run: a planned migration mid-run, and a summary
+that sets its downtime beside what a restart costs on the same job."""
+from __future__ import annotations
+
+import os
+
+from .config import JobConfig
+from .events import read_jsonl
+from .faults import Inject
+
+
+def demo_injects(cfg: JobConfig) -> list[Inject]:
+    """Migrate a middle worker halfway through (a first-stage role in the demo layout)."""
+    if cfg.runtime.standbys < 1:
+        return []
+    return [Inject("migrate", cfg.train.steps // 2, "w1")]
+
+
+def cold_start_s(run_dir: str) -> float | None:
+    """This job's own cold start: from the coordinator starting the job to the end of step
+    0, minus a normal step. A restart pays at least this (fresh processes, imports, every
+    group, model build, first-step warm-up) plus loading a checkpoint."""
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    start = next((e["time"] for e in events if e["event"] == "job_started"), None)
+    if start is None or len(metrics) < 3:
+        return None
+    normal = sorted(m["step_time_s"] for m in metrics[1:])[len(metrics[1:]) // 2]
+    return metrics[0]["time"] - start - normal
+
+
+def print_demo_summary(cfg: JobConfig, run_dir: str, summary: dict) -> None:
+    print()
+    print(f"demo finished: {summary['steps']} steps on {cfg.layout} "
+          f"({summary['workers']} workers, {summary['standbys']} standby), final loss "
+          f"{summary['final_loss']:.4f}")
+    if summary["mean_step_time_s"]:
+        print(f"  mean step time      {summary['mean_step_time_s'] * 1000:.1f} ms")
+    restart = cold_start_s(run_dir)
+    for m in summary["migrations"]:
+        if m["status"] != "done":
+            print(f"  migration {m['migration_id']}: {m['status']} ({m.get('reason', '')})")
+            continue
+        pairs = ", ".join(f"{p['leaver']} -> {p['joiner']} ({p['role']})" for p in m["pairs"])
+        ph = m["phases"]
+        print(f"  planned migration   {pairs} at step {m['switch_step']}")
+        print(f"    downtime          {m['downtime_s']:.3f} s")
+        print(f"      state transfer  {ph['transfer_s']:.3f} s ({m['transfer_bytes'] / 1e6:.1f} MB)")
+        print(f"      group switch    {ph['group_switch_s']:.3f} s "
+              f"({m['groups_rebuilt']}/{m['groups_total']} groups rebuilt, prepared while "
+              f"training went on: {ph['prepare_s']:.2f} s)")
+        print(f"      joiner's first step {ph['first_step_s']:.3f} s "
+              f"(normal {ph['normal_step_s']:.3f} s)")
+        if restart is not None:
+            ratio = restart / m["downtime_s"] if m["downtime_s"] else float("inf")
+            print(f"    a restart costs   >= {restart:.2f} s on this job (its own cold start, "
+                  f"checkpoint load not included): {ratio:.0f}x the migration's downtime")
+    print(f"  weights sha256      {summary['weights_sha256']}")
+    print(f"  run dir             {os.path.abspath(run_dir)}  (metrics.jsonl, events.jsonl, "
+          f"summary.json, final/checkpoint)")

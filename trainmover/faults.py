@@ -1,0 +1,57 @@
+"""Scheduled interventions, one syntax for the CLI, tests and benchmarks:
+``KIND@STEP:TARGET[:ARG]``, e.g. ``migrate@12:w3`` (hand w3's role to a standby when the job
+reaches step 12) or ``migrate@12:w3:s1`` (to standby s1). Pure parsing and validation."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("migrate",)
+
+
+@dataclass(frozen=True)
+class Inject:
+    kind: str
+    step: int
+    target: str
+    arg: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}:{self.target}" + (f":{self.arg}" if self.arg else "")
+
+
+_SYNTAX = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+):(?P<target>[A-Za-z0-9_.-]+)"
+                     r"(?::(?P<arg>[A-Za-z0-9_.-]+))?")
+
+
+def parse_inject(text: str) -> Inject:
+    m = _SYNTAX.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"bad inject {text!r}: expected KIND@STEP:TARGET[:ARG], "
+                         f"e.g. migrate@12:w3")
+    if m["kind"] not in KINDS:
+        raise ValueError(f"bad inject {text!r}: unknown kind {m['kind']!r} "
+                         f"(known: {', '.join(KINDS)})")
+    return Inject(m["kind"], int(m["step"]), m["target"], m["arg"])
+
+
+def validate_injects(injects: list[Inject], steps: int, workers: list[str],
+                     standbys: list[str]) -> None:
+    """Checks that need the job: steps in range, targets that exist. Raises ValueError."""
+    for inj in injects:
+        if not 0 < inj.step < steps:
+            raise ValueError(f"inject {inj}: step {inj.step} is outside 1..{steps - 1}")
+        if inj.target not in workers:
+            raise ValueError(f"inject {inj}: unknown worker {inj.target!r}")
+        if inj.kind == "migrate":
+            if not standbys:
+                raise ValueError(f"inject {inj}: the job has no standby (use --standbys)")
+            if inj.arg is not None and inj.arg not in standbys:
+                raise ValueError(f"inject {inj}: {inj.arg!r} is not a standby of this job")
+    seen = set()
+    for inj in injects:
+        key = (inj.kind, inj.target)
+        if key in seen and inj.kind == "migrate":
+            raise ValueError(f"inject {inj}: worker {inj.target} is migrated twice (it leaves "
+                             f"the job the first time)")
+        seen.add(key)

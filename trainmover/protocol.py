@@ -1,0 +1,58 @@
+"""The store keys and messages shared by the coordinator and the workers. Pure (no torch):
+everything that crosses a process boundary is named here, once.
+
+Commands are JSON objects appended to a per-worker list (``cmd/<worker>/<n>``); a worker's
+command thread waits on the next index, so checking for a command costs the training loop one
+``queue.Queue`` look-up per step.
+"""
+from __future__ import annotations
+
+import json
+
+SWITCH_MARGIN_STEPS = 3
+"""How far ahead of the first participant's boundary the switch step is placed. Every
+participant shares a group with the leaver that runs a blocking collective each step, so no
+two participants are more than two boundaries apart; three is the smallest margin that no
+participant can already have passed."""
+
+
+def membership_key(worker: str) -> str:
+    return f"membership/worker/{worker}"
+
+
+def command_key(worker: str, index: int) -> str:
+    return f"cmd/{worker}/{index}"
+
+
+def command_count_key(worker: str) -> str:
+    return f"cmd/{worker}/count"
+
+
+def standby_state_key(worker: str) -> str:
+    return f"standby/{worker}/state"
+
+
+def mig_key(migration_id: int, what: str, worker: str | None = None) -> str:
+    base = f"mig/{migration_id}/{what}"
+    return base if worker is None else f"{base}/{worker}"
+
+
+def request_key(index: int, what: str = "") -> str:
+    return f"req/{index}" + (f"/{what}" if what else "")
+
+
+REQUEST_COUNT_KEY = "req/count"
+MIGRATION_COUNT_KEY = "mig/count"
+
+
+def encode(obj) -> str:
+    return json.dumps(obj, sort_keys=True)
+
+
+def decode(raw: bytes | str):
+    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def send_command(store, worker: str, command: dict) -> None:
+    index = store.add(command_count_key(worker), 1)
+    store.set(command_key(worker, index), encode(command))
