@@ -100,7 +100,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from .demo import request_migration
+    from .client import request_migration
 
     result = request_migration(args.run_dir, args.worker, args.to, wait=not args.no_wait,
                                timeout_s=args.timeout)

@@ -138,6 +138,7 @@ class RuntimeConfig:
     group_timeout_s: float = 120.0
     store_host: str = "127.0.0.1"
     standbys: int = 0
+    faults: list = field(default_factory=list)  # faults.WorkerFault as dicts (tests, chaos)
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):

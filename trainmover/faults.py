@@ -55,3 +55,32 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
             raise ValueError(f"inject {inj}: worker {inj.target} is migrated twice (it leaves "
                              f"the job the first time)")
         seen.add(key)
+
+
+# --- faults carried out by the worker itself -----------------------------------------------
+# Some faults must happen at an exact point inside a process (half-way through preparing a
+# migration, inside a step). The job's configuration lists them; each worker checks the
+# named points it passes and kills itself with SIGKILL there: no clean-up, as in a crash.
+
+POINTS = ("joiner_prepare",)
+
+
+@dataclass(frozen=True)
+class WorkerFault:
+    worker: str
+    point: str
+    step: int | None = None   # None: the first time the point is passed
+
+    def validate(self) -> None:
+        if self.point not in POINTS:
+            raise ValueError(f"unknown fault point {self.point!r} (known: {', '.join(POINTS)})")
+
+
+def hit(faults: list[dict], worker: str, point: str, step: int | None = None) -> None:
+    """Called by a worker at a named point; SIGKILLs the process if a fault matches."""
+    import os
+    import signal
+
+    for f in faults:
+        if f["worker"] == worker and f["point"] == point and f.get("step") in (None, step):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -16,6 +16,7 @@ T_START = time.perf_counter()
 
 import torch  # noqa: E402  (import time is measured)
 
+from . import faults  # noqa: E402
 from . import protocol as P  # noqa: E402
 from .comm import (CommGroups, GroupBuilder, StoreAddress, StoreClients,  # noqa: E402
                    build_comm_groups)
@@ -95,6 +96,7 @@ class Worker:
         role = Role.parse(cmd["role"])
         self.events.fixed["role"] = role.name
         mid = cmd["migration_id"]
+        faults.hit(self.cfg.runtime.faults, self.name, "joiner_prepare")
         t0 = time.perf_counter()
         # Phase 1: build the role's groups at their new generations and the transfer channel,
         # in the one global name order every participant uses.

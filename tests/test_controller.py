@@ -1,0 +1,128 @@
+"""Controller decisions, without processes."""
+import pytest
+
+from trainmover import controller as C
+from trainmover.faults import Inject, parse_inject, validate_injects
+from trainmover.topology import Layout, Role
+
+
+def membership(layout=Layout(2, 3, 2), standbys=2):
+    m = C.Membership.initial(layout, [f"w{i}" for i in range(layout.num_roles)],
+                             [f"s{i}" for i in range(standbys)])
+    for s in m.standbys:
+        m.standbys[s] = C.StandbyState.COLD
+    return m
+
+
+@pytest.mark.parametrize("worker", [f"w{i}" for i in range(12)])
+def test_plan_rebuilds_exactly_the_affected_groups(worker):
+    m = membership()
+    plan = C.plan_migration(m, 1, [worker])
+    role = m.workers[worker]
+    assert set(plan.generations) == set(m.layout.affected_groups(role))
+    assert all(g == 1 for g in plan.generations.values())
+    assert plan.pairs == [C.Pair(worker, "s0", role)]
+    # stayers: exactly the other members of those groups, each with its own groups
+    expected = {}
+    for name, spec in m.layout.affected_groups(role).items():
+        for r in spec.members:
+            if r != role:
+                expected.setdefault(m.worker_of(r), []).append(name)
+    assert plan.stayers == {w: sorted(g) for w, g in expected.items()}
+    assert plan.groups_total == len(m.layout.communicator_groups())
+
+
+def test_two_leavers_at_once_share_one_plan():
+    m = membership()
+    plan = C.plan_migration(m, 1, ["w0", "w1"])  # TP peers: their tp group is rebuilt once
+    assert [p.joiner for p in plan.pairs] == ["s0", "s1"]
+    assert set(plan.generations) == set(m.layout.affected_groups(Role(0, 0, 0), Role(0, 0, 1)))
+    assert "w0" not in plan.stayers and "w1" not in plan.stayers
+
+
+@pytest.mark.parametrize("leavers, targets, busy, message", [
+    (["w99"], None, set(), "unknown worker 'w99'"),
+    (["s0"], None, set(), "worker s0 is a standby"),
+    (["w1", "w1"], None, set(), "worker w1 is named twice"),
+    (["w1"], None, {"w1"}, "worker w1 is already part of a migration in flight"),
+    (["w1", "w2", "w3"], None, set(), "no free standby for 3 worker(s): 2 free of 2"),
+    (["w1"], ["s7"], set(), "target 's7' is not a standby"),
+    (["w1"], ["s0", "s1"], set(), "1 workers to migrate but 2 targets"),
+    ([], None, set(), "no worker to migrate"),
+])
+def test_refusals_name_the_problem(leavers, targets, busy, message):
+    m = membership()
+    with pytest.raises(C.MigrationRefused) as err:
+        C.plan_migration(m, 1, leavers, targets, busy)
+    assert message in str(err.value)
+
+
+def test_reserve_commit_and_a_second_migration():
+    m = membership()
+    plan = C.plan_migration(m, 1, ["w3"], ["s1"])
+    m = C.reserve(m, plan)
+    assert m.standbys["s1"] is C.StandbyState.RESERVED
+    with pytest.raises(C.MigrationRefused, match="standby s1 is not free"):
+        C.plan_migration(m, 2, ["w4"], ["s1"])
+    m = C.commit(m, plan)
+    assert m.workers["s1"] == Role(0, 1, 1) and "w3" not in m.workers
+    assert m.departed == ["w3"]
+    assert all(m.generations[g] == 1 for g in plan.generations)
+    with pytest.raises(C.MigrationRefused, match="worker w3 has already left"):
+        C.plan_migration(m, 2, ["w3"])
+    # the joiner is now an active worker and can itself be migrated; its groups go to gen 2
+    plan2 = C.plan_migration(m, 2, ["s1"])
+    assert plan2.pairs[0].role == Role(0, 1, 1) and plan2.pairs[0].joiner == "s0"
+    assert all(g == 2 for g in plan2.generations.values())
+    with pytest.raises(C.MigrationRefused, match="no free standby"):
+        C.plan_migration(C.commit(C.reserve(m, plan2), plan2), 3, ["w0"])
+
+
+def test_abort_keeps_roles_and_never_reuses_a_generation():
+    m = membership()
+    plan = C.plan_migration(m, 1, ["w2"])
+    reserved = C.reserve(m, plan)
+    after = C.abort(reserved, plan, dead={"s0"})
+    assert after.workers == m.workers and after.generations == m.generations
+    assert after.standbys["s0"] is C.StandbyState.DEAD
+    retry = C.plan_migration(after, 2, ["w2"])
+    assert retry.pairs[0].joiner == "s1"
+    assert all(retry.generations[g] == plan.generations[g] + 1 for g in retry.generations)
+
+
+def test_warm_standbys_are_preferred():
+    m = membership(standbys=3)
+    m.standbys["s2"] = C.StandbyState.WARM
+    assert C.plan_migration(m, 1, ["w0"]).pairs[0].joiner == "s2"
+
+
+def test_state_machine():
+    S = C.MigrationState
+    parts, joiners = {"w1", "s0", "w0"}, {"s0"}
+    kw = dict(participants=parts, joiners=joiners)
+    assert C.next_state(S.PREPARING, ready={"w1"}, switched=set(), dead=set(), **kw)[0] is S.PREPARING
+    assert C.next_state(S.PREPARING, ready=parts, switched=set(), dead=set(), **kw)[0] is S.SWITCHING
+    state, why = C.next_state(S.PREPARING, ready=set(), switched=set(), dead={"s0"}, **kw)
+    assert state is S.ABORTED and "s0 died in phase 1" in why
+    assert C.next_state(S.SWITCHING, ready=parts, switched={"w1"}, dead=set(), **kw)[0] is S.SWITCHING
+    assert C.next_state(S.SWITCHING, ready=parts, switched=parts, dead=set(), **kw)[0] is S.DONE
+
+
+def test_inject_syntax():
+    assert parse_inject("migrate@12:w3") == Inject("migrate", 12, "w3")
+    assert parse_inject("migrate@4:w1:s0") == Inject("migrate", 4, "w1", "s0")
+    for bad, msg in [("migrate@x:w3", "expected KIND@STEP"), ("explode@3:w1", "unknown kind"),
+                     ("migrate12w3", "expected KIND@STEP")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_inject(bad)
+    workers, standbys = ["w0", "w1"], ["s0"]
+    validate_injects([parse_inject("migrate@3:w1")], 10, workers, standbys)
+    for bad, msg in [("migrate@10:w1", "outside 1..9"), ("migrate@3:w7", "unknown worker 'w7'"),
+                     ("migrate@3:w1:s4", "'s4' is not a standby")]:
+        with pytest.raises(ValueError, match=msg):
+            validate_injects([parse_inject(bad)], 10, workers, standbys)
+    with pytest.raises(ValueError, match="no standby"):
+        validate_injects([parse_inject("migrate@3:w1")], 10, workers, [])
+    with pytest.raises(ValueError, match="migrated twice"):
+        validate_injects([parse_inject("migrate@3:w1"), parse_inject("migrate@5:w1")], 10,
+                         workers, standbys)

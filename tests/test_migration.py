@@ -1,0 +1,146 @@
+"""Planned live migration end to end: real processes, compared with uninterrupted runs."""
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainmover.api import Job
+from trainmover.coordinator import run_job
+from trainmover.events import read_jsonl
+from trainmover.faults import Inject, WorkerFault
+from trainmover.recipes import get_recipe
+from trainmover.topology import Layout
+
+SEED = int(os.environ.get("TRAINMOVER_TEST_SEED", "7"))
+
+
+def job(dp, pp, tp, steps, standbys, **runtime):
+    cfg = get_recipe("tiny")
+    cfg.layout = Layout(dp, pp, tp)
+    cfg.train.steps = steps
+    cfg.train.threads_per_worker = 1  # equal in both runs, whatever the process count
+    cfg.runtime.standbys = standbys
+    for k, v in runtime.items():
+        setattr(cfg.runtime, k, v)
+    return cfg.validate()
+
+
+def events_of(run_dir, name):
+    return [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == name]
+
+
+@pytest.mark.timeout(600)
+def test_migrations_of_every_stage_kind_are_bit_identical(tmp_path):
+    """DP2xPP3xTP2 (12 workers, 3 standbys): migrate a first-stage role, a middle-stage role
+    on TP rank 1 and a last-stage role on TP rank 1, one after another, at random steps."""
+    rng = random.Random(SEED)
+    cfg = job(2, 3, 2, 40, 3)
+    layout = cfg.layout
+    names = {layout.role_of(i).name: f"w{i}" for i in range(layout.num_roles)}
+    targets = [names["dp0.pp0.tp0"], names["dp1.pp1.tp1"], names["dp0.pp2.tp1"]]
+    steps = sorted(rng.sample(range(2, 12), 3))
+    injects = [Inject("migrate", s, t) for s, t in zip(steps, targets)]
+    base = run_job(cfg, str(tmp_path / "base"), quiet=True, timeout_s=300)
+    moved = run_job(cfg, str(tmp_path / "moved"), quiet=True, timeout_s=400, injects=injects)
+    done = [m for m in moved["migrations"] if m["status"] == "done"]
+    assert [m["pairs"][0]["leaver"] for m in done] == targets, (SEED, steps, moved["migrations"])
+    assert moved["weights_sha256"] == base["weights_sha256"], (SEED, steps)
+    assert moved["steps"] == base["steps"] == 40
+    # only the leaver's groups were rebuilt, and only their members took part
+    run_dir = str(tmp_path / "moved")
+    prepared = events_of(run_dir, "migration_prepare")
+    for m in done:
+        role = layout.role_of(int(m["pairs"][0]["leaver"][1:]))
+        affected = layout.affected_groups(role)
+        assert m["groups_rebuilt"] == len(affected) and set(m["affected_groups"]) == set(affected)
+        assert m["groups_total"] == len(layout.communicator_groups())
+        mine = [e for e in prepared if e["migration_id"] == m["migration_id"]]
+        built = {g for e in mine for g in e["groups"]}
+        assert built == set(affected)
+        members = {r.name for spec in affected.values() for r in spec.members}
+        assert {e["role"] for e in mine} <= members
+        assert m["downtime_s"] is not None and m["downtime_s"] >= 0
+    assert set(moved["membership"]) == {f"w{i}" for i in range(12)} - set(targets) | {"s0", "s1", "s2"}
+
+
+@pytest.mark.timeout(400)
+def test_two_workers_at_once(tmp_path):
+    cfg = job(2, 2, 1, 14, 2)
+    base = run_job(cfg, str(tmp_path / "base"), quiet=True, timeout_s=200)
+    moved = run_job(cfg, str(tmp_path / "moved"), quiet=True, timeout_s=200,
+                    injects=[Inject("migrate", 4, "w0"), Inject("migrate", 4, "w3")])
+    (m,) = moved["migrations"]
+    assert m["status"] == "done" and len(m["pairs"]) == 2
+    assert {p["leaver"] for p in m["pairs"]} == {"w0", "w3"}
+    assert moved["weights_sha256"] == base["weights_sha256"]
+
+
+@pytest.mark.timeout(400)
+def test_joiner_dying_in_phase_1_aborts_cleanly_and_a_retry_succeeds(tmp_path):
+    cfg = job(2, 2, 1, 30, 2, faults=[WorkerFault("s0", "joiner_prepare").__dict__])
+    base = run_job(job(2, 2, 1, 30, 2), str(tmp_path / "base"), quiet=True, timeout_s=200)
+    running = Job(cfg, str(tmp_path / "moved"), timeout_s=300).start()
+    first = running.migrate(["w1"], ["s0"], timeout_s=120)
+    assert first["status"] == "aborted" and "s0 died in phase 1" in first["reason"]
+    second = running.migrate(["w1"], timeout_s=120)
+    assert second["status"] == "done" and second["pairs"][0]["joiner"] == "s1"
+    summary = running.wait(300)
+    assert summary["weights_sha256"] == base["weights_sha256"]
+    assert summary["steps"] == 30
+    assert [m["status"] for m in summary["migrations"]] == ["aborted", "done"]
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "trainmover", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.timeout(400)
+def test_migrate_command_against_a_running_job(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainmover", "run", "--recipe", "tiny", "--dp", "2", "--pp", "2",
+         "--steps", "400", "--standbys", "1", "--run-dir", str(run_dir), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "metrics.jsonl").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        refused = [
+            (["--worker", "w9"], "unknown worker 'w9'"),
+            (["--worker", "s0"], "worker s0 is a standby"),
+            (["--worker", "w1", "--worker", "w1"], "worker w1 is named twice"),
+        ]
+        for args, message in refused:
+            res = cli("migrate", "--run-dir", str(run_dir), *args)
+            out = json.loads(res.stdout)
+            assert res.returncode == 1 and out["status"] == "refused", res.stdout
+            assert message in out["reason"]
+        res = cli("migrate", "--run-dir", str(run_dir), "--worker", "w2", "--to", "s0")
+        out = json.loads(res.stdout)
+        assert res.returncode == 0 and out["status"] == "done", res.stdout + res.stderr
+        assert out["pairs"] == [{"leaver": "w2", "joiner": "s0", "role": "dp1.pp0.tp0"}]
+        res = cli("migrate", "--run-dir", str(run_dir), "--worker", "w3")
+        out = json.loads(res.stdout)
+        assert out["status"] == "refused" and "no free standby" in out["reason"]
+        res = cli("migrate", "--run-dir", str(run_dir), "--worker", "w2")
+        assert "already left" in json.loads(res.stdout)["reason"]
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["membership"]["s0"] == "dp1.pp0.tp0"
+        assert [m["status"] for m in summary["migrations"]] == ["done"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_migrate_command_without_a_job(tmp_path):
+    res = cli("migrate", "--run-dir", str(tmp_path), "--worker", "w1")
+    assert res.returncode == 2 and "not the run dir of a running job" in res.stderr
