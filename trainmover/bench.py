@@ -210,8 +210,149 @@ def _write(out_dir: str, name: str, result: dict, table: str) -> None:
     print(table)
 
 
+
+
+# --- bench downtime --------------------------------------------------------------------------
+
+LAYOUTS_BY_WORKERS = {4: Layout(2, 2, 1), 8: Layout(2, 2, 2), 16: Layout(2, 4, 2)}
+STRATEGIES = ("trainmover", "naive", "restart")
+
+
+def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
+                  run_dir: str) -> dict:
+    """One job under one strategy with one planned event at ``event_step``."""
+    from .api import Job
+    from .faults import Inject
+
+    cfg = JobConfig.from_dict(cfg.to_dict())
+    if strategy == "trainmover":
+        cfg.runtime.standbys = 1
+        job = Job(cfg, run_dir, injects=[Inject("migrate", event_step, leaver)],
+                  timeout_s=1800).start()
+    elif strategy == "naive":
+        job = Job(cfg, run_dir, timeout_s=1800).start()
+        coord = job.coordinator
+        while coord.progress.last_step < event_step - 1 and job._thread.is_alive():
+            time.sleep(0.02)
+        coord.request_migration([leaver], naive=True, source="bench")
+    elif strategy == "restart":
+        cfg.runtime.checkpoint_every = 1
+        cfg.runtime.restart_at_step = event_step
+        job = Job(cfg, run_dir, timeout_s=1800).start()
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    summary = job.wait(1800)
+    if strategy == "restart":
+        (event,) = summary["restarts"]
+        first_step_ratio = None
+    else:
+        (event,) = [m for m in summary["migrations"] if m["status"] == "done"]
+        first_step_ratio = event["phases"]["first_step_s"] / event["phases"]["normal_step_s"]
+    return {"downtime_s": event["downtime_s"], "phases": event["phases"],
+            "first_step_ratio": first_step_ratio,
+            "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
+            "stayer_peak_rss_growth": event.get("stayer_peak_rss_growth"),
+            "weights_sha256": summary["weights_sha256"]}
+
+
+CACHES = {
+    "trainmover": "joiner: none (a standby on a new machine, no warm-up yet); stayers: their own",
+    "naive": "joiner: none (started cold on a new machine); stayers: their own",
+    "restart": "every restarted process: its own caches from the first start (same machines)",
+}
+
+
+def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8,
+                   steps: int = 24, out_dir: str = "benchmarks/results",
+                   json_path: str | None = None, strategies=STRATEGIES,
+                   scratch: str | None = None) -> dict:
+    import tempfile
+
+    for n in workers:
+        if n not in LAYOUTS_BY_WORKERS:
+            raise ValueError(f"--workers {n}: choose from {sorted(LAYOUTS_BY_WORKERS)}")
+    rows = []
+    scratch = scratch or tempfile.mkdtemp(prefix="tm-bench-downtime-")
+    for n in workers:
+        cfg = get_recipe("bench_downtime")
+        cfg.layout = LAYOUTS_BY_WORKERS[n]
+        cfg.train.steps = steps
+        cfg.train.compile = compile
+        cfg.validate()
+        leaver = "w1"
+        for strategy in strategies:
+            t0 = time.perf_counter()
+            res = _downtime_run(strategy, cfg, event_step, leaver,
+                                os.path.join(scratch, f"{strategy}-{n}"))
+            rows.append({"scenario": "planned", "strategy": strategy, "workers": n,
+                         "layout": cfg.layout.as_dict(), "compile": compile,
+                         "caches_at_start": CACHES[strategy],
+                         "bench_wall_s": time.perf_counter() - t0, **res})
+            print(f"  {n:>2} workers {strategy:>10}: downtime {res['downtime_s']:.3f} s",
+                  flush=True)
+    result = {"benchmark": "downtime", "event_step": event_step, "steps": steps,
+              "recipe": "bench_downtime", "results": rows, "machine": machine_description(),
+              "scratch": scratch}
+    _add_ratios(result)
+    _write(out_dir, "downtime", result, _downtime_table(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _add_ratios(result: dict) -> None:
+    by = {(r["strategy"], r["workers"]): r["downtime_s"] for r in result["results"]}
+    ratios = {}
+    for (strategy, n), d in by.items():
+        if strategy != "restart" and ("restart", n) in by and d:
+            ratios[f"restart_over_{strategy}_{n}"] = by[("restart", n)] / d
+    ns = sorted({n for _, n in by})
+    if len(ns) > 1:
+        for strategy in STRATEGIES:
+            if (strategy, ns[0]) in by and (strategy, ns[-1]) in by and by[(strategy, ns[0])]:
+                ratios[f"{strategy}_growth_{ns[0]}_to_{ns[-1]}"] = \
+                    by[(strategy, ns[-1])] / by[(strategy, ns[0])]
+    result["ratios"] = ratios
+
+
+def _downtime_table(r: dict) -> str:
+    lines = [f"# bench downtime: planned migration vs restart (event at step "
+             f"{r['event_step']}, compile={r['results'][0]['compile']})", "",
+             "| workers | strategy | downtime (s) | first step / normal | groups rebuilt | "
+             "stayer peak RSS growth |", "|---|---|---|---|---|---|"]
+    for row in r["results"]:
+        ratio = row["first_step_ratio"]
+        rss = row["stayer_peak_rss_growth"]
+        groups = (f"{row['groups_rebuilt']}/{row['groups_total']}"
+                  if row["groups_rebuilt"] is not None else "all")
+        lines.append(f"| {row['workers']} | {row['strategy']} | {row['downtime_s']:.3f} | "
+                     f"{'' if ratio is None else f'{ratio:.2f}'} | {groups} | "
+                     f"{'' if rss is None else f'{rss * 100:+.2f}%'} |")
+    lines += ["", "Phases (seconds):", ""]
+    for row in r["results"]:
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in row["phases"].items() if v is not None)
+        lines.append(f"- {row['workers']} workers, {row['strategy']}: {phases}")
+    lines += ["", "Caches each strategy starts with:", ""]
+    lines += [f"- {k}: {v}" for k, v in CACHES.items()]
+    lines += ["", "Ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()),
+              f"machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, "
+              f"torch {r['machine']['torch']}"]
+    return "\n".join(lines) + "\n"
+
+
 def main(args) -> int:
     if args.bench == "step":
         bench_step(args.recipe, args.dp, args.steps, args.repeats, args.out)
+        return 0
+    if args.bench == "downtime":
+        workers = [int(x) for x in args.workers.split(",")]
+        strategies = args.strategies.split(",")
+        for s in strategies:
+            if s not in STRATEGIES:
+                raise ValueError(f"--strategies: unknown strategy {s!r} "
+                                 f"(known: {', '.join(STRATEGIES)})")
+        bench_downtime(workers, not args.no_compile, args.event_step, args.steps, args.out,
+                       args.json, strategies)
         return 0
     raise ValueError(f"unknown benchmark {args.bench!r}")

@@ -36,3 +36,33 @@ def load_canonical(path: str) -> dict[str, torch.Tensor]:
         out = os.path.join(tmp, "state.pt")
         dcp_to_torch_save(path, out)
         return torch.load(out, weights_only=True)
+
+
+# --- per-role local checkpoints (the restart baseline reloads these) -------------------------
+
+def local_path(run_dir: str, step: int, role_name: str) -> str:
+    return os.path.join(run_dir, "ckpt", f"step{step}", f"{role_name}.pt")
+
+
+def save_local(run_dir: str, step: int, role_name: str, tensors: dict, keep: int = 2) -> float:
+    """Save one role's local state as the state *before* ``step`` (write, then rename), and
+    drop this role's checkpoints older than the last ``keep``. Returns seconds taken."""
+    import time
+
+    t0 = time.perf_counter()
+    path = local_path(run_dir, step, role_name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp"
+    torch.save({k: v.detach().cpu() for k, v in tensors.items()}, tmp)
+    os.replace(tmp, path)
+    old = local_path(run_dir, step - keep, role_name)
+    if os.path.exists(old):
+        os.remove(old)
+    return time.perf_counter() - t0
+
+
+def load_local(run_dir: str, step: int, role_name: str) -> dict[str, torch.Tensor]:
+    path = local_path(run_dir, step, role_name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint of role {role_name} before step {step}: {path}")
+    return torch.load(path, weights_only=True)

@@ -142,6 +142,15 @@ def make_parser() -> argparse.ArgumentParser:
     step.add_argument("--repeats", type=int, default=3)
     step.add_argument("--out", default="benchmarks/results")
     step.set_defaults(fn=cmd_bench)
+    down = bsub.add_parser("downtime", help="planned migration vs naive migration vs restart")
+    down.add_argument("--workers", default="4,8", help="comma list from 4, 8, 16")
+    down.add_argument("--strategies", default="trainmover,naive,restart")
+    down.add_argument("--no-compile", action="store_true", help="eager mode (faster, less real)")
+    down.add_argument("--event-step", type=int, default=8)
+    down.add_argument("--steps", type=int, default=24)
+    down.add_argument("--json", help="also write the results JSON here")
+    down.add_argument("--out", default="benchmarks/results")
+    down.set_defaults(fn=cmd_bench)
     return p
 
 

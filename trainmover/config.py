@@ -139,6 +139,15 @@ class RuntimeConfig:
     store_host: str = "127.0.0.1"
     standbys: int = 0
     faults: list = field(default_factory=list)  # faults.WorkerFault as dicts (tests, chaos)
+    # Synchronous per-role checkpoint every N steps (0: off). The restart baseline saves
+    # every step, the most favourable case for restart.
+    checkpoint_every: int = 0
+    # The restart baseline: at this step every worker stops, fresh processes start, rebuild
+    # every group and reload the checkpoint. Known in advance, again in restart's favour.
+    restart_at_step: int | None = None
+    # Give every process its own compiler cache directories, as if each ran on its own
+    # machine (benchmarks: a joiner on a new machine starts with no cache).
+    isolate_caches: bool = False
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -147,6 +156,12 @@ class RuntimeConfig:
             raise ValueError(f"runtime.group_timeout_s must be > 0, got {self.group_timeout_s!r}")
         if not isinstance(self.standbys, int) or self.standbys < 0:
             raise ValueError(f"runtime.standbys must be >= 0, got {self.standbys!r}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"runtime.checkpoint_every must be >= 0, got "
+                             f"{self.checkpoint_every!r}")
+        if self.restart_at_step is not None and self.checkpoint_every != 1:
+            raise ValueError("runtime.restart_at_step needs runtime.checkpoint_every=1 "
+                             f"(got {self.checkpoint_every!r})")
 
 
 @dataclass

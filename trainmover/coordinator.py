@@ -116,17 +116,17 @@ class ActiveMigration:
     result: dict | None = None
 
 
-def downtime_from_metrics(records: list[dict], switch_step: int, baseline_steps: int = 5
+def downtime_from_metrics(records: list[dict], event_step: int, baseline_steps: int = 5
                           ) -> tuple[float, float]:
-    """Stayers' gap between the end of the last step before the switch and the end of the
-    first step after it, minus a normal step (median of the steps just before).
-    Returns (downtime_s, normal_step_s)."""
-    by_step = {r["step"]: r for r in records}
-    before = [by_step[s]["step_time_s"] for s in range(max(1, switch_step - baseline_steps),
-                                                       switch_step) if s in by_step]
-    normal = statistics.median(before) if before else 0.0
-    gap = by_step[switch_step]["time"] - by_step[switch_step - 1]["time"]
-    return max(0.0, gap - normal), normal
+    """The job's gap between committing the last step before the event and committing the
+    first step after it, minus a normal gap (the median of the gaps just before, so any
+    per-step cost a strategy always pays, such as a checkpoint, is not counted as downtime).
+    Returns (downtime_s, normal_gap_s)."""
+    t = {r["step"]: r["time"] for r in records}
+    gaps = [t[s] - t[s - 1] for s in range(max(2, event_step - baseline_steps), event_step)
+            if s in t and s - 1 in t]
+    normal = statistics.median(gaps) if gaps else 0.0
+    return max(0.0, t[event_step] - t[event_step - 1] - normal), normal
 
 
 class Coordinator:
@@ -148,6 +148,7 @@ class Coordinator:
         self.started = threading.Event()
         self._next_standby = cfg.runtime.standbys
         self._store_requests_seen = 0
+        self.restarts: list[dict] = []
 
     # --- set-up ----------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -173,14 +174,23 @@ class Coordinator:
         self.env.setdefault("OMP_NUM_THREADS", str(self.cfg.threads_per_worker()))
         self.env["PYTHONUNBUFFERED"] = "1"
 
-    def _spawn(self, name: str, standby: bool) -> None:
+    def _spawn(self, name: str, standby: bool, extra: list[str] = ()) -> None:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
+        env = self.env
+        if self.cfg.runtime.isolate_caches:
+            # one "machine" per process: its own compiler caches, kept across its restarts
+            root = os.path.join(self.run_dir, "cache", name)
+            env = dict(env, TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
+                       TRITON_CACHE_DIR=os.path.join(root, "triton"),
+                       TMPDIR=os.path.join(root, "tmp"))
+            os.makedirs(env["TMPDIR"], exist_ok=True)
         with open(log_path, "ab") as log:
             cmd = [sys.executable, "-m", "trainmover.worker", "--run-dir", self.run_dir,
-                   "--name", name, "--store", f"{self.cfg.runtime.store_host}:{self.store.port}"]
+                   "--name", name, "--store", f"{self.cfg.runtime.store_host}:{self.store.port}",
+                   *extra]
             if standby:
                 cmd.append("--standby")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.processes[name] = Process(name, proc, log_path, standby)
         self.events.emit("process_started", name=name, pid=proc.pid, standby=standby)
 
@@ -238,10 +248,60 @@ class Coordinator:
         holders = [self.processes[w] for w in self.membership.workers]
         if not all(p.proc.poll() == 0 for p in holders):
             return False
+        if self._restart_due():
+            self._restart()
+            return False
         if self.active is not None:
             # the job ended before the switch boundary was reached: nothing changed
             self._abort_active("the job finished before the switch step")
         return True
+
+    # --- the restart baseline ------------------------------------------------------------------
+    def _restart_due(self) -> bool:
+        k = self.cfg.runtime.restart_at_step
+        self.progress.poll()
+        return k is not None and not self.restarts and self.progress.last_step == k - 1
+
+    def _restart(self) -> None:
+        """What torchrun/Megatron users do: every process is gone; start fresh ones that
+        rebuild every group (under a new generation) and reload the last checkpoint."""
+        k = self.cfg.runtime.restart_at_step
+        t = time.time()
+        generation = max(self.membership.next_generation.values(), default=1)
+        for name in self.membership.next_generation:
+            self.membership.generations[name] = generation
+            self.membership.next_generation[name] = generation + 1
+        self.events.emit("restart_began", step=k, generation=generation)
+        self.restarts.append({"step": k, "t_all_stopped": t, "generation": generation})
+        self.progress.say(f"restart: all workers stopped before step {k}; starting fresh "
+                          f"processes from the step-{k} checkpoint")
+        for name in self.membership.workers:
+            self._spawn(name, standby=False,
+                        extra=["--resume-step", str(k), "--generation", str(generation)])
+
+    def _restart_report(self) -> list[dict]:
+        out = []
+        events = read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+        for r in self.restarts:
+            k = r["step"]
+            if self.progress.last_step < k:
+                continue
+            downtime, normal = downtime_from_metrics(self.progress.records, k)
+            later = [e for e in events if e["time"] >= r["t_all_stopped"]]
+
+            def longest(event, key="duration_s"):
+                return max([e.get(key, 0.0) for e in later if e["event"] == event] or [0.0])
+
+            prev = next(x["time"] for x in self.progress.records if x["step"] == k - 1)
+            first = next(x for x in self.progress.records if x["step"] == k)
+            out.append({"step": k, "downtime_s": downtime, "phases": {
+                "stop_s": r["t_all_stopped"] - prev,
+                "process_start_import_s": longest("worker_started", "import_s"),
+                "groups_s": longest("groups_built"),
+                "checkpoint_load_s": longest("checkpoint_loaded"),
+                "first_step_s": first["step_time_s"],
+                "normal_step_s": normal}})
+        return out
 
     def _check_processes(self) -> None:
         for name, p in self.processes.items():
@@ -538,6 +598,7 @@ class Coordinator:
             "wall_s": round(wall_s, 3),
             "mean_step_time_s": statistics.fmean(steady) if steady else None,
             "migrations": self.finished_migrations,
+            "restarts": self._restart_report(),
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

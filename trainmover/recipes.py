@@ -45,8 +45,20 @@ def bench_step() -> JobConfig:
                           warmup_steps=5))
 
 
+def bench_downtime() -> JobConfig:
+    """The downtime benchmark's job: compiled (cold start costs what it costs users), every
+    process with its own compiler caches as if on its own machine."""
+    return JobConfig(
+        name="bench_downtime", layout=Layout(2, 2, 1),
+        model=ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64),
+        train=TrainConfig(steps=24, global_batch=16, num_microbatches=2, lr=1e-3, min_lr=1e-4,
+                          warmup_steps=4, compile=True, threads_per_worker=1),
+        runtime=RuntimeConfig(isolate_caches=True))
+
+
 RECIPES: dict[str, Callable[[], JobConfig]] = {
     "tiny": tiny, "demo": demo, "small": small, "bench_step": bench_step,
+    "bench_downtime": bench_downtime,
 }
 
 

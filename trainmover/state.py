@@ -73,3 +73,23 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
         if t.numel():
             h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return h.hexdigest()
+
+
+def apply_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      tensors: dict[str, torch.Tensor]) -> None:
+    """Overwrite a rank's parameters and AdamW state from its local state (the inverse of
+    ``local_state``); creates the optimizer state if the optimizer has not stepped yet."""
+    with torch.no_grad():
+        step = tensors.get("optim/step")
+        for name, p in model.named_parameters():
+            p.copy_(tensors[f"model/{name}"])
+            if step is None:
+                continue
+            st = optimizer.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                src = tensors[f"optim/{key}/{name}"]
+                if key in st:
+                    st[key].copy_(src)
+                else:
+                    st[key] = src.to(p.device).clone()
+            st["step"] = torch.tensor(float(step), dtype=torch.float32)

@@ -25,7 +25,8 @@ from .data import BatchSource, load_tokens  # noqa: E402
 from .engine import Engine  # noqa: E402
 from .events import EventLog, JsonlWriter  # noqa: E402
 from .runtime import LEAVE, CommandChannel, WorkerRuntime, rss_mb, transfer_spec  # noqa: E402
-from .state import local_state  # noqa: E402
+from .checkpoint import load_local, save_local  # noqa: E402
+from .state import apply_local_state, local_state  # noqa: E402
 from .topology import Role  # noqa: E402
 from .transfer import recv_state  # noqa: E402
 
@@ -73,18 +74,27 @@ class Worker:
         return Engine(cfg, role, groups, batches, self.device)
 
     # --- an active worker from the start ---------------------------------------------------
-    def run_active(self) -> None:
+    def run_active(self, resume_step: int = 0, generation: int = 0) -> None:
+        """Start training at step 0, or (a restarted process) at ``resume_step`` from the
+        role's checkpoint, on groups of ``generation``."""
         role = Role.parse(self.store.get(P.membership_key(self.name)).decode())
         self.events.fixed["role"] = role.name
         t0 = time.perf_counter()
-        groups, build_times = build_comm_groups(self.builder, self.cfg.layout, role)
-        self.events.emit("groups_built", generation=0,
+        gens = {name: generation for name in self.cfg.layout.communicator_groups()}
+        groups, build_times = build_comm_groups(self.builder, self.cfg.layout, role, gens)
+        self.events.emit("groups_built", generation=generation,
                          duration_s=round(time.perf_counter() - t0, 4),
                          groups={k: round(v, 4) for k, v in build_times.items()})
         engine = self.make_engine(role, groups)
+        if resume_step:
+            t1 = time.perf_counter()
+            apply_local_state(engine.model, engine.optimizer,
+                              load_local(self.run_dir, resume_step, role.name))
+            self.events.emit("checkpoint_loaded", step=resume_step,
+                             duration_s=round(time.perf_counter() - t1, 4))
         self.events.emit("engine_ready", setup_s=round(time.perf_counter() - self.t_imported, 4),
                          params=sum(p.numel() for p in engine.params))
-        self.train(role, groups, engine, start_step=0)
+        self.train(role, groups, engine, start_step=resume_step)
 
     # --- a standby: wait, then join ----------------------------------------------------------
     def run_standby(self) -> None:
@@ -148,14 +158,23 @@ class Worker:
         metrics = JsonlWriter(os.path.join(self.run_dir, "metrics.jsonl")) \
             if role == reporter_role(cfg) else None
         tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+        every = cfg.runtime.checkpoint_every
         for step in range(start_step, cfg.train.steps):
             if runtime.at_boundary(step) == LEAVE:
                 self.events.emit("worker_left", step=step)
+                return
+            if step == cfg.runtime.restart_at_step and step != start_step:
+                self.events.emit("worker_stopped_for_restart", step=step)
+                groups.shutdown()
                 return
             result = engine.train_step(step)
             if on_first_step is not None:
                 on_first_step(result)
                 on_first_step = None
+            if every and (step + 1) % every == 0:
+                # before the metrics record: a step counts as done once its state is saved
+                tensors, _ = local_state(engine.model, engine.optimizer)
+                save_local(self.run_dir, step + 1, role.name, tensors)
             if metrics is not None:
                 metrics.write({"step": step, "loss": result.loss,
                                "step_time_s": round(result.step_time_s, 6),
@@ -178,12 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", required=True)
     p.add_argument("--store", required=True, type=StoreAddress.parse)
     p.add_argument("--standby", action="store_true")
+    p.add_argument("--resume-step", type=int, default=0)
+    p.add_argument("--generation", type=int, default=0)
     args = p.parse_args(argv)
     worker = Worker(args.run_dir, args.name, args.store)
     if args.standby:
         worker.run_standby()
     else:
-        worker.run_active()
+        worker.run_active(args.resume_step, args.generation)
     return 0
 
 
