@@ -147,7 +147,7 @@ def make_parser() -> argparse.ArgumentParser:
     down.add_argument("--strategies", default="trainmover,naive,restart")
     down.add_argument("--no-compile", action="store_true", help="eager mode (faster, less real)")
     down.add_argument("--event-step", type=int, default=8)
-    down.add_argument("--steps", type=int, default=24)
+    down.add_argument("--steps", type=int, default=40)
     down.add_argument("--json", help="also write the results JSON here")
     down.add_argument("--out", default="benchmarks/results")
     down.set_defaults(fn=cmd_bench)

@@ -37,6 +37,18 @@ class JobFailed(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """In each child, before exec: ask Linux to SIGKILL it if the coordinator dies, so a
+    coordinator killed without warning never leaves workers behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the workers' own store-liveness checks still end them
+
+
 def worker_names(n: int, prefix: str = "w") -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
 
@@ -190,7 +202,8 @@ class Coordinator:
                    *extra]
             if standby:
                 cmd.append("--standby")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_parent)
         self.processes[name] = Process(name, proc, log_path, standby)
         self.events.emit("process_started", name=name, pid=proc.pid, standby=standby)
 
@@ -237,14 +250,18 @@ class Coordinator:
         self._update_standbys()
         self._collect_requests()
         self._fire_injects()
+        if self._job_finished():
+            return True
         if self.active is None and self.pending:
             self._start_migration(self.pending.pop(0))
         if self.active is not None:
             self._advance_migration()
         self._finish_downtimes()
-        return self._job_finished()
+        return False
 
     def _job_finished(self) -> bool:
+        """Every role holder exited cleanly (checked before migrations advance: a joiner
+        whose leaver finished the job first loses its channel, which is not a failure)."""
         holders = [self.processes[w] for w in self.membership.workers]
         if not all(p.proc.poll() == 0 for p in holders):
             return False
@@ -252,9 +269,16 @@ class Coordinator:
             self._restart()
             return False
         if self.active is not None:
-            # the job ended before the switch boundary was reached: nothing changed
-            self._abort_active("the job finished before the switch step")
+            if self._all_switched(self.active):
+                self._complete(self.active)  # finished in the same poll as the job
+            else:
+                # the job ended before the switch boundary was reached: nothing changed
+                self._abort_active("the job finished before the switch step")
         return True
+
+    def _all_switched(self, mig: ActiveMigration) -> bool:
+        count = self.store.add(P.mig_key(mig.plan.migration_id, "switched_count"), 0)
+        return count >= len(mig.plan.participants)
 
     # --- the restart baseline ------------------------------------------------------------------
     def _restart_due(self) -> bool:
@@ -449,8 +473,7 @@ class Coordinator:
         ready = participants if mig.state is not C.MigrationState.PREPARING else \
             (participants if self.store.add(P.mig_key(mid, "ready_count"), 0) >= len(participants)
              else set())
-        switched = participants if self.store.add(P.mig_key(mid, "switched_count"), 0) >= \
-            len(participants) else set()
+        switched = participants if self._all_switched(mig) else set()
         state, why = C.next_state(mig.state, ready=ready, switched=switched,
                                   participants=participants, dead=dead,
                                   joiners=set(plan.joiners))

@@ -73,8 +73,14 @@ class CommandChannel:
             except queue.Empty:
                 return out
 
-    def next(self, timeout_s: float | None = None) -> dict:
-        return self.queue.get(timeout=timeout_s)
+    def next(self) -> dict:
+        """Block until a command arrives; raise if the job's store has gone away."""
+        while True:
+            try:
+                return self.queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._store_alive(self._stores.get()):
+                    raise RuntimeError(f"{self.worker}: the job's store is gone; exiting")
 
 
 def transfer_spec(name: str, role: Role) -> GroupSpec:
