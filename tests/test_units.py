@@ -44,7 +44,7 @@ def test_init_is_deterministic_and_per_parameter():
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
     b.init_weights(8)
-    assert not torch.equal(a.blocks["0"].attn.q.weight, b.blocks["0"].attn.q.weight)
+    assert not torch.equal(a.blocks[0].attn.q.weight, b.blocks[0].attn.q.weight)
 
 
 def test_tp_shards_concatenate_to_the_unsharded_init():
@@ -57,11 +57,11 @@ def test_tp_shards_concatenate_to_the_unsharded_init():
         m.init_weights(3)
         shards.append(m)
     torch.testing.assert_close(
-        torch.cat([s.blocks["1"].mlp.fc1.weight for s in shards], 0), full.blocks["1"].mlp.fc1.weight,
+        torch.cat([s.blocks[1].mlp.fc1.weight for s in shards], 0), full.blocks[1].mlp.fc1.weight,
         rtol=0, atol=0)
     torch.testing.assert_close(
-        torch.cat([s.blocks["0"].attn.proj.weight for s in shards], 1),
-        full.blocks["0"].attn.proj.weight, rtol=0, atol=0)
+        torch.cat([s.blocks[0].attn.proj.weight for s in shards], 1),
+        full.blocks[0].attn.proj.weight, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([s.head.weight for s in shards], 0), full.head.weight,
                                rtol=0, atol=0)
 
@@ -136,3 +136,25 @@ def test_config_errors_name_the_bad_value(change, message):
     change(cfg)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
         cfg.validate()
+
+
+def test_stage_names_are_canonical_and_stages_of_one_depth_are_alike():
+    cfg = ModelConfig(n_layers=6, d_model=32, n_heads=4, seq_len=8)
+    layout = Layout(1, 3, 1)
+    stages = [GPTStage(cfg, layout, s, 0, local_groups()) for s in range(3)]
+    names = [set(n for n, _ in local_state_names(st)) for st in stages]
+    assert "blocks.2.attn.q.weight" in names[1] and "blocks.5.mlp.fc2.bias" in names[2]
+    assert not names[0] & names[1]
+    # the middle stage's local structure is that of any other two-block middle stage
+    assert [n for n, _ in stages[1].named_parameters()][0].startswith("blocks.0.")
+    # a full model initialised at once equals the stages initialised apart
+    full = GPTStage(cfg, Layout(), 0, 0, local_groups())
+    full.init_weights(5)
+    stages[1].init_weights(5)
+    assert torch.equal(full.blocks[3].attn.k.weight, stages[1].blocks[1].attn.k.weight)
+
+
+def local_state_names(model):
+    from trainmover.state import canonical_params
+
+    return canonical_params(model)

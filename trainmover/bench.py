@@ -22,6 +22,7 @@ from .comm import GroupBuilder, StoreAddress, StoreClients, build_comm_groups, s
 from .config import JobConfig
 from .data import BatchSource, load_tokens
 from .engine import Engine, lr_at
+from .events import read_jsonl
 from .recipes import get_recipe
 from .topology import Layout, Role
 
@@ -42,7 +43,12 @@ def machine_description() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
-def _engine_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
+def _engine_steps(cfg: JobConfig, rank: int, address: StoreAddress,
+                  record_first: bool = False) -> list[float]:
+    """The engine's steps; with ``record_first``, step 0 runs under the warm-up recorder
+    exactly as in a job with standbys (the recorder is removed afterwards)."""
+    from .record import Recorder
+
     role = cfg.layout.role_of(rank)
     builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 120)
     groups, _ = build_comm_groups(builder, cfg.layout, role)
@@ -50,9 +56,19 @@ def _engine_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[floa
     batches = BatchSource(data, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
                           cfg.model.vocab_size)
     engine = Engine(cfg, role, groups, batches, torch.device("cpu"))
-    times = [engine.train_step(step).step_time_s for step in range(cfg.train.steps)]
+    times = []
+    for step in range(cfg.train.steps):
+        if step == 0 and record_first:
+            with Recorder(groups):
+                times.append(engine.train_step(step).step_time_s)
+        else:
+            times.append(engine.train_step(step).step_time_s)
     groups.shutdown()
     return times
+
+
+def _recorded_engine_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
+    return _engine_steps(cfg, rank, address, record_first=True)
 
 
 def _ddp_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
@@ -106,7 +122,8 @@ def _ddp_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
     return times
 
 
-_STRATEGIES = {"trainmover": _engine_steps, "ddp": _ddp_steps}
+_STRATEGIES = {"trainmover": _engine_steps, "trainmover_recorded": _recorded_engine_steps,
+               "ddp": _ddp_steps}
 
 
 def _child(strategy: str, cfg_dict: dict, rank: int, address: StoreAddress, threads: int,
@@ -159,9 +176,10 @@ def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats
     if steps <= WARMUP_STEPS + 2:
         raise ValueError(f"--steps must exceed {WARMUP_STEPS + 2}, got {steps}")
     rows = []
+    names = ("trainmover", "trainmover_recorded", "ddp")
     for rep in range(repeats):
-        # interleave: a slow phase of the shared machine hits both strategies alike
-        for strategy in ("trainmover", "ddp") if rep % 2 == 0 else ("ddp", "trainmover"):
+        # interleave, rotating the order: a slow phase of the shared machine hits all alike
+        for strategy in names[rep % 3:] + names[:rep % 3]:
             times = run_strategy(strategy, cfg)[WARMUP_STEPS:]
             rows.append({"repeat": rep, "strategy": strategy,
                          "median_step_s": statistics.median(times),
@@ -169,11 +187,12 @@ def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats
             print(f"  repeat {rep} {strategy:>10}: median {rows[-1]['median_step_s'] * 1000:.1f} "
                   f"ms/step", flush=True)
     med = {s: statistics.median(r["median_step_s"] for r in rows if r["strategy"] == s)
-           for s in ("trainmover", "ddp")}
-    ratios = []
+           for s in names}
+    ratios, record_ratios = [], []
     for rep in range(repeats):
         by = {r["strategy"]: r["median_step_s"] for r in rows if r["repeat"] == rep}
         ratios.append(by["trainmover"] / by["ddp"])
+        record_ratios.append(by["trainmover_recorded"] / by["trainmover"])
     result = {
         "benchmark": "step", "recipe": recipe, "layout": cfg.layout.as_dict(),
         "model_params": cfg.model.num_params(), "global_batch": cfg.train.global_batch,
@@ -181,7 +200,9 @@ def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats
         "warmup_steps_excluded": WARMUP_STEPS, "threads_per_worker": cfg.threads_per_worker(),
         "rows": rows, "median_step_s": med,
         "overhead_vs_ddp": statistics.median(ratios) - 1.0,
-        "per_repeat_ratio": ratios, "machine": machine_description(),
+        "per_repeat_ratio": ratios,
+        "recorded_over_plain": statistics.median(record_ratios),
+        "per_repeat_recorded_over_plain": record_ratios, "machine": machine_description(),
     }
     _write(out_dir, "step", result, _step_table(result))
     return result
@@ -196,6 +217,9 @@ def _step_table(r: dict) -> str:
     lines += ["", f"overhead vs DDP (median of per-repeat ratios): "
               f"{r['overhead_vs_ddp'] * 100:+.1f}%",
               f"per-repeat ratios: {', '.join(f'{x:.3f}' for x in r['per_repeat_ratio'])}",
+              f"steady state after recording step 0 for warm-up, over plain: "
+              f"{r['recorded_over_plain']:.3f} (per repeat: "
+              f"{', '.join(f'{x:.3f}' for x in r['per_repeat_recorded_over_plain'])})",
               f"machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, "
               f"torch {r['machine']['torch']}"]
     return "\n".join(lines) + "\n"
@@ -215,55 +239,89 @@ def _write(out_dir: str, name: str, result: dict, table: str) -> None:
 # --- bench downtime --------------------------------------------------------------------------
 
 LAYOUTS_BY_WORKERS = {4: Layout(2, 2, 1), 8: Layout(2, 2, 2), 16: Layout(2, 4, 2)}
-STRATEGIES = ("trainmover", "naive", "restart")
+STRATEGIES = ("trainmover", "trainmover_cold", "naive", "restart")
+
+
+def _wait(cond, job, what: str, timeout_s: float = 1800) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if not job._thread.is_alive():
+            raise RuntimeError(f"the job ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
-                  run_dir: str) -> dict:
-    """One job under one strategy with one planned event at ``event_step``."""
+                  run_dir: str, steps_after: int = 6) -> dict:
+    """One job under one strategy with one planned event at ``event_step`` (for the
+    trainmover strategy: at that step or once the standby is warm, whichever is later, since
+    a warm standby is the point). The job runs until the event is accounted for, then stops."""
+    from . import controller as C
     from .api import Job
-    from .faults import Inject
 
     cfg = JobConfig.from_dict(cfg.to_dict())
-    if strategy == "trainmover":
+    cfg.train.steps = 100_000  # stopped once the event is measured
+    if strategy in ("trainmover", "trainmover_cold"):
         cfg.runtime.standbys = 1
-        job = Job(cfg, run_dir, injects=[Inject("migrate", event_step, leaver)],
-                  timeout_s=1800).start()
-    elif strategy == "naive":
-        job = Job(cfg, run_dir, timeout_s=1800).start()
-        coord = job.coordinator
-        while coord.progress.last_step < event_step - 1 and job._thread.is_alive():
-            time.sleep(0.02)
-        coord.request_migration([leaver], naive=True, source="bench")
-    elif strategy == "restart":
+        cfg.runtime.warmup = cfg.runtime.record = strategy == "trainmover"
+    if strategy == "restart":
         cfg.runtime.checkpoint_every = 1
         cfg.runtime.restart_at_step = event_step
-        job = Job(cfg, run_dir, timeout_s=1800).start()
-    else:
+    if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}")
-    summary = job.wait(1800)
+    job = Job(cfg, run_dir, timeout_s=3600).start()
+    coord = job.coordinator
+    try:
+        if strategy == "trainmover":
+            _wait(lambda: all(st is C.StandbyState.WARM
+                              for st in coord.membership.standbys.values()), job, "a warm standby")
+        _wait(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
+        if strategy == "restart":
+            _wait(lambda: coord.restarts and coord.progress.last_step >= event_step + steps_after,
+                  job, "the restart")
+        else:
+            result = coord.request_migration([leaver], naive=strategy == "naive",
+                                             source="bench").result(timeout=1800)
+            if result["status"] != "done":
+                raise RuntimeError(f"{strategy}: migration {result['status']}: {result}")
+            _wait(lambda: coord.progress.last_step >= result["switch_step"] + steps_after, job,
+                  "steps after the switch")
+    finally:
+        coord.stop()
+    summary = job.wait(600)
     if strategy == "restart":
         (event,) = summary["restarts"]
         first_step_ratio = None
     else:
         (event,) = [m for m in summary["migrations"] if m["status"] == "done"]
         first_step_ratio = event["phases"]["first_step_s"] / event["phases"]["normal_step_s"]
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    recorded = [e for e in events if e["event"] == "recorded"]
+    warmed = [e for e in events if e["event"] == "warmed"]
     return {"downtime_s": event["downtime_s"], "phases": event["phases"],
+            "event_step": event.get("switch_step", event.get("step")),
+            "recording": {"files": len(recorded), "bytes": sum(e["bytes"] for e in recorded),
+                          "save_s": max([e["save_s"] for e in recorded] or [0.0])}
+            if recorded else None,
+            "standby_warmup_s": sum(e["duration_s"] for e in warmed) if warmed else None,
             "first_step_ratio": first_step_ratio,
             "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
-            "stayer_peak_rss_growth": event.get("stayer_peak_rss_growth"),
-            "weights_sha256": summary["weights_sha256"]}
+            "stayer_peak_rss_growth": event.get("stayer_peak_rss_growth")}
 
 
 CACHES = {
-    "trainmover": "joiner: none (a standby on a new machine, no warm-up yet); stayers: their own",
+    "trainmover": "joiner: a standby on a new machine whose own caches (in memory and on disk) "
+                  "were filled by its sandboxed warm-up; stayers: their own",
+    "trainmover_cold": "joiner: none (a standby on a new machine that skipped warm-up); "
+                       "stayers: their own",
     "naive": "joiner: none (started cold on a new machine); stayers: their own",
     "restart": "every restarted process: its own caches from the first start (same machines)",
 }
 
 
 def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8,
-                   steps: int = 24, out_dir: str = "benchmarks/results",
+                   out_dir: str = "benchmarks/results",
                    json_path: str | None = None, strategies=STRATEGIES,
                    scratch: str | None = None) -> dict:
     import tempfile
@@ -276,7 +334,6 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
     for n in workers:
         cfg = get_recipe("bench_downtime")
         cfg.layout = LAYOUTS_BY_WORKERS[n]
-        cfg.train.steps = steps
         cfg.train.compile = compile
         cfg.validate()
         leaver = "w1"
@@ -290,7 +347,7 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
                          "bench_wall_s": time.perf_counter() - t0, **res})
             print(f"  {n:>2} workers {strategy:>10}: downtime {res['downtime_s']:.3f} s",
                   flush=True)
-    result = {"benchmark": "downtime", "event_step": event_step, "steps": steps,
+    result = {"benchmark": "downtime", "event_step": event_step,
               "recipe": "bench_downtime", "results": rows, "machine": machine_description(),
               "scratch": scratch}
     _add_ratios(result)
@@ -352,7 +409,7 @@ def main(args) -> int:
             if s not in STRATEGIES:
                 raise ValueError(f"--strategies: unknown strategy {s!r} "
                                  f"(known: {', '.join(STRATEGIES)})")
-        bench_downtime(workers, not args.no_compile, args.event_step, args.steps, args.out,
-                       args.json, strategies)
+        bench_downtime(workers, not args.no_compile, args.event_step, args.out, args.json,
+                       strategies)
         return 0
     raise ValueError(f"unknown benchmark {args.bench!r}")

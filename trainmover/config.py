@@ -148,6 +148,12 @@ class RuntimeConfig:
     # Give every process its own compiler cache directories, as if each ran on its own
     # machine (benchmarks: a joiner on a new machine starts with no cache).
     isolate_caches: bool = False
+    # Sandboxed warm-up: representative roles record their first step (when the job has
+    # standbys); standbys replay it for ``warmup_iterations`` shadow steps per stage kind.
+    record: bool = True
+    warmup: bool = True
+    warmup_iterations: int = 2
+    recording_dir: str | None = None   # default: <run dir>/recordings
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -159,6 +165,9 @@ class RuntimeConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"runtime.checkpoint_every must be >= 0, got "
                              f"{self.checkpoint_every!r}")
+        if self.warmup_iterations < 1:
+            raise ValueError(f"runtime.warmup_iterations must be >= 1, got "
+                             f"{self.warmup_iterations!r}")
         if self.restart_at_step is not None and self.checkpoint_every != 1:
             raise ValueError("runtime.restart_at_step needs runtime.checkpoint_every=1 "
                              f"(got {self.checkpoint_every!r})")

@@ -161,6 +161,9 @@ class Coordinator:
         self._next_standby = cfg.runtime.standbys
         self._store_requests_seen = 0
         self.restarts: list[dict] = []
+        self.warm_for: dict[str, list[str]] = {}
+        self._standbys_read_at = 0.0
+        self._stop_requested = threading.Event()
 
     # --- set-up ----------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -224,7 +227,7 @@ class Coordinator:
             for name in self.membership.standbys:
                 self._spawn(name, standby=True)
             self.started.set()
-            while not self._poll():
+            while not self._stop_requested.is_set() and not self._poll():
                 if self.timeout_s is not None and time.perf_counter() - t0 > self.timeout_s:
                     raise JobFailed(f"job exceeded its timeout of {self.timeout_s} s")
                 time.sleep(0.02)
@@ -238,10 +241,22 @@ class Coordinator:
         self.progress.poll()
         self._finish_downtimes(final=True)
         wall = time.perf_counter() - t0
+        if self._stop_requested.is_set():
+            # stopped on request (benchmarks): no final state, but every event's accounting
+            self.events.emit("job_stopped", wall_s=round(wall, 3),
+                             last_step=self.progress.last_step)
+            return {"stopped": True, "steps": self.progress.last_step + 1,
+                    "wall_s": round(wall, 3), "migrations": self.finished_migrations,
+                    "restarts": self._restart_report()}
         summary = self._finish(wall)
         self.events.emit("job_done", wall_s=round(wall, 3),
                          weights_sha256=summary["weights_sha256"])
         return summary
+
+    def stop(self) -> None:
+        """Stop every process at once and end ``run()`` without a final state (thread-safe).
+        Committed steps and their checkpoints are left as they are."""
+        self._stop_requested.set()
 
     def _poll(self) -> bool:
         """One round of supervision; True when the job has finished."""
@@ -341,11 +356,24 @@ class Coordinator:
             raise JobFailed(f"worker {name} exited with code {code}; last log lines:\n{p.tail()}")
 
     def _update_standbys(self) -> None:
+        """Follow each free standby's readiness (cold, warming, warm) as it reports it."""
+        now = time.monotonic()
+        if now - self._standbys_read_at < 0.25:
+            return
+        self._standbys_read_at = now
         for name, st in self.membership.standbys.items():
-            if st is C.StandbyState.STARTING and name in self.processes and \
-                    self.store.check([P.standby_state_key(name)]):
-                self.membership.standbys[name] = C.StandbyState(
-                    self.store.get(P.standby_state_key(name)).decode())
+            if st in (C.StandbyState.DEAD, C.StandbyState.RESERVED) or \
+                    name not in self.processes or \
+                    not self.store.check([P.standby_state_key(name)]):
+                continue
+            new = C.StandbyState(self.store.get(P.standby_state_key(name)).decode())
+            warm_for = P.decode(self.store.get(P.standby_state_key(name) + "/warm_for"))
+            if new is not st or warm_for != self.warm_for.get(name):
+                self.membership.standbys[name] = new
+                self.warm_for[name] = warm_for
+                self.events.emit("standby_state", name=name, state=new.value, warm_for=warm_for)
+                self.progress.say(f"standby {name}: {new.value}" +
+                                  (f" for {', '.join(warm_for)}" if warm_for else ""))
 
     # --- requests ----------------------------------------------------------------------------
     def request_migration(self, workers: list[str], targets: list[str] | None = None,

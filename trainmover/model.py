@@ -6,9 +6,10 @@ splits the vocabulary (column-parallel, with a vocabulary-parallel cross-entropy
 embedding, layer norms and row-parallel biases are replicated; their gradients come out
 identical on every tensor-parallel rank because every path into them passes a TP all-reduce.
 
-Layout independence: parameter names are canonical (``blocks.<global layer>.…``) and every
-parameter is initialised by drawing the *full* tensor from a generator seeded with
-(seed, name) and keeping this rank's slice, so any layout starts from the same model.
+Layout independence: every parameter has a canonical name (``blocks.<global layer>.…``, see
+``canonical_name``) and is initialised by drawing the *full* tensor from a generator seeded
+with (seed, canonical name) and keeping this rank's slice, so any layout starts from the
+same model.
 Sharded parameters carry ``_tm_shard_dim`` (the dimension split over TP ranks).
 
 The modules never hold a communicator: they hold the worker's ``CommGroups`` and read its
@@ -215,7 +216,10 @@ class GPTStage(nn.Module):
         self.has_embedding = self.kind in (StageKind.FIRST, StageKind.ONLY)
         self.has_head = self.kind in (StageKind.LAST, StageKind.ONLY)
         self.embed = Embedding(cfg) if self.has_embedding else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, layout.tp, groups) for i in self.layers})
+        # Local indices (0..n-1) keep every stage of the same kind and depth structurally
+        # identical, whatever layers it holds, so code compiled for one (a standby's
+        # warm-up) serves all of them; ``canonical_name`` restores the global layer index.
+        self.blocks = nn.ModuleList([Block(cfg, layout.tp, groups) for _ in self.layers])
         if self.has_head:
             self.norm = nn.LayerNorm(cfg.d_model)
             self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, layout.tp, bias=False)
@@ -224,7 +228,7 @@ class GPTStage(nn.Module):
     def forward(self, x):
         if self.embed is not None:
             x = self.embed(x)
-        for block in self.blocks.values():
+        for block in self.blocks:
             x = block(x)
         if self.has_head:
             x = self.head(copy_to_tp(self.norm(x), self.groups))
@@ -237,13 +241,21 @@ class GPTStage(nn.Module):
                                                      self.vocab_start)
         return per_token.mean()
 
+    def canonical_name(self, local: str) -> str:
+        """``blocks.<local i>.…`` -> ``blocks.<global layer>.…``; other names are global."""
+        if local.startswith("blocks."):
+            _, i, rest = local.split(".", 2)
+            return f"blocks.{self.layers[int(i)]}.{rest}"
+        return local
+
     # --- initialisation ------------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
         """Deterministic, layout-independent: each full tensor from its own generator."""
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for local, p in self.named_parameters():
+                name = self.canonical_name(local)
                 dim = shard_dim(p)
                 full_shape = list(p.shape)
                 if dim is not None:

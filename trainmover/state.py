@@ -26,13 +26,21 @@ def shard_dim(p: torch.Tensor) -> int | None:
     return getattr(p, SHARD_ATTR, None)
 
 
+def canonical_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters under their canonical names: a model whose local names differ from the
+    global ones (a pipeline stage numbering its blocks from 0) maps them with
+    ``canonical_name(local_name)``."""
+    rename = getattr(model, "canonical_name", None)
+    return [(rename(n) if rename else n, p) for n, p in model.named_parameters()]
+
+
 def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                 ) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
     """This rank's tensors by canonical name, and each entry's TP shard dimension."""
     tensors: dict[str, torch.Tensor] = {}
     dims: dict[str, int | None] = {}
     step = None
-    for name, p in model.named_parameters():
+    for name, p in canonical_params(model):
         tensors[f"model/{name}"] = p.detach()
         dims[f"model/{name}"] = shard_dim(p)
         st = optimizer.state.get(p, {})
@@ -81,7 +89,7 @@ def apply_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``local_state``); creates the optimizer state if the optimizer has not stepped yet."""
     with torch.no_grad():
         step = tensors.get("optim/step")
-        for name, p in model.named_parameters():
+        for name, p in canonical_params(model):
             p.copy_(tensors[f"model/{name}"])
             if step is None:
                 continue

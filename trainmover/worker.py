@@ -26,6 +26,9 @@ from .engine import Engine  # noqa: E402
 from .events import EventLog, JsonlWriter  # noqa: E402
 from .runtime import LEAVE, CommandChannel, WorkerRuntime, rss_mb, transfer_spec  # noqa: E402
 from .checkpoint import load_local, save_local  # noqa: E402
+from .record import (Recorder, RecordingInvalid, SandboxMismatch, load_recording,  # noqa: E402
+                     manifest_for, recording_dir, recording_path, representative_roles,
+                     rewind, sandbox_groups, save_recording, structure_key)
 from .state import apply_local_state, local_state  # noqa: E402
 from .topology import Role  # noqa: E402
 from .transfer import recv_state  # noqa: E402
@@ -96,13 +99,29 @@ class Worker:
                          params=sum(p.numel() for p in engine.params))
         self.train(role, groups, engine, start_step=resume_step)
 
+    def _record_step(self, engine: Engine, groups: CommGroups, key: str, role: Role):
+        """Run one real step with the communication recorder in place, then save it."""
+        with Recorder(groups) as recorder:
+            result = engine.train_step(0)
+        t0 = time.perf_counter()
+        rec = recorder.recording(manifest_for(self.cfg, key, role))
+        rec.manifest.update(record_step=0, bytes=rec.nbytes, loss=result.loss)
+        path = recording_path(recording_dir(self.cfg, self.run_dir), key)
+        save_s = save_recording(rec, path)
+        self.events.emit("recorded", structure=key, path=path, bytes=rec.nbytes,
+                         ops=sum(len(v) for v in rec.ops.values()),
+                         record_s=round(time.perf_counter() - t0, 4), save_s=round(save_s, 4))
+        return result
+
     # --- a standby: wait, then join ----------------------------------------------------------
     def run_standby(self) -> None:
-        self.store.set(P.standby_state_key(self.name), "cold")
+        self._set_standby_state("cold")
         self.events.emit("standby_registered", state="cold")
+        warm = self.warm_up() if self.cfg.runtime.warmup else None
         cmd = self.commands.next()
         if cmd["type"] != "assign":
             raise RuntimeError(f"standby {self.name}: expected an assign command, got {cmd}")
+        del warm  # the shadow engine's memory goes back to the allocator for the real one
         role = Role.parse(cmd["role"])
         self.events.fixed["role"] = role.name
         mid = cmd["migration_id"]
@@ -148,6 +167,53 @@ class Worker:
 
         self.train(role, groups, engine, start_step, on_first_step)
 
+    def _set_standby_state(self, state: str, warm_for: list[str] = ()) -> None:
+        self.store.set(P.standby_state_key(self.name), state)
+        self.store.set(P.standby_state_key(self.name) + "/warm_for", P.encode(list(warm_for)))
+
+    def warm_up(self) -> Engine | None:
+        """General standby: run shadow iterations of every stage structure (first, last,
+        then middle) on recorded communication; keep the last engine built (a middle role's
+        where there is one). Stops early when an assignment arrives; a missing, unreadable
+        or stale recording leaves that structure cold, with a warning, and nothing else."""
+        cfg = self.cfg
+        directory = recording_dir(cfg, self.run_dir)
+        warmed: list[str] = []
+        engine = None
+        self._set_standby_state("warming")
+        for key, role in representative_roles(cfg.layout, cfg.model.n_layers).items():
+            path = recording_path(directory, key)
+            while not os.path.exists(path):
+                if not self.commands.queue.empty():
+                    self.events.emit("warmup_interrupted", structure=key, warmed=warmed)
+                    return engine
+                time.sleep(0.05)
+            t0 = time.perf_counter()
+            try:
+                rec = load_recording(path, manifest_for(cfg, key, role))
+                engine = None
+                groups = sandbox_groups(cfg.layout, role, rec, self.device)
+                engine = self.make_engine(role, groups)
+                times = []
+                for i in range(cfg.runtime.warmup_iterations):
+                    rewind(groups)
+                    times.append(engine.train_step(i).step_time_s)
+            except (RecordingInvalid, SandboxMismatch) as exc:
+                self.events.emit("warmup_skipped", structure=key, reason=str(exc),
+                                 level="warning")
+                print(f"warning: {self.name} cannot warm {key} ({exc}); it stays cold for it",
+                      file=sys.stderr, flush=True)
+                continue
+            warmed.append(key)
+            self._set_standby_state("warming", warmed)
+            self.events.emit("warmed", structure=key, role=role.name,
+                             duration_s=round(time.perf_counter() - t0, 4),
+                             shadow_step_s=[round(t, 4) for t in times])
+            if not self.commands.queue.empty():
+                break
+        self._set_standby_state("warm" if warmed else "cold", warmed)
+        return engine
+
     # --- the training loop -------------------------------------------------------------------
     def train(self, role: Role, groups: CommGroups, engine: Engine, start_step: int,
               on_first_step=None) -> None:
@@ -159,6 +225,11 @@ class Worker:
             if role == reporter_role(cfg) else None
         tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         every = cfg.runtime.checkpoint_every
+        record_key = None
+        if cfg.runtime.record and cfg.runtime.standbys > 0 and start_step == 0:
+            key = structure_key(cfg.layout, cfg.model.n_layers, role.pp)
+            if representative_roles(cfg.layout, cfg.model.n_layers).get(key) == role:
+                record_key = key
         for step in range(start_step, cfg.train.steps):
             if runtime.at_boundary(step) == LEAVE:
                 self.events.emit("worker_left", step=step)
@@ -167,7 +238,10 @@ class Worker:
                 self.events.emit("worker_stopped_for_restart", step=step)
                 groups.shutdown()
                 return
-            result = engine.train_step(step)
+            if step == 0 and record_key is not None:
+                result = self._record_step(engine, groups, record_key, role)
+            else:
+                result = engine.train_step(step)
             if on_first_step is not None:
                 on_first_step(result)
                 on_first_step = None
