@@ -126,3 +126,61 @@ def test_inject_syntax():
     with pytest.raises(ValueError, match="migrated twice"):
         validate_injects([parse_inject("migrate@3:w1"), parse_inject("migrate@5:w1")], 10,
                          workers, standbys)
+
+
+def test_recovery_from_a_replica_rebuilds_the_failed_roles_and_dirty_groups():
+    m = membership()  # DP2xPP3xTP2, 2 standbys
+    plan = C.plan_recovery(m, 1, ["w5"], dirty={"dp.pp0.tp0"}, checkpoint_step=None)
+    role = m.workers["w5"]  # dp0.pp2.tp1
+    assert plan.pairs == [C.Pair("w5", "s0", role)]
+    assert plan.sources == {role.name: "replica:w11"}  # dp1.pp2.tp1
+    assert plan.rollback_step is None
+    assert set(plan.generations) == set(m.layout.affected_groups(role)) | {"dp.pp0.tp0"}
+    assert "w5" not in plan.stayers
+    assert plan.stayers["w0"] == ["dp.pp0.tp0"]  # dirty group member, not a neighbour
+    assert "w2" not in plan.stayers  # dp0.pp1.tp0: no rebuilt group
+
+
+def test_recovery_without_a_replica_rolls_everyone_back_to_the_checkpoint():
+    m = membership(Layout(1, 3, 2))
+    plan = C.plan_recovery(m, 1, ["w2"], set(), checkpoint_step=40)
+    assert plan.sources == {"dp0.pp1.tp0": "checkpoint"} and plan.rollback_step == 40
+    with pytest.raises(C.RecoveryImpossible, match="no live data-parallel replica"):
+        C.plan_recovery(m, 1, ["w2"], set(), checkpoint_step=None)
+    # both replicas of a position dead at once: no replica left for either
+    m2 = membership(Layout(2, 1, 1))
+    plan2 = C.plan_recovery(m2, 1, ["w0", "w1"], set(), checkpoint_step=8)
+    assert plan2.rollback_step == 8 and [p.joiner for p in plan2.pairs] == ["s0", "s1"]
+
+
+def test_recovery_needs_a_free_standby():
+    m = membership(standbys=1)
+    with pytest.raises(C.RecoveryImpossible, match="2 failed worker"):
+        C.plan_recovery(m, 1, ["w0", "w7"], set(), 4)
+
+
+def test_dirty_groups_from_survivor_accounting():
+    layout = Layout(2, 2, 1)
+    holders = {f"w{i}": r for i, r in enumerate(layout.roles())}
+    # w0 dp0.pp0, w1 dp0.pp1, w2 dp1.pp0, w3 dp1.pp1
+
+    def acc(coll=0, sent=0, recv=0, pending=0, generation=0):
+        return {"coll": coll, "sent": sent, "recv": recv, "pending": pending,
+                "generation": generation}
+
+    clean = {
+        "w0": {"dp.pp0.tp0": acc(4), "pp.dp0.tp0": acc(2), "p2p.dp0.tp0.pp0-1": acc(0, 6, 6)},
+        "w1": {"dp.pp1.tp0": acc(4), "pp.dp0.tp0": acc(2), "p2p.dp0.tp0.pp0-1": acc(0, 6, 6)},
+        "w2": {"dp.pp0.tp0": acc(4), "pp.dp1.tp0": acc(2), "p2p.dp1.tp0.pp0-1": acc(0, 6, 6)},
+        "w3": {"dp.pp1.tp0": acc(4), "pp.dp1.tp0": acc(2), "p2p.dp1.tp0.pp0-1": acc(0, 6, 6)},
+    }
+    assert C.dirty_groups(layout, clean, holders) == set()
+    broken = {w: dict(g) for w, g in clean.items()}
+    broken["w0"]["dp.pp0.tp0"] = acc(5, pending=1)          # waiting in an all-reduce
+    broken["w1"]["p2p.dp0.tp0.pp0-1"] = acc(0, 7, 6)        # sent one more than w0 received
+    broken["w3"]["pp.dp1.tp0"] = acc(3)                      # one collective ahead of w2
+    assert C.dirty_groups(layout, broken, holders) == {
+        "dp.pp0.tp0", "p2p.dp0.tp0.pp0-1", "pp.dp1.tp0"}
+    # a group with a dead member is left to the failed role's rebuild
+    del broken["w0"]
+    assert "dp.pp0.tp0" not in C.dirty_groups(layout, broken, holders)

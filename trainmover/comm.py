@@ -37,6 +37,31 @@ SUM = dist.ReduceOp.SUM
 MAX = dist.ReduceOp.MAX
 
 
+class StepAborted(RuntimeError):
+    """The job is abandoning the current step (a failure somewhere): raised out of any wait,
+    so a survivor never sits in a collective that a dead peer will never finish."""
+
+
+class AbortSignal:
+    """Set by a worker's watcher thread when the controller aborts the step in flight; every
+    wait on a group of that worker then raises ``StepAborted`` within about a millisecond."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        self.reason = reason
+        self._event.set()
+
+    def clear(self) -> None:
+        self.reason = ""
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
 class CommError(RuntimeError):
     """A collective or point-to-point operation failed (peer gone, timeout, aborted group)."""
 
@@ -101,19 +126,39 @@ class _DoneWork:
 
 
 class Work:
-    """Wraps a backend Work so that a failure is reported on the group and raised as
-    ``CommError`` naming the group, generation and operation."""
+    """Wraps a backend Work: a failure is reported on the group and raised as ``CommError``
+    naming the group, generation and operation; an abort of the step raises ``StepAborted``.
 
-    __slots__ = ("_work", "_group", "_op")
+    Why the wait polls: a gloo operation cannot be cancelled in torch 2.13 and a blocking
+    ``wait`` would hold the thread until the group's timeout if a peer died or hung. Polling
+    ``is_completed`` (a short spin, then sleeps of ~50 us, growing to 1 ms on long waits)
+    keeps the thread answerable to the abort signal at a cost of tens of microseconds."""
+
+    __slots__ = ("_work", "_group", "_op", "_done")
 
     def __init__(self, work, group: "Group", op: str):
         self._work, self._group, self._op = work, group, op
+        self._done = False
 
     def wait(self) -> None:
+        if self._done:
+            return
+        work, signal = self._work, self._group.abort_signal
+        if signal is not None:
+            polls = 0
+            while not work.is_completed():
+                if signal.is_set():
+                    raise StepAborted(f"{self._op} on {self._group.name} gen"
+                                      f"{self._group.generation} abandoned: {signal.reason}")
+                polls += 1
+                if polls > 32:
+                    time.sleep(5e-5 if polls < 232 else 1e-3)
         try:
-            self._work.wait()
+            work.wait()
         except Exception as exc:  # noqa: BLE001 - backend errors have no common type
             raise self._group._fail(self._op, exc) from exc
+        self._done = True
+        self._group.pending -= 1
 
 
 class Group:
@@ -130,6 +175,11 @@ class Group:
         self.error: CommError | None = None
         self.closed = False
         self._pg = pg
+        self.abort_signal: AbortSignal | None = None
+        # Operation accounting since construction, to tell after an aborted step whether
+        # every member still agrees on the sequence of operations (a clean group is kept).
+        self.issued = {"coll": 0, "sent": 0, "recv": 0}
+        self.pending = 0
         if pg is None and spec.size != 1 and not sandbox:
             raise ValueError(f"group {spec.name} has {spec.size} members but no communicator")
 
@@ -156,10 +206,14 @@ class Group:
 
     def _run(self, op: str, fn: Callable[[], object], async_op: bool):
         self._check(op)
+        if self.abort_signal is not None and self.abort_signal.is_set():
+            raise StepAborted(f"{op} on {self.name}: {self.abort_signal.reason}")
         try:
             work = fn()
         except Exception as exc:  # noqa: BLE001
             raise self._fail(op, exc) from exc
+        self.issued["sent" if op == "send" else "recv" if op == "recv" else "coll"] += 1
+        self.pending += 1
         wrapped = Work(work, self, op)
         if async_op:
             return wrapped
@@ -209,6 +263,11 @@ class Group:
             raise self._fail("recv", "recv on a single-member group")
         return self._run("recv", lambda: self._pg.recv([tensor], peer, tag), True)
 
+    def accounting(self) -> dict:
+        """Operations issued and still pending on this group (see ``controller.dirty_groups``)."""
+        return {**self.issued, "pending": self.pending, "generation": self.generation,
+                "rank": self.rank}
+
     # -- lifecycle --
     def abort(self) -> None:
         """Mark the group failed and release it. In torch 2.13 gloo's own ``abort()`` cancels
@@ -246,8 +305,9 @@ class GroupBuilder:
     """Creates communicators for (group spec, generation) on the job's store."""
 
     def __init__(self, stores: StoreClients, device: torch.device, timeout_s: float,
-                 gloo_host: str | None = None):
+                 gloo_host: str | None = None, abort_signal: AbortSignal | None = None):
         self.stores = stores
+        self.abort_signal = abort_signal
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         # Bind gloo to the address the store is reached on unless told otherwise: on one host
@@ -262,6 +322,11 @@ class GroupBuilder:
         role, so the role cannot name the rank)."""
         if spec.trivial:
             return Group(spec, generation, rank, None, self.device)
+        group = self._build_pg(spec, rank, generation)
+        group.abort_signal = self.abort_signal
+        return group
+
+    def _build_pg(self, spec: GroupSpec, rank: int, generation: int) -> Group:
         store = dist.PrefixStore(group_prefix(spec.name, generation), self.stores.get())
         if backend_for(self.device) == "nccl":
             opts = dist.ProcessGroupNCCL.Options()

@@ -154,6 +154,11 @@ class RuntimeConfig:
     warmup: bool = True
     warmup_iterations: int = 2
     recording_dir: str | None = None   # default: <run dir>/recordings
+    # Failure handling: workers beat every interval; one silent for the timeout is fenced.
+    # A step is applied only after every worker voted (commit protocol).
+    recover: bool = True
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 3.0
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -165,6 +170,9 @@ class RuntimeConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"runtime.checkpoint_every must be >= 0, got "
                              f"{self.checkpoint_every!r}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(f"runtime.heartbeat_interval_s={self.heartbeat_interval_s!r} must "
+                             f"be > 0 and below heartbeat_timeout_s={self.heartbeat_timeout_s!r}")
         if self.warmup_iterations < 1:
             raise ValueError(f"runtime.warmup_iterations must be >= 1, got "
                              f"{self.warmup_iterations!r}")

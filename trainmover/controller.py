@@ -228,3 +228,126 @@ def next_state(state: MigrationState, *, ready: set[str], switched: set[str],
         if participants <= switched:
             return MigrationState.DONE, "all participants switched"
     return state, ""
+
+
+# --- unexpected failures ---------------------------------------------------------------------
+
+class RecoveryImpossible(RuntimeError):
+    """No way to restore a failed role without losing committed progress."""
+
+
+@dataclass
+class RecoveryPlan:
+    """How the job comes back from the failure of ``failed`` workers.
+
+    ``sources`` maps each failed role to where its state comes from: ``replica:<worker>``
+    (a live data-parallel replica, which holds exactly the same state after a committed
+    step) or ``checkpoint``. If any role has no replica, every role rolls back to the
+    checkpoint (``rollback_step``), since the survivors are ahead of it."""
+
+    recovery_id: int
+    pairs: list[Pair]                       # failed worker -> joiner (a standby)
+    sources: dict[str, str]                 # role name -> "replica:<worker>" | "checkpoint"
+    rollback_step: int | None               # resume step of a checkpoint rollback, or None
+    generations: dict[str, int]             # groups rebuilt -> their new generation
+    stayers: dict[str, list[str]]           # live worker -> its groups being rebuilt
+    groups_total: int
+
+    @property
+    def failed(self) -> list[str]:
+        return [p.leaver for p in self.pairs]
+
+    @property
+    def joiners(self) -> list[str]:
+        return [p.joiner for p in self.pairs]
+
+    def describe(self) -> dict:
+        return {"recovery_id": self.recovery_id,
+                "pairs": [{"failed": p.leaver, "joiner": p.joiner, "role": p.role.name}
+                          for p in self.pairs],
+                "sources": self.sources, "rollback_step": self.rollback_step,
+                "groups_rebuilt": len(self.generations), "groups_total": self.groups_total,
+                "rebuilt_groups": sorted(self.generations)}
+
+
+def replica_of(m: Membership, role: Role, exclude: set[str]) -> str | None:
+    """A live worker holding the same (pp, tp) position in another data-parallel replica."""
+    for w, r in sorted(m.workers.items(), key=lambda kv: kv[1]):
+        if w not in exclude and r.pp == role.pp and r.tp == role.tp and r.dp != role.dp:
+            return w
+    return None
+
+
+def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set[str],
+                  checkpoint_step: int | None, busy: set[str] = frozenset()) -> RecoveryPlan:
+    """Decide joiners, state sources and the groups to rebuild after ``failed`` workers died.
+
+    Rebuilt: every group of a failed role, plus every *dirty* group (one on which some
+    survivor had an operation in flight when the step was aborted: its sequence of
+    operations no longer matches between members). Clean groups are kept."""
+    if not failed:
+        raise ValueError("no failed worker given")
+    unknown = [w for w in failed if w not in m.workers]
+    if unknown:
+        raise ValueError(f"failed worker(s) {unknown} hold no role")
+    free = [s for s in m.free_standbys() if s not in busy]
+    if len(free) < len(failed):
+        raise RecoveryImpossible(f"{len(failed)} failed worker(s) but {len(free)} free standby")
+    pairs = [Pair(w, j, m.workers[w]) for w, j in zip(failed, free)]
+    dead = set(failed)
+    sources = {}
+    for p in pairs:
+        replica = replica_of(m, p.role, dead)
+        sources[p.role.name] = f"replica:{replica}" if replica else "checkpoint"
+    rollback = None
+    if any(src == "checkpoint" for src in sources.values()):
+        if checkpoint_step is None:
+            raise RecoveryImpossible(
+                f"role(s) {[r for r, s in sources.items() if s == 'checkpoint']} have no live "
+                f"data-parallel replica and there is no complete checkpoint")
+        rollback = checkpoint_step
+        sources = {r: "checkpoint" for r in sources}  # everyone goes back together
+    layout = m.layout
+    rebuild = dict(layout.affected_groups(*[p.role for p in pairs]))
+    comm = layout.communicator_groups()
+    for name in sorted(dirty):
+        if name in comm:
+            rebuild[name] = comm[name]
+    generations = {name: m.next_generation[name] for name in rebuild}
+    stayers: dict[str, list[str]] = {}
+    for w, role in m.workers.items():
+        if w in dead:
+            continue
+        mine = sorted(n for n, g in rebuild.items() if role in g.members)
+        if mine:
+            stayers[w] = mine
+    return RecoveryPlan(recovery_id, pairs, sources, rollback, generations, stayers, len(comm))
+
+
+
+def dirty_groups(layout: Layout, reports: dict[str, dict[str, dict]],
+                 holders: dict[str, Role]) -> set[str]:
+    """Groups whose members no longer agree on their sequence of operations after an
+    aborted step, from each survivor's accounting (``group -> {coll, sent, recv, pending}``).
+
+    A group is clean only if no member has an operation pending, every member issued the
+    same number of collectives, and in a pipeline pair each side received exactly what the
+    other sent (a message sent but never received would be read by the next step's receive).
+    Groups with a member that did not report (dead) are not judged here: they are rebuilt
+    as the failed role's groups."""
+    dirty = set()
+    comm = layout.communicator_groups()
+    role_holder = {r: w for w, r in holders.items()}
+    for name, spec in comm.items():
+        members = [role_holder.get(r) for r in spec.members]
+        if any(w is None or w not in reports or name not in reports[w] for w in members):
+            continue
+        acc = [reports[w][name] for w in members]
+        if any(a["pending"] for a in acc) or len({a["generation"] for a in acc}) > 1:
+            dirty.add(name)
+        elif len({a["coll"] for a in acc}) > 1:
+            dirty.add(name)
+        elif spec.kind == "p2p" and (acc[0]["sent"] != acc[1]["recv"] or
+                                     acc[1]["sent"] != acc[0]["recv"]):
+            dirty.add(name)
+    return dirty

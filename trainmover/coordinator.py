@@ -30,6 +30,7 @@ from .comm import start_store_server
 from .config import JobConfig
 from .events import EventLog, read_jsonl
 from .faults import Inject
+from .recovery import Recovery
 from .state import assemble, state_digest
 
 
@@ -164,6 +165,8 @@ class Coordinator:
         self.warm_for: dict[str, list[str]] = {}
         self._standbys_read_at = 0.0
         self._stop_requested = threading.Event()
+        self.recovery = Recovery(self)
+        self.awaiting_recovery: list = []
 
     # --- set-up ----------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -263,11 +266,13 @@ class Coordinator:
         self.progress.poll()
         self._check_processes()
         self._update_standbys()
+        if self.cfg.runtime.recover:
+            self.recovery.poll()
         self._collect_requests()
         self._fire_injects()
-        if self._job_finished():
+        if self.recovery.active is None and self._job_finished():
             return True
-        if self.active is None and self.pending:
+        if self.active is None and self.pending and self.recovery.active is None:
             self._start_migration(self.pending.pop(0))
         if self.active is not None:
             self._advance_migration()
@@ -352,6 +357,10 @@ class Coordinator:
                     self.membership.standbys[name] = C.StandbyState.DEAD
                     self.events.emit("standby_died", name=name, code=code)
                     self.progress.say(f"standby {name} exited with code {code}")
+                continue
+            if self.cfg.runtime.recover and name in self.membership.workers:
+                continue  # the recovery path detects, fences and replaces it
+            if name in self.membership.departed or name in self.recovery.failed_workers:
                 continue
             raise JobFailed(f"worker {name} exited with code {code}; last log lines:\n{p.tail()}")
 
@@ -545,8 +554,19 @@ class Coordinator:
         self.active = None
         self.awaiting_downtime.append(mig)
 
+    def fault_events(self) -> list[dict]:
+        """The workers' own records of faults injected into them (for detection latency)."""
+        return [e for e in read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+                if e["event"] == "fault_injected"]
+
     def _finish_downtimes(self, final: bool = False) -> None:
-        """A migration's downtime is known once the job has committed its switch step."""
+        """A migration's (or recovery's) downtime is known once the job has committed the
+        first step after it."""
+        for rec in list(self.awaiting_recovery):
+            if self.progress.last_step < rec.reports["resume_step"] and not final:
+                continue
+            self.awaiting_recovery.remove(rec)
+            self.recovery.report(rec)
         for mig in list(self.awaiting_downtime):
             if self.progress.last_step < mig.switch_step and not final:
                 continue
@@ -650,6 +670,7 @@ class Coordinator:
             "mean_step_time_s": statistics.fmean(steady) if steady else None,
             "migrations": self.finished_migrations,
             "restarts": self._restart_report(),
+            "recoveries": self.recovery.done,
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -41,6 +41,34 @@ def request_key(index: int, what: str = "") -> str:
     return f"req/{index}" + (f"/{what}" if what else "")
 
 
+def heartbeat_key(worker: str) -> str:
+    return f"hb/{worker}"
+
+
+def abort_key(epoch: int) -> str:
+    """Written by the controller to abandon the step in flight of ``epoch``."""
+    return f"abort/{epoch}"
+
+
+def commit_key(epoch: int, step: int, what: str) -> str:
+    return f"commit/{epoch}/{step}/{what}"
+
+
+def failure_key(epoch: int, worker: str) -> str:
+    """A worker's own report of a failed step (the error it saw, its groups' accounting)."""
+    return f"fail/{epoch}/{worker}"
+
+
+def recovery_key(recovery_id: int, what: str, worker: str | None = None) -> str:
+    base = f"recovery/{recovery_id}/{what}"
+    return base if worker is None else f"{base}/{worker}"
+
+
+def checkpoint_key(step: int) -> str:
+    """Counts the roles that finished writing the checkpoint taken before ``step``."""
+    return f"ckpt/{step}/written"
+
+
 REQUEST_COUNT_KEY = "req/count"
 MIGRATION_COUNT_KEY = "mig/count"
 

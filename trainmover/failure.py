@@ -1,0 +1,113 @@
+"""A worker's side of failure handling: liveness, the step commit vote, aborting a step, and
+taking part in a recovery.
+
+- ``Heartbeat``: a daemon thread (own store client) bumps ``hb/<worker>`` every interval. A
+  process that is stopped (SIGSTOP) or wedged stops beating; the controller fences it.
+- ``AbortWatcher``: a daemon thread blocks on ``abort/<epoch>``; when the controller writes it,
+  the worker's ``AbortSignal`` fires and every wait on its groups raises ``StepAborted``.
+- ``CommitVote``: no step is ever half-applied. After a step's collectives (gradients, norm,
+  loss) and before the optimizer touches anything, every worker adds its vote; the last voter
+  writes ``commit`` with a compare-and-set; the controller, on a failure, writes ``abort``
+  the same way. Whichever lands first is the decision, recorded in one place.
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+from . import protocol as P
+from .comm import AbortSignal, StepAborted, StoreClients
+
+
+class Heartbeat:
+    def __init__(self, stores: StoreClients, worker: str, interval_s: float):
+        self.worker, self.interval_s = worker, interval_s
+        self.step = -1
+        self._stores = stores
+        self._stop = threading.Event()
+        threading.Thread(target=self._loop, name=f"heartbeat-{worker}", daemon=True).start()
+
+    def _loop(self) -> None:
+        store = self._stores.get()
+        while not self._stop.is_set():
+            try:
+                store.add(P.heartbeat_key(self.worker), 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over
+                return
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class AbortWatcher:
+    """Fires ``signal`` when the controller aborts the current epoch's step."""
+
+    def __init__(self, stores: StoreClients, signal: AbortSignal, epoch: int):
+        self.signal = signal
+        self._stores = stores
+        self.epoch = epoch
+        self._thread = threading.Thread(target=self._loop, args=(epoch,), daemon=True,
+                                        name=f"abort-watch-{epoch}")
+        self._thread.start()
+
+    def _loop(self, epoch: int) -> None:
+        store = self._stores.get()
+        key = P.abort_key(epoch)
+        while True:
+            try:
+                store.wait([key], timedelta(hours=24))
+                reason = store.get(key).decode()
+            except Exception:  # noqa: BLE001 - long idle wait, or the store is gone
+                try:
+                    store.check([key])
+                except Exception:  # noqa: BLE001
+                    return
+                continue
+            self.signal.set(f"epoch {epoch} aborted: {reason}")
+            return
+
+
+class CommitVote:
+    """The step's commit decision (see module doc). Costs each worker two or three store
+    round trips per step; ``votes`` counts voters of the current epoch only."""
+
+    def __init__(self, stores: StoreClients, num_voters: int, epoch: int):
+        self.store = stores.get()
+        self.num_voters, self.epoch = num_voters, epoch
+
+    def __call__(self, step: int) -> bool:
+        votes = self.store.add(P.commit_key(self.epoch, step, "votes"), 1)
+        decision = P.commit_key(self.epoch, step, "decision")
+        if votes == self.num_voters:
+            self.store.compare_set(decision, "", "commit")
+        self.store.wait([decision])
+        return self.store.get(decision) == b"commit"
+
+
+def decide_abort(store, epoch: int, from_step: int) -> int:
+    """Controller side: abort the first undecided step of ``epoch`` at or after ``from_step``.
+    Returns the last committed step (steps decided ``commit`` meanwhile stay committed)."""
+    step = from_step
+    while True:
+        got = store.compare_set(P.commit_key(epoch, step, "decision"), "", "abort").decode()
+        if got == "abort":
+            return step - 1
+        step += 1
+
+
+class StepFailed(Exception):
+    """Raised by the training loop's guard when a step could not complete."""
+
+    def __init__(self, step: int, cause: BaseException):
+        self.step, self.cause = step, cause
+        super().__init__(f"step {step} failed: {type(cause).__name__}: {cause}")
+
+
+def is_step_failure(exc: BaseException, signal: AbortSignal) -> bool:
+    """Errors that mean "this step cannot finish", including ones raised inside autograd
+    (which may re-wrap them as a RuntimeError)."""
+    from .comm import CommError
+
+    return isinstance(exc, (StepAborted, CommError)) or signal.is_set() or \
+        "StepAborted" in str(exc) or "CommError" in str(exc)

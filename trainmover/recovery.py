@@ -1,0 +1,280 @@
+"""The controller's side of unexpected failures: detect, fence, abort the step in flight,
+collect the survivors' accounts, plan (``controller.plan_recovery``), command, and account.
+
+Detection, bounded:
+- a crashed worker: its process exit is seen at the next poll (tens of milliseconds);
+- a hung worker (stopped, wedged): its heartbeat counter stops moving; after
+  ``heartbeat_timeout_s`` it is *fenced*: killed with SIGKILL. gloo cannot cancel an
+  operation and a stopped peer keeps its sockets open, so without fencing the survivors would
+  wait for the group timeout; with it, a hang costs at most the heartbeat timeout;
+- a failed collective (peer reset, a worker's own communicator aborted): the survivors
+  report it; a worker whose own communicator failed is fenced and replaced.
+Then the step in flight is aborted everywhere (``abort/<epoch>`` wakes every survivor out of
+any wait, and the step's commit decision is set to ``abort`` unless it was already
+``commit``), so no survivor is ever stuck past the bound.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from . import controller as C
+from . import protocol as P
+from .checkpoint import latest_complete
+from .failure import decide_abort
+
+
+@dataclass
+class Failure:
+    worker: str
+    kind: str            # crash | hang | commerr
+    detected_at: float
+    detail: str = ""
+
+
+@dataclass
+class ActiveRecovery:
+    recovery_id: int
+    epoch: int                       # the epoch whose step was aborted
+    failures: dict[str, Failure]
+    t_detected: float
+    last_committed: int
+    state: str = "collecting"        # collecting -> recovering -> done
+    plan: C.RecoveryPlan | None = None
+    t_planned: float | None = None
+    reports: dict[str, dict] = field(default_factory=dict)
+
+
+class Recovery:
+    """Owned by the coordinator; ``poll`` is called on every supervision round."""
+
+    def __init__(self, coord):
+        self.coord = coord
+        self.epoch = 0
+        self.active: ActiveRecovery | None = None
+        self.done: list[dict] = []
+        self._beats: dict[str, tuple[int, float]] = {}
+        self._count = 0
+        self.committed = -1           # last step whose decision is known to be commit
+        self.failed_workers: set[str] = set()
+
+    @property
+    def cfg(self):
+        return self.coord.cfg
+
+    # --- detection --------------------------------------------------------------------------
+    def detect(self) -> list[Failure]:
+        """New failures among the active workers (never the ones already being handled)."""
+        coord, now = self.coord, time.time()
+        handled = set(self.active.failures) if self.active else set()
+        out = []
+        for w in list(coord.membership.workers):
+            if w in handled or w not in coord.processes:
+                continue
+            proc = coord.processes[w].proc
+            code = proc.poll()
+            if code is not None and code != 0:
+                out.append(Failure(w, "crash", now, f"exit code {code}"))
+                continue
+            if code == 0:
+                continue
+            beat = self._beat(w)
+            if beat is not None and now - beat > self.cfg.runtime.heartbeat_timeout_s:
+                out.append(Failure(w, "hang", now, f"no heartbeat for {now - beat:.2f} s"))
+                continue
+            key = P.failure_key(self.epoch, w)
+            if coord.store.check([key]):
+                report = P.decode(coord.store.get(key))
+                if report.get("self"):
+                    out.append(Failure(w, "commerr", now, report.get("error", "")))
+        return out
+
+    def _beat(self, worker: str) -> float | None:
+        """Time the worker's heartbeat counter last moved (None before its first beat)."""
+        store = self.coord.store
+        key = P.heartbeat_key(worker)
+        if not store.check([key]):
+            return None
+        count = store.add(key, 0)
+        seen = self._beats.get(worker)
+        if seen is None or seen[0] != count:
+            self._beats[worker] = (count, time.time())
+        return self._beats[worker][1]
+
+    def fence(self, worker: str, why: str) -> None:
+        """Kill a worker that is alive but failed: SIGCONT first is not needed, SIGKILL works
+        on a stopped process, and closing its sockets turns a hang into a crash."""
+        proc = self.coord.processes[worker].proc
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self.coord.events.emit("fenced", name=worker, reason=why)
+
+    # --- the state machine ------------------------------------------------------------------
+    def poll(self) -> None:
+        coord = self.coord
+        self._advance_committed()
+        new = self.detect()
+        if new and self.active is None:
+            self._start(new)
+        elif new:
+            # a failure while recovering: fence it too and start over with the wider set
+            for f in new:
+                self.fence(f.worker, f.kind)
+                self.active.failures[f.worker] = f
+            coord.events.emit("failure_during_recovery", workers=[f.worker for f in new])
+        if self.active is not None:
+            self._advance()
+
+    def _advance_committed(self) -> None:
+        store = self.coord.store
+        while store.check([P.commit_key(self.epoch, self.committed + 1, "decision")]):
+            if store.get(P.commit_key(self.epoch, self.committed + 1, "decision")) != b"commit":
+                break
+            self.committed += 1
+
+    def _start(self, failures: list[Failure]) -> None:
+        coord = self.coord
+        self._count += 1
+        t = time.time()
+        for f in failures:
+            if f.kind != "crash":
+                self.fence(f.worker, f.kind)
+        reason = ", ".join(f"{f.worker} {f.kind} ({f.detail})" for f in failures)
+        coord.store.set(P.abort_key(self.epoch), reason)
+        last = decide_abort(coord.store, self.epoch, self.committed + 1)
+        self.committed = last
+        self.active = ActiveRecovery(self._count, self.epoch, {f.worker: f for f in failures},
+                                     t, last)
+        coord.events.emit("failure_detected", recovery_id=self._count, epoch=self.epoch,
+                          failures=[f.__dict__ for f in failures], last_committed_step=last)
+        coord.progress.say(f"failure: {reason}; step {last + 1} aborted everywhere, "
+                           f"last committed step {last}")
+        if coord.active is not None:
+            coord._abort_active(f"failure during the migration: {reason}")
+
+    def _advance(self) -> None:
+        rec = self.active
+        coord = self.coord
+        if rec.state == "collecting":
+            survivors = [w for w in coord.membership.workers if w not in rec.failures]
+            missing = []
+            for w in survivors:
+                key = P.failure_key(rec.epoch, w)
+                if w not in rec.reports:
+                    if coord.store.check([key]):
+                        rec.reports[w] = P.decode(coord.store.get(key))
+                    else:
+                        missing.append(w)
+            if missing:
+                if time.time() - rec.t_detected > self.cfg.runtime.heartbeat_timeout_s * 2:
+                    # alive (beating) yet silent: treat as failed too
+                    for w in missing:
+                        self.fence(w, "no report after abort")
+                        rec.failures[w] = Failure(w, "hang", time.time(), "no report after abort")
+                return
+            self._plan(rec)
+        elif rec.state == "recovering":
+            participants = set(rec.plan.joiners) | {w for w in coord.membership.workers
+                                                    if w not in rec.failures}
+            count = coord.store.add(P.recovery_key(rec.recovery_id, "recovered_count"), 0)
+            if count >= len(participants):
+                self._complete(rec)
+
+    def _plan(self, rec: ActiveRecovery) -> None:
+        coord = self.coord
+        m = coord.membership
+        holders = {w: r for w, r in m.workers.items() if w not in rec.failures}
+        dirty = C.dirty_groups(m.layout, {w: r["accounting"] for w, r in rec.reports.items()},
+                               holders)
+        ckpt = latest_complete(coord.run_dir)
+        try:
+            plan = C.plan_recovery(m, rec.recovery_id, sorted(rec.failures), dirty, ckpt)
+        except C.RecoveryImpossible as exc:
+            from .coordinator import JobFailed
+
+            raise JobFailed(f"cannot recover from {sorted(rec.failures)}: {exc}. Committed "
+                            f"progress (step {rec.last_committed}) and checkpoints are intact.")
+        rec.plan, rec.t_planned, rec.state = plan, time.time(), "recovering"
+        coord.membership = C.reserve(coord.membership, plan)
+        new_epoch = rec.epoch + 1
+        resume = plan.rollback_step if plan.rollback_step is not None else rec.last_committed + 1
+        rec.reports["resume_step"] = resume
+        coord.events.emit("recovery_planned", epoch=new_epoch, resume_step=resume,
+                          dirty_groups=sorted(dirty), **plan.describe())
+        coord.progress.say(
+            "recovery: " + ", ".join(f"{p.leaver} -> {p.joiner} ({p.role}, state from "
+                                     f"{plan.sources[p.role.name]})" for p in plan.pairs)
+            + f"; rebuilding {len(plan.generations)}/{plan.groups_total} groups; resuming at "
+              f"step {resume}")
+        senders = {}
+        for p in plan.pairs:
+            src = plan.sources[p.role.name]
+            replica = src.split(":", 1)[1] if src.startswith("replica:") else None
+            channel = f"rxfer.{replica}.{p.joiner}" if replica else None
+            if replica:
+                senders[replica] = {"joiner": p.joiner, "transfer_group": channel,
+                                    "transfer_generation": rec.recovery_id}
+            P.send_command(coord.store, p.joiner, {
+                "type": "assign", "recovery_id": rec.recovery_id, "role": p.role.name,
+                "epoch": new_epoch, "resume_step": resume,
+                "groups": {s.name: plan.generations[s.name]
+                           for s in m.layout.groups_of(p.role).values()
+                           if s.name in plan.generations},
+                "source": ({"kind": "replica", "transfer_group": channel,
+                            "transfer_generation": rec.recovery_id} if channel
+                           else {"kind": "checkpoint", "step": plan.rollback_step})})
+        for w in coord.membership.workers:
+            if w in rec.failures:
+                continue
+            P.send_command(coord.store, w, {
+                "type": "recover", "recovery_id": rec.recovery_id, "epoch": new_epoch,
+                "resume_step": resume, "rollback_step": plan.rollback_step,
+                "groups": {g: plan.generations[g] for g in plan.stayers.get(w, [])},
+                "send_state": senders.get(w)})
+        self.epoch = new_epoch
+        self.committed = resume - 1
+
+    def _complete(self, rec: ActiveRecovery) -> None:
+        coord = self.coord
+        plan = rec.plan
+        coord.membership = C.commit(coord.membership, C.MigrationPlan(
+            rec.recovery_id, plan.pairs, plan.generations, plan.stayers, plan.groups_total))
+        for p in plan.pairs:
+            coord.store.set(P.membership_key(p.joiner), p.role.name)
+        self.failed_workers |= set(rec.failures)
+        rec.state = "done"
+        self.active = None
+        coord.awaiting_recovery.append(rec)
+
+    def report(self, rec: ActiveRecovery) -> dict:
+        """Downtime from the fault to the first committed step after it (needs its metrics)."""
+        coord = self.coord
+        resume = rec.reports["resume_step"]
+        t_commit = next((r["time"] for r in coord.progress.records if r["step"] == resume
+                         and r["time"] > rec.t_detected), None)
+        faults = [e for e in coord.fault_events() if e["worker"] in rec.failures]
+        t_fault = min([e["time"] for e in faults] or [rec.t_detected])
+        detection = {w: f.detected_at - next((e["time"] for e in faults if e["worker"] == w),
+                                             f.detected_at)
+                     for w, f in rec.failures.items()}
+        result = {"status": "done", **rec.plan.describe(), "resume_step": resume,
+                  "last_committed_step": rec.last_committed,
+                  "failures": {w: f.kind for w, f in rec.failures.items()},
+                  "detection_latency_s": detection,
+                  "downtime_s": None if t_commit is None else t_commit - t_fault,
+                  "phases": {"detect_s": rec.t_detected - t_fault,
+                             "collect_s": rec.t_planned - rec.t_detected,
+                             "rebuild_and_first_step_s": None if t_commit is None
+                             else t_commit - rec.t_planned}}
+        self.done.append(result)
+        coord.events.emit("recovery_done", **result)
+        if t_commit is not None:
+            src = ", ".join(sorted(set(rec.plan.sources.values())))
+            coord.progress.say(
+                f"recovered from {', '.join(f'{w} {f.kind}' for w, f in rec.failures.items())}:"
+                f" detection {max(detection.values()):.3f} s, downtime {result['downtime_s']:.3f}"
+                f" s (fault to first committed step), state from {src}")
+        return result
