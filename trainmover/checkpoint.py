@@ -44,23 +44,6 @@ def local_path(run_dir: str, step: int, role_name: str) -> str:
     return os.path.join(run_dir, "ckpt", f"step{step}", f"{role_name}.pt")
 
 
-def save_local(run_dir: str, step: int, role_name: str, tensors: dict, keep: int = 2) -> float:
-    """Save one role's local state as the state *before* ``step`` (write, then rename), and
-    drop this role's checkpoints older than the last ``keep``. Returns seconds taken."""
-    import time
-
-    t0 = time.perf_counter()
-    path = local_path(run_dir, step, role_name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save({k: v.detach().cpu() for k, v in tensors.items()}, tmp)
-    os.replace(tmp, path)
-    old = local_path(run_dir, step - keep, role_name)
-    if os.path.exists(old):
-        os.remove(old)
-    return time.perf_counter() - t0
-
-
 def load_local(run_dir: str, step: int, role_name: str) -> dict[str, torch.Tensor]:
     path = local_path(run_dir, step, role_name)
     if not os.path.exists(path):
@@ -108,7 +91,11 @@ class AsyncCheckpointer:
         self.store, self.keep = store, keep
         self._thread = None
         self.last_write_s = 0.0
-        self.on_write = None  # test hook: called with the path being written
+        self.on_write = None  # fault-injection hook: called with the path being written
+        self.step: int | None = None
+        # Completion is counted per epoch: after a rollback the same step is written again,
+        # and only a full set written in one epoch may be marked complete.
+        self.epoch = 0
 
     def save(self, step: int, tensors: dict) -> float:
         """Snapshot now, write in the background. Returns the synchronous seconds."""
@@ -118,12 +105,12 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         self.wait()  # at most one write in flight per role
         snapshot = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-        self._thread = threading.Thread(target=self._write, args=(step, snapshot),
+        self._thread = threading.Thread(target=self._write, args=(step, snapshot, self.epoch),
                                         name=f"ckpt-{step}", daemon=True)
         self._thread.start()
         return time.perf_counter() - t0
 
-    def _write(self, step: int, snapshot: dict) -> None:
+    def _write(self, step: int, snapshot: dict, epoch: int) -> None:
         import time
 
         from . import protocol as P
@@ -132,11 +119,11 @@ class AsyncCheckpointer:
         path = local_path(self.run_dir, step, self.role_name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp"
-        if self.on_write is not None:
-            self.on_write(tmp)
         torch.save(snapshot, tmp)
+        if self.on_write is not None:
+            self.on_write(tmp)  # a crash here: the data is on disk but never committed
         os.replace(tmp, path)
-        if self.store.add(P.checkpoint_key(step), 1) == self.num_roles:
+        if self.store.add(P.checkpoint_key(epoch, step), 1) == self.num_roles:
             marker = os.path.join(step_dir(self.run_dir, step), COMPLETE)
             with open(f"{marker}.tmp", "w") as f:
                 f.write(f"{step}\n")

@@ -33,6 +33,8 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         cfg.runtime.device = args.device
     if getattr(args, "standbys", None) is not None:
         cfg.runtime.standbys = args.standbys
+    if getattr(args, "checkpoint_every", None) is not None:
+        cfg.runtime.checkpoint_every = args.checkpoint_every
     cfg.validate()
     if args.workers is not None and args.workers != cfg.layout.num_roles:
         raise ValueError(f"--workers={args.workers} does not match layout {cfg.layout} "
@@ -47,7 +49,20 @@ def build_injects(args: argparse.Namespace, cfg: JobConfig) -> list:
     injects = [parse_inject(text) for text in (args.inject or [])]
     validate_injects(injects, cfg.train.steps, worker_names(cfg.layout.num_roles),
                      worker_names(cfg.runtime.standbys, "s"))
-    return injects
+    return apply_worker_faults(cfg, injects)
+
+
+def apply_worker_faults(cfg: JobConfig, injects: list) -> list:
+    """Faults the workers carry out go into the job's configuration; the rest (migrations)
+    stay with the controller, which is what this returns."""
+    from .faults import worker_faults
+
+    faults = worker_faults(injects)
+    if any(f["point"] == "checkpoint" for f in faults) and not cfg.runtime.checkpoint_every:
+        raise ValueError("a fault at point 'checkpoint' needs checkpoints: add "
+                         "--checkpoint-every N")
+    cfg.runtime.faults = list(cfg.runtime.faults) + faults
+    return [i for i in injects if i.kind == "migrate"]
 
 
 def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
@@ -64,6 +79,9 @@ def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
     p.add_argument("--data-format", choices=["text", "uint16"])
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--standbys", type=int, help="standby processes started with the job")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="asynchronous checkpoint every N steps (the fallback when a failed "
+                        "role has no data-parallel replica)")
     p.add_argument("--inject", action="append", metavar="KIND@STEP:TARGET[:ARG]",
                    help="scheduled event, e.g. migrate@12:w3 (repeatable)")
     p.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
@@ -90,9 +108,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo_injects, print_demo_summary
 
     if args.standbys is None:
-        args.standbys = 1
+        args.standbys = 2
     cfg = build_config(args)
-    injects = build_injects(args, cfg) if args.inject else demo_injects(cfg)
+    injects = build_injects(args, cfg) if args.inject else \
+        apply_worker_faults(cfg, demo_injects(cfg))
     run_dir = args.run_dir or _default_run_dir("demo")
     summary = run_job(cfg, run_dir, quiet=args.quiet, injects=injects)
     print_demo_summary(cfg, run_dir, summary)

@@ -22,6 +22,7 @@ Ordering rules learnt on this platform (see shared/design/platform-notes.md):
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -144,21 +145,58 @@ class Work:
         if self._done:
             return
         work, signal = self._work, self._group.abort_signal
-        if signal is not None:
-            polls = 0
-            while not work.is_completed():
-                if signal.is_set():
-                    raise StepAborted(f"{self._op} on {self._group.name} gen"
-                                      f"{self._group.generation} abandoned: {signal.reason}")
-                polls += 1
-                if polls > 32:
-                    time.sleep(5e-5 if polls < 232 else 1e-3)
-        try:
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - backend errors have no common type
-            raise self._group._fail(self._op, exc) from exc
+        if signal is not None and self._op in ("send", "recv"):
+            # gloo's point-to-point works only complete inside wait(): a helper thread of
+            # this group waits, and this thread watches both it and the abort signal
+            self._group._waiter().wait(work, self._op, signal, self._group)
+        else:
+            if signal is not None:
+                polls = 0
+                while not work.is_completed():
+                    self._check_abort(signal)
+                    polls += 1
+                    if polls > 32:
+                        time.sleep(5e-5 if polls < 232 else 1e-3)
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - backend errors have no common type
+                raise self._group._fail(self._op, exc) from exc
         self._done = True
         self._group.pending -= 1
+
+    def _check_abort(self, signal: "AbortSignal") -> None:
+        if signal.is_set():
+            raise StepAborted(f"{self._op} on {self._group.name} gen{self._group.generation} "
+                              f"abandoned: {signal.reason}")
+
+
+class _Waiter:
+    """One daemon thread per group that blocks in point-to-point waits on behalf of the
+    training thread. A wait abandoned on abort leaves this thread stuck until gloo's timeout,
+    but the group is then dirty (an operation is pending) and replaced, waiter and all."""
+
+    def __init__(self, name: str):
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name=f"wait-{name}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            work, done, box = self._queue.get()
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                box.append(exc)
+            done.set()
+
+    def wait(self, work, op: str, signal: "AbortSignal", group: "Group") -> None:
+        done, box = threading.Event(), []
+        self._queue.put((work, done, box))
+        while not done.wait(0.002):
+            if signal.is_set():
+                raise StepAborted(f"{op} on {group.name} gen{group.generation} abandoned: "
+                                  f"{signal.reason}")
+        if box:
+            raise group._fail(op, box[0]) from box[0]
 
 
 class Group:
@@ -180,6 +218,7 @@ class Group:
         # every member still agrees on the sequence of operations (a clean group is kept).
         self.issued = {"coll": 0, "sent": 0, "recv": 0}
         self.pending = 0
+        self._waiter_thread: _Waiter | None = None
         if pg is None and spec.size != 1 and not sandbox:
             raise ValueError(f"group {spec.name} has {spec.size} members but no communicator")
 
@@ -262,6 +301,11 @@ class Group:
         if self._pg is None:
             raise self._fail("recv", "recv on a single-member group")
         return self._run("recv", lambda: self._pg.recv([tensor], peer, tag), True)
+
+    def _waiter(self) -> "_Waiter":
+        if self._waiter_thread is None:
+            self._waiter_thread = _Waiter(self.name)
+        return self._waiter_thread
 
     def accounting(self) -> dict:
         """Operations issued and still pending on this group (see ``controller.dirty_groups``)."""

@@ -82,6 +82,7 @@ class Progress:
 
     @property
     def last_step(self) -> int:
+        """The newest committed step (after a rollback, steps are committed again)."""
         return self.records[-1]["step"] if self.records else -1
 
     def poll(self) -> None:
@@ -654,11 +655,14 @@ class Coordinator:
         ckpt_dir = os.path.join(self.run_dir, "final", "checkpoint")
         save_canonical(canonical, ckpt_dir)
         shutil.rmtree(shard_dir)
-        metrics = read_jsonl(os.path.join(self.run_dir, "metrics.jsonl"))
+        records = read_jsonl(os.path.join(self.run_dir, "metrics.jsonl"))
+        # a rollback commits some steps twice: the later record is the one that counts
+        metrics = list({m["step"]: m for m in records}.values())
         steady = [m["step_time_s"] for m in metrics[1:]]
         summary = {
             "name": cfg.name,
             "steps": len(metrics),
+            "steps_recomputed": len(records) - len(metrics),
             "final_loss": metrics[-1]["loss"] if metrics else None,
             "layout": cfg.layout.as_dict(),
             "workers": cfg.layout.num_roles,

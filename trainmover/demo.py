@@ -10,10 +10,14 @@ from .faults import Inject
 
 
 def demo_injects(cfg: JobConfig) -> list[Inject]:
-    """Migrate a middle worker halfway through (a first-stage role in the demo layout)."""
-    if cfg.runtime.standbys < 1:
-        return []
-    return [Inject("migrate", cfg.train.steps // 2, "w1")]
+    """A planned migration of w1 a third of the way in, then an unexpected crash of w2 (killed
+    in the middle of its backward pass) two thirds of the way in."""
+    out = []
+    if cfg.runtime.standbys >= 1:
+        out.append(Inject("migrate", cfg.train.steps // 3, "w1"))
+    if cfg.runtime.standbys >= 2 and cfg.layout.num_roles > 2:
+        out.append(Inject("crash", 2 * cfg.train.steps // 3, "w2", "backward"))
+    return out
 
 
 def cold_start_s(run_dir: str) -> float | None:
@@ -55,6 +59,18 @@ def print_demo_summary(cfg: JobConfig, run_dir: str, summary: dict) -> None:
             ratio = restart / m["downtime_s"] if m["downtime_s"] else float("inf")
             print(f"    a restart costs   >= {restart:.2f} s on this job (its own cold start, "
                   f"checkpoint load not included): {ratio:.0f}x the migration's downtime")
+    for r in summary.get("recoveries", []):
+        failed = ", ".join(f"{w} ({k})" for w, k in r["failures"].items())
+        pairs = ", ".join(f"{p['joiner']} took {p['role']}" for p in r["pairs"])
+        print(f"  unexpected failure  {failed}: {pairs}")
+        print(f"    detection         {max(r['detection_latency_s'].values()):.3f} s")
+        print(f"    downtime          {r['downtime_s']:.3f} s (fault to first committed step; "
+              f"step {r['resume_step']} redone, {r['lost_steps']} committed steps lost)")
+        print(f"    state from        {', '.join(sorted(set(r['sources'].values())))}; "
+              f"{r['groups_rebuilt']}/{r['groups_total']} groups rebuilt")
+        if restart is not None and r["downtime_s"]:
+            print(f"    a restart costs   >= {restart:.2f} s: "
+                  f"{restart / r['downtime_s']:.0f}x this recovery")
     print(f"  weights sha256      {summary['weights_sha256']}")
     print(f"  run dir             {os.path.abspath(run_dir)}  (metrics.jsonl, events.jsonl, "
           f"summary.json, final/checkpoint)")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from .comm import CommGroups, Work
+from .comm import CommGroups, StepAborted, Work
 from .config import JobConfig
 from .data import BatchSource
 from .model import GPTStage, dropout_seed
@@ -69,6 +70,7 @@ class GradBuckets:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def zero(self) -> None:
+        self._armed = False  # an aborted step may have left the hooks armed
         for buf in self.buffers:
             buf.zero_()
 
@@ -134,24 +136,41 @@ class Engine:
             lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False)
         self.forward = torch.compile(self.model) if tc.compile else self.model
         self.act_shape = (self.micro_batch, cfg.model.seq_len, cfg.model.d_model)
+        self.on_point: Callable[[str, int], None] | None = None
 
     # --- one training step -------------------------------------------------------------
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int, commit: Callable[[int, dict], bool] | None = None
+                   ) -> StepResult:
+        """One step. With ``commit``, every collective of the step comes first, then the
+        vote; the optimizer touches nothing unless the job decided to commit the step, so a
+        failure anywhere leaves every rank's state exactly as it was before the step."""
         t0 = time.perf_counter()
         self.grads.zero()
         loss = self._pipeline(step)
+        self._point("allreduce", step)
         self.grads.finish()
         grad_norm = self._clip_gradients()
-        lr = lr_at(step, self.cfg.train.lr, self.cfg.train.min_lr, self.cfg.train.warmup_steps,
-                   self.cfg.train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
         if loss is not None and self.groups.dp.size > 1:
             self.groups.dp.allreduce(loss)
             loss /= self.groups.dp.size
+        lr = lr_at(step, self.cfg.train.lr, self.cfg.train.min_lr, self.cfg.train.warmup_steps,
+                   self.cfg.train.steps)
+        if commit is not None:
+            info = {"loss": None if loss is None else float(loss), "grad_norm": grad_norm,
+                    "lr": lr, "step_time_s": time.perf_counter() - t0}
+            if not commit(step, info):
+                raise StepAborted(f"step {step} was aborted by the job")
+        self._point("optimizer", step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
         return StepResult(step, None if loss is None else float(loss), grad_norm, lr,
                           time.perf_counter() - t0)
+
+    def _point(self, name: str, step: int) -> None:
+        """Named points inside a step where tests and chaos runs inject faults."""
+        if self.on_point is not None:
+            self.on_point(name, step)
 
     # --- pipeline ------------------------------------------------------------------------
     def _pipeline(self, step: int) -> torch.Tensor | None:
@@ -181,6 +200,8 @@ class Engine:
                 self.groups.p2p_prev.recv(x_in, 0, tag=2 * i).wait()
                 x = x_in.requires_grad_()
             out = self.forward(x)
+            if i == 0:
+                self._point("forward", step)
             if last:
                 out = model.loss(out, targets[i]) / m
                 loss_sum.add_(out.detach())
@@ -191,6 +212,7 @@ class Engine:
         def backward(i: int) -> None:
             x_in, out = stash.pop(i)
             if i == m - 1:
+                self._point("backward", step)
                 self.grads.arm()  # the step's last backward: launch DP buckets as they fill
             if last:
                 out.backward()

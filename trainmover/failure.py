@@ -72,11 +72,18 @@ class CommitVote:
     """The step's commit decision (see module doc). Costs each worker two or three store
     round trips per step; ``votes`` counts voters of the current epoch only."""
 
-    def __init__(self, stores: StoreClients, num_voters: int, epoch: int):
+    def __init__(self, stores: StoreClients, num_voters: int, epoch: int,
+                 reporter: str | None = None):
         self.store = stores.get()
         self.num_voters, self.epoch = num_voters, epoch
+        self.reporter = reporter  # set on the worker whose metrics record the step
 
-    def __call__(self, step: int) -> bool:
+    def __call__(self, step: int, info: dict) -> bool:
+        if self.reporter is not None:
+            # kept with the vote, so a committed step's record survives its reporter dying
+            # between the decision and writing metrics.jsonl (the controller backfills it)
+            self.store.set(P.commit_key(self.epoch, step, "metrics"),
+                           P.encode({"step": step, **info, "worker": self.reporter}))
         votes = self.store.add(P.commit_key(self.epoch, step, "votes"), 1)
         decision = P.commit_key(self.epoch, step, "decision")
         if votes == self.num_voters:

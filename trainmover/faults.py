@@ -1,12 +1,24 @@
 """Scheduled interventions, one syntax for the CLI, tests and benchmarks:
-``KIND@STEP:TARGET[:ARG]``, e.g. ``migrate@12:w3`` (hand w3's role to a standby when the job
-reaches step 12) or ``migrate@12:w3:s1`` (to standby s1). Pure parsing and validation."""
+``KIND@STEP:TARGET[:ARG]``:
+
+- ``migrate@12:w3`` hand w3's role to a standby when the job reaches step 12
+  (``migrate@12:w3:s1``: to standby s1);
+- ``crash@12:w3`` SIGKILL w3 inside step 12, at a point given as ARG: ``forward``,
+  ``backward``, ``allreduce`` (gradient all-reduce in flight), ``optimizer`` (after the step
+  was committed, before w3 applied it), ``checkpoint`` (half-way through writing one);
+  default ``forward``;
+- ``hang@12:w3`` SIGSTOP w3 inside step 12 (same points; default ``forward``);
+- ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12.
+
+Migrations are carried out by the controller; the other kinds by the worker itself at the
+named point (``hit``), so they land at an exact place in the step."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-KINDS = ("migrate",)
+KINDS = ("migrate", "crash", "hang", "commerr")
+WORKER_KINDS = ("crash", "hang", "commerr")
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,9 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
             raise ValueError(f"inject {inj}: step {inj.step} is outside 1..{steps - 1}")
         if inj.target not in workers:
             raise ValueError(f"inject {inj}: unknown worker {inj.target!r}")
+        if inj.kind in WORKER_KINDS and inj.arg is not None and inj.arg not in STEP_POINTS:
+            raise ValueError(f"inject {inj}: unknown point {inj.arg!r} "
+                             f"(known: {', '.join(STEP_POINTS)})")
         if inj.kind == "migrate":
             if not standbys:
                 raise ValueError(f"inject {inj}: the job has no standby (use --standbys)")
@@ -62,7 +77,8 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
 # migration, inside a step). The job's configuration lists them; each worker checks the
 # named points it passes and kills itself with SIGKILL there: no clean-up, as in a crash.
 
-POINTS = ("joiner_prepare",)
+STEP_POINTS = ("forward", "backward", "allreduce", "optimizer", "checkpoint")
+POINTS = STEP_POINTS + ("joiner_prepare",)
 
 
 @dataclass(frozen=True)
@@ -70,17 +86,44 @@ class WorkerFault:
     worker: str
     point: str
     step: int | None = None   # None: the first time the point is passed
+    kind: str = "crash"
 
     def validate(self) -> None:
         if self.point not in POINTS:
             raise ValueError(f"unknown fault point {self.point!r} (known: {', '.join(POINTS)})")
+        if self.kind not in WORKER_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}")
 
 
-def hit(faults: list[dict], worker: str, point: str, step: int | None = None) -> None:
-    """Called by a worker at a named point; SIGKILLs the process if a fault matches."""
+def worker_faults(injects: list[Inject]) -> list[dict]:
+    """The injects a worker carries out itself, in the form the job configuration holds."""
+    out = []
+    for inj in injects:
+        if inj.kind in WORKER_KINDS:
+            point = inj.arg or "forward"
+            fault = WorkerFault(inj.target, point, inj.step, inj.kind)
+            fault.validate()
+            out.append(fault.__dict__)
+    return out
+
+
+def hit(faults: list[dict], worker: str, point: str, step: int | None = None,
+        events=None, on_commerr=None) -> None:
+    """Called by a worker at a named point: carries out a matching fault. A crash is SIGKILL
+    (no clean-up, as in a real crash), a hang SIGSTOP; the event is logged first, so the
+    detection latency can be measured from it."""
     import os
     import signal
 
     for f in faults:
-        if f["worker"] == worker and f["point"] == point and f.get("step") in (None, step):
+        if f["worker"] != worker or f["point"] != point or f.get("step") not in (None, step):
+            continue
+        kind = f.get("kind", "crash")
+        if events is not None:
+            events.emit("fault_injected", kind=kind, point=point, step=step)
+        if kind == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "commerr" and on_commerr is not None:
+            on_commerr()

@@ -45,6 +45,11 @@ def heartbeat_key(worker: str) -> str:
     return f"hb/{worker}"
 
 
+def finished_key(worker: str) -> str:
+    """Set by a worker that completed the job: its heartbeat may stop from then on."""
+    return f"finished/{worker}"
+
+
 def abort_key(epoch: int) -> str:
     """Written by the controller to abandon the step in flight of ``epoch``."""
     return f"abort/{epoch}"
@@ -64,9 +69,10 @@ def recovery_key(recovery_id: int, what: str, worker: str | None = None) -> str:
     return base if worker is None else f"{base}/{worker}"
 
 
-def checkpoint_key(step: int) -> str:
-    """Counts the roles that finished writing the checkpoint taken before ``step``."""
-    return f"ckpt/{step}/written"
+def checkpoint_key(epoch: int, step: int) -> str:
+    """Counts the roles that finished writing, in ``epoch``, the checkpoint taken before
+    ``step``."""
+    return f"ckpt/{epoch}/{step}/written"
 
 
 REQUEST_COUNT_KEY = "req/count"

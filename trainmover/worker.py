@@ -25,13 +25,15 @@ from .data import BatchSource, load_tokens  # noqa: E402
 from .engine import Engine  # noqa: E402
 from .events import EventLog, JsonlWriter  # noqa: E402
 from .runtime import LEAVE, CommandChannel, WorkerRuntime, rss_mb, transfer_spec  # noqa: E402
-from .checkpoint import load_local, save_local  # noqa: E402
+from .checkpoint import AsyncCheckpointer, load_local  # noqa: E402
+from .comm import AbortSignal  # noqa: E402
+from .failure import AbortWatcher, CommitVote, Heartbeat, is_step_failure  # noqa: E402
 from .record import (Recorder, RecordingInvalid, SandboxMismatch, load_recording,  # noqa: E402
                      manifest_for, recording_dir, recording_path, representative_roles,
                      rewind, sandbox_groups, save_recording, structure_key)
 from .state import apply_local_state, local_state  # noqa: E402
 from .topology import Role  # noqa: E402
-from .transfer import recv_state  # noqa: E402
+from .transfer import recv_state, send_state  # noqa: E402
 
 
 def reporter_role(cfg: JobConfig) -> Role:
@@ -57,7 +59,12 @@ class Worker:
         self.store = self.stores.get()
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name)
         self.device = self._device()
-        self.builder = GroupBuilder(self.stores, self.device, cfg.runtime.group_timeout_s)
+        self.abort = AbortSignal()
+        self.epoch = 0
+        self.builder = GroupBuilder(self.stores, self.device, cfg.runtime.group_timeout_s,
+                                    abort_signal=self.abort if cfg.runtime.recover else None)
+        self.heartbeat = Heartbeat(self.stores, name, cfg.runtime.heartbeat_interval_s) \
+            if cfg.runtime.recover else None
         self.commands = CommandChannel(self.stores, name)
         self.data = load_tokens(cfg.data)
         self.events.emit("worker_started", pid=os.getpid(),
@@ -99,10 +106,10 @@ class Worker:
                          params=sum(p.numel() for p in engine.params))
         self.train(role, groups, engine, start_step=resume_step)
 
-    def _record_step(self, engine: Engine, groups: CommGroups, key: str, role: Role):
+    def _record_step(self, engine: Engine, groups: CommGroups, key: str, role: Role, vote):
         """Run one real step with the communication recorder in place, then save it."""
         with Recorder(groups) as recorder:
-            result = engine.train_step(0)
+            result = engine.train_step(0, commit=vote)
         t0 = time.perf_counter()
         rec = recorder.recording(manifest_for(self.cfg, key, role))
         rec.manifest.update(record_step=0, bytes=rec.nbytes, loss=result.loss)
@@ -122,6 +129,8 @@ class Worker:
         if cmd["type"] != "assign":
             raise RuntimeError(f"standby {self.name}: expected an assign command, got {cmd}")
         del warm  # the shadow engine's memory goes back to the allocator for the real one
+        if "recovery_id" in cmd:
+            return self._join_recovery(cmd)
         role = Role.parse(cmd["role"])
         self.events.fixed["role"] = role.name
         mid = cmd["migration_id"]
@@ -164,6 +173,46 @@ class Worker:
             self.store.add(P.mig_key(mid, "switched_count"), 1)
             self.events.emit("joiner_started", migration_id=mid, step=start_step,
                              first_step_s=round(result.step_time_s, 4), recv_s=round(recv_s, 4))
+
+        self.train(role, groups, engine, start_step, on_first_step)
+
+    def _join_recovery(self, cmd: dict) -> None:
+        """Take a failed worker's role: build its groups (at the generations the plan gives)
+        and take its state from a live data-parallel replica or from the checkpoint."""
+        role = Role.parse(cmd["role"])
+        self.events.fixed["role"] = role.name
+        rid, source = cmd["recovery_id"], cmd["source"]
+        t0 = time.perf_counter()
+        specs = {s.name: s for s in self.cfg.layout.groups_of(role).values()}
+        if source["kind"] == "replica":
+            specs[source["transfer_group"]] = transfer_spec(source["transfer_group"], role)
+        built = {}
+        for name, spec in sorted(specs.items()):
+            if spec.kind == "xfer":
+                built[name] = self.builder.build_ranked(spec, 1, source["transfer_generation"])
+            else:
+                built[name] = self.builder.build(spec, role, cmd["groups"].get(name, 0))
+        channel = built.pop(source.get("transfer_group"), None)
+        groups = CommGroups.from_groups(role, self.cfg.layout, built)
+        engine = self.make_engine(role, groups)
+        if channel is not None:
+            start_step, got = recv_state(engine, channel, 0)
+            channel.shutdown()
+        else:
+            start_step = source["step"]
+            apply_local_state(engine.model, engine.optimizer,
+                              load_local(self.run_dir, start_step, role.name))
+        if start_step != cmd["resume_step"]:
+            raise RuntimeError(f"{self.name}: state for step {start_step}, expected "
+                               f"{cmd['resume_step']}")
+        self.epoch = cmd["epoch"]
+        prepare_s = time.perf_counter() - t0
+
+        def on_first_step(result) -> None:
+            self.store.add(P.recovery_key(rid, "recovered_count"), 1)
+            self.events.emit("joiner_started", recovery_id=rid, step=start_step,
+                             prepare_s=round(prepare_s, 4), source=source["kind"],
+                             first_step_s=round(result.step_time_s, 4))
 
         self.train(role, groups, engine, start_step, on_first_step)
 
@@ -221,40 +270,64 @@ class Worker:
         runtime = WorkerRuntime(self.name, role, cfg.layout, groups, self.builder, self.stores,
                                 self.commands, self.events)
         runtime.engine = engine
+        engine.on_point = lambda point, step: faults.hit(
+            cfg.runtime.faults, self.name, point, step, self.events,
+            on_commerr=lambda: [g.abort() for g in groups.slots().values() if g.size > 1])
         metrics = JsonlWriter(os.path.join(self.run_dir, "metrics.jsonl")) \
             if role == reporter_role(cfg) else None
         tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         every = cfg.runtime.checkpoint_every
+        checkpointer = AsyncCheckpointer(self.run_dir, role.name, cfg.layout.num_roles,
+                                         self.stores.get()) if every else None
+        if checkpointer is not None:
+            checkpointer.on_write = lambda path: faults.hit(
+                cfg.runtime.faults, self.name, "checkpoint", checkpointer.step, self.events)
         record_key = None
         if cfg.runtime.record and cfg.runtime.standbys > 0 and start_step == 0:
             key = structure_key(cfg.layout, cfg.model.n_layers, role.pp)
             if representative_roles(cfg.layout, cfg.model.n_layers).get(key) == role:
                 record_key = key
-        for step in range(start_step, cfg.train.steps):
+        is_reporter = role == reporter_role(cfg)
+        vote = self._start_epoch(is_reporter)
+        step = start_step
+        while step < cfg.train.steps:
             if runtime.at_boundary(step) == LEAVE:
                 self.events.emit("worker_left", step=step)
                 return
             if step == cfg.runtime.restart_at_step and step != start_step:
+                if checkpointer is not None:
+                    checkpointer.wait()  # the checkpoint the restart loads
                 self.events.emit("worker_stopped_for_restart", step=step)
                 groups.shutdown()
                 return
-            if step == 0 and record_key is not None:
-                result = self._record_step(engine, groups, record_key, role)
-            else:
-                result = engine.train_step(step)
+            try:
+                if step == 0 and record_key is not None:
+                    result = self._record_step(engine, groups, record_key, role, vote)
+                else:
+                    result = engine.train_step(step, commit=vote)
+            except Exception as exc:  # noqa: BLE001 - sorted by is_step_failure
+                if vote is None or not is_step_failure(exc, self.abort):
+                    raise
+                step, vote = self._survive(step, exc, role, groups, engine, runtime,
+                                           is_reporter)
+                continue
             if on_first_step is not None:
                 on_first_step(result)
                 on_first_step = None
-            if every and (step + 1) % every == 0:
-                # before the metrics record: a step counts as done once its state is saved
+            if checkpointer is not None and (step + 1) % every == 0:
                 tensors, _ = local_state(engine.model, engine.optimizer)
-                save_local(self.run_dir, step + 1, role.name, tensors)
+                checkpointer.step = step  # the step just completed (fault points key on it)
+                checkpointer.epoch = self.epoch
+                checkpointer.save(step + 1, tensors)
             if metrics is not None:
                 metrics.write({"step": step, "loss": result.loss,
                                "step_time_s": round(result.step_time_s, 6),
                                "tokens_per_s": round(tokens_per_step / result.step_time_s, 1),
                                "lr": result.lr, "grad_norm": result.grad_norm,
                                "worker": self.name})
+            step += 1
+        if checkpointer is not None:
+            checkpointer.wait()
         if role.dp == 0:
             shard_dir = os.path.join(self.run_dir, "final", "shards")
             os.makedirs(shard_dir, exist_ok=True)
@@ -262,7 +335,65 @@ class Worker:
             save_atomic({"tensors": {k: v.cpu() for k, v in tensors.items()}, "dims": dims},
                         os.path.join(shard_dir, f"{role.name}.pt"))
         self.events.emit("worker_done", steps=cfg.train.steps)
+        self.store.set(P.finished_key(self.name), "1")  # not a hang from here on
         groups.shutdown()
+
+    # --- failures ------------------------------------------------------------------------------
+    def _start_epoch(self, is_reporter: bool) -> CommitVote | None:
+        """Arm this epoch's abort watcher and commit vote (None when recovery is off)."""
+        if not self.cfg.runtime.recover:
+            return None
+        self.abort.clear()
+        AbortWatcher(self.stores, self.abort, self.epoch)
+        return CommitVote(self.stores, self.cfg.layout.num_roles, self.epoch,
+                          self.name if is_reporter else None)
+
+    def _survive(self, step: int, exc: BaseException, role: Role, groups: CommGroups,
+                 engine: Engine, runtime: WorkerRuntime, is_reporter: bool
+                 ) -> tuple[int, CommitVote | None]:
+        """A step failed here (a peer died, or the job aborted it). The optimizer did not
+        run, so this worker still holds the state after the last committed step. Report what
+        was seen, wait for the controller's plan, carry out this worker's part of it, and
+        return the step to resume at."""
+        t0 = time.perf_counter()
+        own = [g.name for g in groups.slots().values()
+               if g.error is not None and g.error.op == "abort"]
+        accounting = {g.name: g.accounting() for g in groups.slots().values() if g.size > 1}
+        self.store.set(P.failure_key(self.epoch, self.name), P.encode({
+            "step": step, "error": f"{type(exc).__name__}: {exc}"[:400], "self": bool(own),
+            "accounting": accounting}))
+        self.events.emit("step_failed", step=step, epoch=self.epoch,
+                         error=f"{type(exc).__name__}: {exc}"[:300])
+        while True:
+            cmd = self.commands.next()
+            if cmd["type"] == "recover":
+                break
+            self.events.emit("command_dropped", command=cmd["type"], reason="recovering")
+        runtime.active.clear()  # a migration in flight was aborted by the controller
+        self.abort.clear()  # the new groups must not see the old epoch's abort
+        specs = self.cfg.layout.all_groups()
+        built = {name: self.builder.build(specs[name], role, gen)
+                 for name, gen in sorted(cmd["groups"].items())}
+        runtime.retired.extend(groups.install(built))
+        if cmd["rollback_step"] is not None:
+            apply_local_state(engine.model, engine.optimizer,
+                              load_local(self.run_dir, cmd["rollback_step"], role.name))
+        sent = None
+        if cmd["send_state"]:
+            s = cmd["send_state"]
+            channel = self.builder.build_ranked(transfer_spec(s["transfer_group"], role), 0,
+                                                s["transfer_generation"])
+            sent = send_state(engine, channel, 1, cmd["resume_step"])
+            channel.shutdown()
+        self.epoch = cmd["epoch"]
+        vote = self._start_epoch(is_reporter)
+        self.store.add(P.recovery_key(cmd["recovery_id"], "recovered_count"), 1)
+        self.events.emit("recovered", recovery_id=cmd["recovery_id"], epoch=self.epoch,
+                         resume_step=cmd["resume_step"], rebuilt=sorted(built),
+                         rollback_step=cmd["rollback_step"],
+                         sent_bytes=None if sent is None else sent["bytes"],
+                         duration_s=round(time.perf_counter() - t0, 4))
+        return cmd["resume_step"], vote
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,4 +414,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: after an aborted step, gloo threads of abandoned groups stay
+    # blocked until their timeout and their destructors would hold the exit that long.
+    # Everything this process must leave behind (events, metrics, shards) is already written.
+    os._exit(code)

@@ -1,0 +1,140 @@
+"""Unexpected failures: crashes, hangs and communicator errors at points inside a step, with
+recovery into a warm standby from a replica or a checkpoint; every run must end bit-identical
+to the same run without the failure."""
+import os
+import random
+
+import pytest
+
+from trainmover.checkpoint import complete_steps, load_canonical, local_path
+from trainmover.cli import apply_worker_faults
+from trainmover.coordinator import JobFailed, run_job
+from trainmover.faults import STEP_POINTS, Inject
+from trainmover.recipes import get_recipe
+from trainmover.topology import Layout
+
+CHAOS_SEEDS = [int(s) for s in os.environ.get("TRAINMOVER_CHAOS_SEEDS", "1,2,3").split(",")]
+
+
+def job(dp=2, pp=2, tp=1, steps=16, standbys=2, **runtime):
+    cfg = get_recipe("tiny")
+    cfg.layout = Layout(dp, pp, tp)
+    cfg.train.steps = steps
+    cfg.train.threads_per_worker = 1
+    cfg.runtime.standbys = standbys
+    cfg.runtime.heartbeat_timeout_s = 2.0
+    for k, v in runtime.items():
+        setattr(cfg.runtime, k, v)
+    return cfg.validate()
+
+
+def with_faults(cfg, *injects):
+    cfg = type(cfg).from_dict(cfg.to_dict())
+    apply_worker_faults(cfg, list(injects))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("baseline")
+    return run_job(job(), str(root / "run"), quiet=True, timeout_s=300)["weights_sha256"]
+
+
+def check_recovered(summary, kind, source_prefix):
+    (rec,) = summary["recoveries"]
+    assert rec["status"] == "done" and list(rec["failures"].values()) == [kind]
+    assert all(s.startswith(source_prefix) for s in rec["sources"].values())
+    assert rec["downtime_s"] is not None
+    return rec
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point", ["forward", "allreduce", "optimizer"])
+def test_crash_recovers_from_a_replica_bit_identical(tmp_path, baseline, point):
+    cfg = with_faults(job(), Inject("crash", 6, "w1", point))
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    rec = check_recovered(summary, "crash", "replica:")
+    assert summary["weights_sha256"] == baseline
+    assert summary["steps"] == 16
+    # a crash after the commit decision leaves that step committed everywhere
+    assert rec["resume_step"] == (7 if point == "optimizer" else 6)
+    assert max(rec["detection_latency_s"].values()) < 1.0
+
+
+@pytest.mark.timeout(300)
+def test_hang_is_detected_within_the_bound_and_fenced(tmp_path, baseline):
+    cfg = with_faults(job(), Inject("hang", 5, "w2", "backward"))
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    rec = check_recovered(summary, "hang", "replica:")
+    assert summary["weights_sha256"] == baseline
+    latency = rec["detection_latency_s"]["w2"]
+    assert 1.0 < latency < cfg.runtime.heartbeat_timeout_s + 1.0, latency
+
+
+@pytest.mark.timeout(300)
+def test_communicator_error_is_localized_and_replaced(tmp_path, baseline):
+    cfg = with_faults(job(), Inject("commerr", 7, "w3", "backward"))
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    check_recovered(summary, "commerr", "replica:")
+    assert summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
+def test_two_failures_in_a_row(tmp_path, baseline):
+    cfg = with_faults(job(), Inject("crash", 4, "w0", "backward"),
+                      Inject("crash", 10, "w3", "forward"))
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    assert [r["status"] for r in summary["recoveries"]] == ["done", "done"]
+    assert summary["weights_sha256"] == baseline
+    assert set(summary["membership"]) == {"w1", "w2", "s0", "s1"}
+
+
+def chaos(tmp_path, baseline, seed):
+    """A random worker killed at a random point of a random step."""
+    rng = random.Random(seed)
+    inj = Inject("crash", rng.randrange(2, 13), f"w{rng.randrange(4)}",
+                 rng.choice([p for p in STEP_POINTS if p != "checkpoint"]))
+    summary = run_job(with_faults(job(), inj), str(tmp_path / "run"), quiet=True,
+                      timeout_s=300)
+    assert summary["weights_sha256"] == baseline, (seed, str(inj))
+    assert [r["status"] for r in summary["recoveries"]] == ["done"], (seed, str(inj))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", CHAOS_SEEDS)
+def test_chaos(tmp_path, baseline, seed):
+    chaos(tmp_path, baseline, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", range(100, 150))
+def test_chaos_many_seeds(tmp_path, baseline, seed):
+    chaos(tmp_path, baseline, seed)
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_fallback_rolls_everyone_back_bit_identical(tmp_path):
+    """No data-parallel replica (DP1): the failed role's state comes from the checkpoint and
+    every rank rolls back to it; a crash while writing a later checkpoint leaves the earlier
+    one the newest that loads."""
+    base_cfg = job(dp=1, pp=2, tp=2, standbys=1, checkpoint_every=2)
+    base = run_job(base_cfg, str(tmp_path / "base"), quiet=True, timeout_s=300)
+    cfg = with_faults(base_cfg, Inject("crash", 7, "w1", "checkpoint"))
+    run_dir = tmp_path / "run"
+    summary = run_job(cfg, str(run_dir), quiet=True, timeout_s=300)
+    (rec,) = summary["recoveries"]
+    assert rec["sources"] == {"dp0.pp0.tp1": "checkpoint"}
+    # step 7's checkpoint (taken before step 8) never completed: back to the one before 6
+    assert rec["rollback_step"] == 6
+    assert summary["weights_sha256"] == base["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_without_a_standby_the_job_stops_cleanly(tmp_path):
+    cfg = with_faults(job(standbys=0, checkpoint_every=2), Inject("crash", 5, "w2", "forward"))
+    with pytest.raises(JobFailed, match="cannot recover.*0 free standby") as err:
+        run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=200)
+    assert "Committed progress" in str(err.value)
+    done = complete_steps(str(tmp_path / "run"))
+    assert done and os.path.exists(local_path(str(tmp_path / "run"), done[-1], "dp0.pp0.tp0"))
