@@ -44,31 +44,41 @@ def machine_description() -> dict:
 
 
 def _engine_steps(cfg: JobConfig, rank: int, address: StoreAddress,
-                  record_first: bool = False) -> list[float]:
-    """The engine's steps; with ``record_first``, step 0 runs under the warm-up recorder
-    exactly as in a job with standbys (the recorder is removed afterwards)."""
+                  record_first: bool = False, commit: bool = True) -> list[float]:
+    """The engine's steps as a job runs them: abortable waits and the commit vote (unless
+    ``commit`` is off); with ``record_first``, step 0 runs under the warm-up recorder exactly
+    as in a job with standbys (the recorder is removed afterwards)."""
+    from .comm import AbortSignal
+    from .failure import CommitVote
     from .record import Recorder
 
     role = cfg.layout.role_of(rank)
-    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 120)
+    stores = StoreClients(address)
+    builder = GroupBuilder(stores, torch.device("cpu"), 120,
+                           abort_signal=AbortSignal() if commit else None)
     groups, _ = build_comm_groups(builder, cfg.layout, role)
     data = load_tokens(cfg.data)
     batches = BatchSource(data, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
                           cfg.model.vocab_size)
     engine = Engine(cfg, role, groups, batches, torch.device("cpu"))
+    vote = CommitVote(stores, cfg.layout.num_roles, epoch=0) if commit else None
     times = []
     for step in range(cfg.train.steps):
         if step == 0 and record_first:
             with Recorder(groups):
-                times.append(engine.train_step(step).step_time_s)
+                times.append(engine.train_step(step, vote).step_time_s)
         else:
-            times.append(engine.train_step(step).step_time_s)
+            times.append(engine.train_step(step, vote).step_time_s)
     groups.shutdown()
     return times
 
 
 def _recorded_engine_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
     return _engine_steps(cfg, rank, address, record_first=True)
+
+
+def _engine_steps_no_commit(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
+    return _engine_steps(cfg, rank, address, commit=False)
 
 
 def _ddp_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
@@ -118,12 +128,11 @@ def _ddp_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
         opt.step()
         dist.all_reduce(total)
         times.append(time.perf_counter() - t0)
-    dist.destroy_process_group()
     return times
 
 
 _STRATEGIES = {"trainmover": _engine_steps, "trainmover_recorded": _recorded_engine_steps,
-               "ddp": _ddp_steps}
+               "trainmover_no_commit": _engine_steps_no_commit, "ddp": _ddp_steps}
 
 
 def _child(strategy: str, cfg_dict: dict, rank: int, address: StoreAddress, threads: int,
@@ -131,6 +140,11 @@ def _child(strategy: str, cfg_dict: dict, rank: int, address: StoreAddress, thre
     torch.set_num_threads(threads)
     cfg = JobConfig.from_dict(cfg_dict)
     out.put((rank, _STRATEGIES[strategy](cfg, rank, address)))
+    out.close()
+    out.join_thread()  # the result is in the pipe
+    # Skip teardown: a process-group destructor can wait on its peers' sockets, which hung
+    # one rank at exit in about one run in ten; nothing is left to clean up.
+    os._exit(0)
 
 
 def run_strategy(strategy: str, cfg: JobConfig, timeout_s: float = 600) -> list[float]:
@@ -158,6 +172,10 @@ def run_strategy(strategy: str, cfg: JobConfig, timeout_s: float = 600) -> list[
                 if dead:
                     raise RuntimeError(f"bench strategy {strategy}: a process exited with "
                                        f"code {dead[0].exitcode}")
+                if any(p.exitcode == 0 for p in procs) and time.monotonic() > deadline - \
+                        timeout_s + 120 and len(results) < len(procs):
+                    raise RuntimeError(f"bench strategy {strategy}: a process exited without "
+                                       f"reporting; the others are stuck")
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -176,10 +194,11 @@ def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats
     if steps <= WARMUP_STEPS + 2:
         raise ValueError(f"--steps must exceed {WARMUP_STEPS + 2}, got {steps}")
     rows = []
-    names = ("trainmover", "trainmover_recorded", "ddp")
+    names = tuple(_STRATEGIES)
     for rep in range(repeats):
         # interleave, rotating the order: a slow phase of the shared machine hits all alike
-        for strategy in names[rep % 3:] + names[:rep % 3]:
+        k = rep % len(names)
+        for strategy in names[k:] + names[:k]:
             times = run_strategy(strategy, cfg)[WARMUP_STEPS:]
             rows.append({"repeat": rep, "strategy": strategy,
                          "median_step_s": statistics.median(times),
@@ -188,11 +207,12 @@ def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats
                   f"ms/step", flush=True)
     med = {s: statistics.median(r["median_step_s"] for r in rows if r["strategy"] == s)
            for s in names}
-    ratios, record_ratios = [], []
+    ratios, record_ratios, commit_ratios = [], [], []
     for rep in range(repeats):
         by = {r["strategy"]: r["median_step_s"] for r in rows if r["repeat"] == rep}
         ratios.append(by["trainmover"] / by["ddp"])
         record_ratios.append(by["trainmover_recorded"] / by["trainmover"])
+        commit_ratios.append(by["trainmover"] / by["trainmover_no_commit"])
     result = {
         "benchmark": "step", "recipe": recipe, "layout": cfg.layout.as_dict(),
         "model_params": cfg.model.num_params(), "global_batch": cfg.train.global_batch,
@@ -202,6 +222,8 @@ def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats
         "overhead_vs_ddp": statistics.median(ratios) - 1.0,
         "per_repeat_ratio": ratios,
         "recorded_over_plain": statistics.median(record_ratios),
+        "commit_over_no_commit": statistics.median(commit_ratios),
+        "per_repeat_commit_over_no_commit": commit_ratios,
         "per_repeat_recorded_over_plain": record_ratios, "machine": machine_description(),
     }
     _write(out_dir, "step", result, _step_table(result))
@@ -209,7 +231,7 @@ def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats
 
 
 def _step_table(r: dict) -> str:
-    lines = [f"# bench step: engine vs DistributedDataParallel ({r['recipe']}, "
+    lines = [f"# bench step: engine (as jobs run it: commit vote on) vs DistributedDataParallel ({r['recipe']}, "
              f"DP{r['layout']['dp']}, {r['model_params'] / 1e6:.2f}M params)", "",
              "| strategy | median step (ms) |", "|---|---|"]
     for s, v in r["median_step_s"].items():
@@ -220,6 +242,9 @@ def _step_table(r: dict) -> str:
               f"steady state after recording step 0 for warm-up, over plain: "
               f"{r['recorded_over_plain']:.3f} (per repeat: "
               f"{', '.join(f'{x:.3f}' for x in r['per_repeat_recorded_over_plain'])})",
+              f"commit vote + abortable waits, over none: {r['commit_over_no_commit']:.3f} "
+              f"(per repeat: "
+              f"{', '.join(f'{x:.3f}' for x in r['per_repeat_commit_over_no_commit'])})",
               f"machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, "
               f"torch {r['machine']['torch']}"]
     return "\n".join(lines) + "\n"

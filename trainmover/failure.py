@@ -103,14 +103,6 @@ def decide_abort(store, epoch: int, from_step: int) -> int:
         step += 1
 
 
-class StepFailed(Exception):
-    """Raised by the training loop's guard when a step could not complete."""
-
-    def __init__(self, step: int, cause: BaseException):
-        self.step, self.cause = step, cause
-        super().__init__(f"step {step} failed: {type(cause).__name__}: {cause}")
-
-
 def is_step_failure(exc: BaseException, signal: AbortSignal) -> bool:
     """Errors that mean "this step cannot finish", including ones raised inside autograd
     (which may re-wrap them as a RuntimeError)."""
