@@ -138,3 +138,18 @@ def test_without_a_standby_the_job_stops_cleanly(tmp_path):
     assert "Committed progress" in str(err.value)
     done = complete_steps(str(tmp_path / "run"))
     assert done and os.path.exists(local_path(str(tmp_path / "run"), done[-1], "dp0.pp0.tp0"))
+
+
+@pytest.mark.timeout(300)
+def test_restart_baseline_after_a_crash_is_bit_identical(tmp_path):
+    """The baseline an elastic launcher gives: every process restarted from the newest
+    complete checkpoint. Slower, but it must not change the result either."""
+    base_cfg = job(standbys=0, checkpoint_every=1)
+    base = run_job(base_cfg, str(tmp_path / "base"), quiet=True, timeout_s=200)
+    cfg = with_faults(base_cfg, Inject("crash", 6, "w2", "backward"))
+    cfg.runtime.restart_on_failure = True
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    (restart,) = summary["restarts"]
+    assert restart["cause"] == "crash" and restart["step"] == 6
+    assert restart["downtime_s"] > 0
+    assert summary["weights_sha256"] == base["weights_sha256"]

@@ -277,6 +277,58 @@ def _wait(cond, job, what: str, timeout_s: float = 1800) -> None:
         time.sleep(0.02)
 
 
+def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, victim: str,
+                 run_dir: str, steps_after: int = 6) -> dict:
+    """One job under one strategy with one unexpected failure of ``victim``, delivered from
+    outside the process (SIGKILL for a crash, SIGSTOP for a hang) once the job reached
+    ``event_step`` (and, for trainmover, once its standby is warm)."""
+    import signal as sig
+
+    from . import controller as C
+    from .api import Job
+
+    cfg = JobConfig.from_dict(cfg.to_dict())
+    cfg.train.steps = 100_000
+    if strategy == "trainmover":
+        cfg.runtime.standbys = 1
+    elif strategy == "restart":
+        cfg.runtime.checkpoint_every = 1
+        cfg.runtime.restart_on_failure = True
+    else:
+        raise ValueError(f"strategy {strategy!r} has no {scenario} scenario")
+    job = Job(cfg, run_dir, timeout_s=3600).start()
+    coord = job.coordinator
+    try:
+        if strategy == "trainmover":
+            _wait(lambda: all(st is C.StandbyState.WARM
+                              for st in coord.membership.standbys.values()), job, "a warm standby")
+        _wait(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
+        pid = coord.processes[victim].proc.pid
+        coord.events.emit("fault_injected", worker=victim, kind=scenario, point="external")
+        os.kill(pid, sig.SIGKILL if scenario == "crash" else sig.SIGSTOP)
+        if strategy == "trainmover":
+            _wait(lambda: coord.recovery.done, job, "the recovery")
+            resume = coord.recovery.done[0]["resume_step"]
+        else:
+            _wait(lambda: coord.restarts, job, "the restart")
+            resume = coord.restarts[0]["step"]
+        _wait(lambda: coord.progress.last_step >= resume + steps_after, job, "steps after")
+    finally:
+        coord.stop()
+    summary = job.wait(600)
+    if strategy == "trainmover":
+        (event,) = summary["recoveries"]
+        detection = max(event["detection_latency_s"].values())
+    else:
+        (event,) = summary["restarts"]
+        detection = None
+    return {"downtime_s": event["downtime_s"], "phases": event["phases"],
+            "detection_latency_s": detection, "state_source": event.get("sources"),
+            "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
+            "first_step_ratio": None, "stayer_peak_rss_growth": None, "recording": None,
+            "standby_warmup_s": None}
+
+
 def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
                   run_dir: str, steps_after: int = 6) -> dict:
     """One job under one strategy with one planned event at ``event_step`` (for the
@@ -345,10 +397,15 @@ CACHES = {
 }
 
 
+SCENARIOS = ("planned", "crash", "hang")
+FAILURE_STRATEGIES = ("trainmover", "restart")
+
+
 def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8,
                    out_dir: str = "benchmarks/results",
                    json_path: str | None = None, strategies=STRATEGIES,
-                   scratch: str | None = None) -> dict:
+                   scratch: str | None = None, scenarios=SCENARIOS,
+                   name: str = "downtime") -> dict:
     import tempfile
 
     for n in workers:
@@ -362,21 +419,26 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
         cfg.train.compile = compile
         cfg.validate()
         leaver = "w1"
-        for strategy in strategies:
-            t0 = time.perf_counter()
-            res = _downtime_run(strategy, cfg, event_step, leaver,
-                                os.path.join(scratch, f"{strategy}-{n}"))
-            rows.append({"scenario": "planned", "strategy": strategy, "workers": n,
-                         "layout": cfg.layout.as_dict(), "compile": compile,
-                         "caches_at_start": CACHES[strategy],
-                         "bench_wall_s": time.perf_counter() - t0, **res})
-            print(f"  {n:>2} workers {strategy:>10}: downtime {res['downtime_s']:.3f} s",
-                  flush=True)
+        for scenario in scenarios:
+            for strategy in strategies:
+                if scenario != "planned" and strategy not in FAILURE_STRATEGIES:
+                    continue
+                t0 = time.perf_counter()
+                run_dir = os.path.join(scratch, f"{scenario}-{strategy}-{n}")
+                res = _downtime_run(strategy, cfg, event_step, leaver, run_dir) \
+                    if scenario == "planned" else \
+                    _failure_run(strategy, scenario, cfg, event_step, leaver, run_dir)
+                rows.append({"scenario": scenario, "strategy": strategy, "workers": n,
+                             "layout": cfg.layout.as_dict(), "compile": compile,
+                             "caches_at_start": CACHES[strategy],
+                             "bench_wall_s": time.perf_counter() - t0, **res})
+                print(f"  {n:>2} workers {scenario:>7} {strategy:>15}: downtime "
+                      f"{res['downtime_s']:.3f} s", flush=True)
     result = {"benchmark": "downtime", "event_step": event_step,
               "recipe": "bench_downtime", "results": rows, "machine": machine_description(),
               "scratch": scratch}
     _add_ratios(result)
-    _write(out_dir, "downtime", result, _downtime_table(result))
+    _write(out_dir, name, result, _downtime_table(result))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
@@ -384,8 +446,15 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
 
 
 def _add_ratios(result: dict) -> None:
-    by = {(r["strategy"], r["workers"]): r["downtime_s"] for r in result["results"]}
+    by = {(r["strategy"], r["workers"]): r["downtime_s"] for r in result["results"]
+          if r["scenario"] == "planned"}
     ratios = {}
+    for scenario in ("crash", "hang"):
+        rows = {(r["strategy"], r["workers"]): r["downtime_s"] for r in result["results"]
+                if r["scenario"] == scenario}
+        for (strategy, n), d in rows.items():
+            if strategy == "trainmover" and ("restart", n) in rows and d:
+                ratios[f"{scenario}_restart_over_trainmover_{n}"] = rows[("restart", n)] / d
     for (strategy, n), d in by.items():
         if strategy != "restart" and ("restart", n) in by and d:
             ratios[f"restart_over_{strategy}_{n}"] = by[("restart", n)] / d
@@ -399,22 +468,25 @@ def _add_ratios(result: dict) -> None:
 
 
 def _downtime_table(r: dict) -> str:
-    lines = [f"# bench downtime: planned migration vs restart (event at step "
+    lines = [f"# bench downtime: trainmover vs baselines (event at step "
              f"{r['event_step']}, compile={r['results'][0]['compile']})", "",
-             "| workers | strategy | downtime (s) | first step / normal | groups rebuilt | "
-             "stayer peak RSS growth |", "|---|---|---|---|---|---|"]
+             "| scenario | workers | strategy | downtime (s) | detection (s) | first step / normal | "
+             "groups rebuilt | stayer peak RSS growth |", "|---|---|---|---|---|---|---|---|"]
     for row in r["results"]:
         ratio = row["first_step_ratio"]
         rss = row["stayer_peak_rss_growth"]
+        det = row.get("detection_latency_s")
         groups = (f"{row['groups_rebuilt']}/{row['groups_total']}"
                   if row["groups_rebuilt"] is not None else "all")
-        lines.append(f"| {row['workers']} | {row['strategy']} | {row['downtime_s']:.3f} | "
+        lines.append(f"| {row['scenario']} | {row['workers']} | {row['strategy']} | "
+                     f"{row['downtime_s']:.3f} | {'' if det is None else f'{det:.3f}'} | "
                      f"{'' if ratio is None else f'{ratio:.2f}'} | {groups} | "
                      f"{'' if rss is None else f'{rss * 100:+.2f}%'} |")
     lines += ["", "Phases (seconds):", ""]
     for row in r["results"]:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in row["phases"].items() if v is not None)
-        lines.append(f"- {row['workers']} workers, {row['strategy']}: {phases}")
+        lines.append(f"- {row['scenario']}, {row['workers']} workers, {row['strategy']}: "
+                     f"{phases}")
     lines += ["", "Caches each strategy starts with:", ""]
     lines += [f"- {k}: {v}" for k, v in CACHES.items()]
     lines += ["", "Ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()),
@@ -434,7 +506,12 @@ def main(args) -> int:
             if s not in STRATEGIES:
                 raise ValueError(f"--strategies: unknown strategy {s!r} "
                                  f"(known: {', '.join(STRATEGIES)})")
+        scenarios = args.scenarios.split(",")
+        for s in scenarios:
+            if s not in SCENARIOS:
+                raise ValueError(f"--scenarios: unknown scenario {s!r} "
+                                 f"(known: {', '.join(SCENARIOS)})")
         bench_downtime(workers, not args.no_compile, args.event_step, args.out, args.json,
-                       strategies)
+                       strategies, scenarios=scenarios, name=args.name)
         return 0
     raise ValueError(f"unknown benchmark {args.bench!r}")

@@ -164,6 +164,9 @@ def make_parser() -> argparse.ArgumentParser:
     down = bsub.add_parser("downtime", help="planned migration vs naive migration vs restart")
     down.add_argument("--workers", default="4,8", help="comma list from 4, 8, 16")
     down.add_argument("--strategies", default="trainmover,trainmover_cold,naive,restart")
+    down.add_argument("--scenarios", default="planned,crash,hang",
+                      help="planned (all strategies); crash, hang (trainmover, restart)")
+    down.add_argument("--name", default="downtime", help="result file name under --out")
     down.add_argument("--no-compile", action="store_true", help="eager mode (faster, less real)")
     down.add_argument("--event-step", type=int, default=8)
     down.add_argument("--json", help="also write the results JSON here")

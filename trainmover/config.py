@@ -159,6 +159,9 @@ class RuntimeConfig:
     recover: bool = True
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 3.0
+    # The restart baseline for failures: on a failure, restart every process from the newest
+    # complete checkpoint instead of recovering into a standby.
+    restart_on_failure: bool = False
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):

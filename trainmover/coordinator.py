@@ -251,7 +251,7 @@ class Coordinator:
                              last_step=self.progress.last_step)
             return {"stopped": True, "steps": self.progress.last_step + 1,
                     "wall_s": round(wall, 3), "migrations": self.finished_migrations,
-                    "restarts": self._restart_report()}
+                    "restarts": self._restart_report(), "recoveries": self.recovery.done}
         summary = self._finish(wall)
         self.events.emit("job_done", wall_s=round(wall, 3),
                          weights_sha256=summary["weights_sha256"])
@@ -305,24 +305,31 @@ class Coordinator:
     def _restart_due(self) -> bool:
         k = self.cfg.runtime.restart_at_step
         self.progress.poll()
-        return k is not None and not self.restarts and self.progress.last_step == k - 1
+        planned_done = any(r["cause"] == "planned" for r in self.restarts)
+        return k is not None and not planned_done and self.progress.last_step == k - 1
 
-    def _restart(self) -> None:
+    def _restart(self, step: int | None = None, cause: str = "planned") -> None:
         """What torchrun/Megatron users do: every process is gone; start fresh ones that
-        rebuild every group (under a new generation) and reload the last checkpoint."""
-        k = self.cfg.runtime.restart_at_step
+        rebuild every group (under a new generation) and reload the last checkpoint. They
+        vote in a new epoch, so no decision of the steps they redo is taken as made."""
+        k = self.cfg.runtime.restart_at_step if step is None else step
         t = time.time()
         generation = max(self.membership.next_generation.values(), default=1)
         for name in self.membership.next_generation:
             self.membership.generations[name] = generation
             self.membership.next_generation[name] = generation + 1
-        self.events.emit("restart_began", step=k, generation=generation)
-        self.restarts.append({"step": k, "t_all_stopped": t, "generation": generation})
-        self.progress.say(f"restart: all workers stopped before step {k}; starting fresh "
-                          f"processes from the step-{k} checkpoint")
+        self.recovery.epoch += 1
+        self.recovery.committed = k - 1
+        self.recovery.forget_heartbeats(self.membership.workers)  # new processes, new beats
+        self.events.emit("restart_began", step=k, generation=generation, cause=cause)
+        self.restarts.append({"step": k, "t_all_stopped": t, "generation": generation,
+                              "cause": cause})
+        self.progress.say(f"restart ({cause}): all workers stopped; starting fresh processes "
+                          f"from the step-{k} checkpoint")
         for name in self.membership.workers:
             self._spawn(name, standby=False,
-                        extra=["--resume-step", str(k), "--generation", str(generation)])
+                        extra=["--resume-step", str(k), "--generation", str(generation),
+                               "--epoch", str(self.recovery.epoch)])
 
     def _restart_report(self) -> list[dict]:
         out = []
@@ -338,8 +345,15 @@ class Coordinator:
                 return max([e.get(key, 0.0) for e in later if e["event"] == event] or [0.0])
 
             prev = next(x["time"] for x in self.progress.records if x["step"] == k - 1)
-            first = next(x for x in self.progress.records if x["step"] == k)
-            out.append({"step": k, "downtime_s": downtime, "phases": {
+            first = next(x for x in self.progress.records
+                         if x["step"] == k and x["time"] > r["t_all_stopped"])
+            if r["cause"] != "planned":
+                # from the fault to the first step committed after the restart
+                faults = [e["time"] for e in self.fault_events() if e["time"] <= r["t_all_stopped"]]
+                t_fault = max(faults) if faults else r["t_all_stopped"]
+                downtime = first["time"] - t_fault
+                prev = t_fault
+            out.append({"step": k, "cause": r["cause"], "downtime_s": downtime, "phases": {
                 "stop_s": r["t_all_stopped"] - prev,
                 "process_start_import_s": longest("worker_started", "import_s"),
                 "groups_s": longest("groups_built"),

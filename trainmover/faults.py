@@ -108,15 +108,18 @@ def worker_faults(injects: list[Inject]) -> list[dict]:
 
 
 def hit(faults: list[dict], worker: str, point: str, step: int | None = None,
-        events=None, on_commerr=None) -> None:
+        events=None, on_commerr=None, store=None) -> None:
     """Called by a worker at a named point: carries out a matching fault. A crash is SIGKILL
     (no clean-up, as in a real crash), a hang SIGSTOP; the event is logged first, so the
-    detection latency can be measured from it."""
+    detection latency can be measured from it. With the job's store, each fault fires once
+    per job: a restarted process redoing the step does not crash again."""
     import os
     import signal
 
-    for f in faults:
+    for index, f in enumerate(faults):
         if f["worker"] != worker or f["point"] != point or f.get("step") not in (None, step):
+            continue
+        if store is not None and store.add(f"faults/{index}/fired", 1) != 1:
             continue
         kind = f.get("kind", "crash")
         if events is not None:

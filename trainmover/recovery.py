@@ -111,6 +111,13 @@ class Recovery:
             self._beats[worker] = (count, time.time())
         return self._beats[worker][1]
 
+    def forget_heartbeats(self, workers) -> None:
+        """Fresh processes for these workers: a hang is judged only once each has beaten
+        (starting up, importing torch, takes longer than the heartbeat timeout)."""
+        for w in workers:
+            self._beats.pop(w, None)
+            self.coord.store.delete_key(P.heartbeat_key(w))
+
     def fence(self, worker: str, why: str) -> None:
         """Kill a worker that is alive but failed: SIGCONT first is not needed, SIGKILL works
         on a stopped process, and closing its sockets turns a hang into a crash."""
@@ -145,6 +152,8 @@ class Recovery:
 
     def _start(self, failures: list[Failure]) -> None:
         coord = self.coord
+        if self.cfg.runtime.restart_on_failure:
+            return self._restart_everything(failures)
         self._count += 1
         t = time.time()
         for f in failures:
@@ -162,6 +171,22 @@ class Recovery:
                            f"last committed step {last}")
         if coord.active is not None:
             coord._abort_active(f"failure during the migration: {reason}")
+
+    def _restart_everything(self, failures: list[Failure]) -> None:
+        """The restart baseline for failures: stop every worker, start fresh processes from
+        the newest complete checkpoint (what an elastic launcher does)."""
+        coord = self.coord
+        reason = ", ".join(f"{f.worker} {f.kind}" for f in failures)
+        coord.events.emit("failure_detected", recovery_id=None, epoch=self.epoch,
+                          failures=[f.__dict__ for f in failures], action="restart")
+        for w in coord.membership.workers:
+            self.fence(w, f"restart after {reason}")
+        step = latest_complete(coord.run_dir)
+        if step is None:
+            from .coordinator import JobFailed
+
+            raise JobFailed(f"{reason}: no complete checkpoint to restart from")
+        coord._restart(step, cause=failures[0].kind)
 
     def _advance(self) -> None:
         rec = self.active

@@ -134,7 +134,7 @@ class Worker:
         role = Role.parse(cmd["role"])
         self.events.fixed["role"] = role.name
         mid = cmd["migration_id"]
-        faults.hit(self.cfg.runtime.faults, self.name, "joiner_prepare")
+        faults.hit(self.cfg.runtime.faults, self.name, "joiner_prepare", store=self.store)
         t0 = time.perf_counter()
         # Phase 1: build the role's groups at their new generations and the transfer channel,
         # in the one global name order every participant uses.
@@ -272,7 +272,8 @@ class Worker:
         runtime.engine = engine
         engine.on_point = lambda point, step: faults.hit(
             cfg.runtime.faults, self.name, point, step, self.events,
-            on_commerr=lambda: [g.abort() for g in groups.slots().values() if g.size > 1])
+            on_commerr=lambda: [g.abort() for g in groups.slots().values() if g.size > 1],
+            store=self.store)
         metrics = JsonlWriter(os.path.join(self.run_dir, "metrics.jsonl")) \
             if role == reporter_role(cfg) else None
         tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
@@ -281,7 +282,8 @@ class Worker:
                                          self.stores.get()) if every else None
         if checkpointer is not None:
             checkpointer.on_write = lambda path: faults.hit(
-                cfg.runtime.faults, self.name, "checkpoint", checkpointer.step, self.events)
+                cfg.runtime.faults, self.name, "checkpoint", checkpointer.step, self.events,
+                store=self.stores.get())
         record_key = None
         if cfg.runtime.record and cfg.runtime.standbys > 0 and start_step == 0:
             key = structure_key(cfg.layout, cfg.model.n_layers, role.pp)
@@ -404,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--standby", action="store_true")
     p.add_argument("--resume-step", type=int, default=0)
     p.add_argument("--generation", type=int, default=0)
+    p.add_argument("--epoch", type=int, default=0)
     args = p.parse_args(argv)
     worker = Worker(args.run_dir, args.name, args.store)
+    worker.epoch = args.epoch
     if args.standby:
         worker.run_standby()
     else:
