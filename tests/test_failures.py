@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from trainmover.checkpoint import complete_steps, load_canonical, local_path
+from trainmover.checkpoint import complete_steps, local_path
 from trainmover.cli import apply_worker_faults
 from trainmover.coordinator import JobFailed, run_job
 from trainmover.faults import STEP_POINTS, Inject

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from trainmover.comm import GroupBuilder, StoreAddress, StoreClients, build_comm_groups
-from trainmover.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+from trainmover.config import DataConfig, JobConfig, ModelConfig
 from trainmover.data import BatchSource, TokenData, derive_seed, load_tokens
 from trainmover.engine import Engine, lr_at
 from trainmover.model import GPTStage, _VocabParallelCrossEntropy

@@ -277,6 +277,17 @@ def _wait(cond, job, what: str, timeout_s: float = 1800) -> None:
         time.sleep(0.02)
 
 
+def _reach_event(job, event_step: int, warm_standby: bool) -> None:
+    """Wait until the job reached ``event_step`` (and, if asked, every standby is warm)."""
+    from . import controller as C
+
+    coord = job.coordinator
+    if warm_standby:
+        _wait(lambda: all(st is C.StandbyState.WARM for st in coord.membership.standbys.values()),
+              job, "a warm standby")
+    _wait(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
+
+
 def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, victim: str,
                  run_dir: str, steps_after: int = 6) -> dict:
     """One job under one strategy with one unexpected failure of ``victim``, delivered from
@@ -284,7 +295,6 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
     ``event_step`` (and, for trainmover, once its standby is warm)."""
     import signal as sig
 
-    from . import controller as C
     from .api import Job
 
     cfg = JobConfig.from_dict(cfg.to_dict())
@@ -299,10 +309,7 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
     job = Job(cfg, run_dir, timeout_s=3600).start()
     coord = job.coordinator
     try:
-        if strategy == "trainmover":
-            _wait(lambda: all(st is C.StandbyState.WARM
-                              for st in coord.membership.standbys.values()), job, "a warm standby")
-        _wait(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
+        _reach_event(job, event_step, warm_standby=strategy == "trainmover")
         pid = coord.processes[victim].proc.pid
         coord.events.emit("fault_injected", worker=victim, kind=scenario, point="external")
         os.kill(pid, sig.SIGKILL if scenario == "crash" else sig.SIGSTOP)
@@ -334,7 +341,6 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
     """One job under one strategy with one planned event at ``event_step`` (for the
     trainmover strategy: at that step or once the standby is warm, whichever is later, since
     a warm standby is the point). The job runs until the event is accounted for, then stops."""
-    from . import controller as C
     from .api import Job
 
     cfg = JobConfig.from_dict(cfg.to_dict())
@@ -350,10 +356,7 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
     job = Job(cfg, run_dir, timeout_s=3600).start()
     coord = job.coordinator
     try:
-        if strategy == "trainmover":
-            _wait(lambda: all(st is C.StandbyState.WARM
-                              for st in coord.membership.standbys.values()), job, "a warm standby")
-        _wait(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
+        _reach_event(job, event_step, warm_standby=strategy == "trainmover")
         if strategy == "restart":
             _wait(lambda: coord.restarts and coord.progress.last_step >= event_step + steps_after,
                   job, "the restart")

@@ -157,15 +157,20 @@ def plan_migration(m: Membership, migration_id: int, leavers: list[str],
     affected = layout.communicator_groups() if rebuild_all else \
         layout.affected_groups(*leaving_roles)
     generations = {name: m.next_generation[name] for name in affected}
-    stayers: dict[str, list[str]] = {}
-    for w, role in m.workers.items():
-        if w in seen:
-            continue
-        mine = sorted(n for n, g in affected.items() if role in g.members)
-        if mine:
-            stayers[w] = mine
-    return MigrationPlan(migration_id, pairs, generations, stayers,
+    return MigrationPlan(migration_id, pairs, generations, _members(m, affected, seen),
                          len(layout.communicator_groups()), rebuild_all)
+
+
+def _members(m: Membership, groups: dict, exclude: set[str]) -> dict[str, list[str]]:
+    """Each active worker (but ``exclude``) -> the names of ``groups`` it is a member of."""
+    out: dict[str, list[str]] = {}
+    for w, role in m.workers.items():
+        if w in exclude:
+            continue
+        mine = sorted(n for n, g in groups.items() if role in g.members)
+        if mine:
+            out[w] = mine
+    return out
 
 
 def reserve(m: Membership, plan: MigrationPlan) -> Membership:
@@ -314,14 +319,8 @@ def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set
         if name in comm:
             rebuild[name] = comm[name]
     generations = {name: m.next_generation[name] for name in rebuild}
-    stayers: dict[str, list[str]] = {}
-    for w, role in m.workers.items():
-        if w in dead:
-            continue
-        mine = sorted(n for n, g in rebuild.items() if role in g.members)
-        if mine:
-            stayers[w] = mine
-    return RecoveryPlan(recovery_id, pairs, sources, rollback, generations, stayers, len(comm))
+    return RecoveryPlan(recovery_id, pairs, sources, rollback, generations,
+                        _members(m, rebuild, dead), len(comm))
 
 
 
