@@ -68,7 +68,9 @@ def test_hang_is_detected_within_the_bound_and_fenced(tmp_path, baseline):
     rec = check_recovered(summary, "hang", "replica:")
     assert summary["weights_sha256"] == baseline
     latency = rec["detection_latency_s"]["w2"]
-    assert 1.0 < latency < cfg.runtime.heartbeat_timeout_s + 1.0, latency
+    # a hang is only recognisable once the heartbeat timeout passed, and it is fenced soon after
+    bound = cfg.runtime.heartbeat_timeout_s
+    assert bound - 1.0 < latency < bound + 1.0, latency
 
 
 @pytest.mark.timeout(300)
