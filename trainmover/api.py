@@ -39,9 +39,6 @@ class Job:
         future = self.coordinator.request_migration(workers, to)
         return future.result(timeout=timeout_s)
 
-    def migrate_async(self, workers: list[str], to: list[str] | None = None):
-        return self.coordinator.request_migration(workers, to)
-
     def wait(self, timeout_s: float | None = None) -> dict:
         self._thread.join(timeout_s)
         if self._thread.is_alive():

@@ -90,7 +90,6 @@ class AsyncCheckpointer:
         self.run_dir, self.role_name, self.num_roles = run_dir, role_name, num_roles
         self.store, self.keep = store, keep
         self._thread = None
-        self.last_write_s = 0.0
         self.on_write = None  # fault-injection hook: called with the path being written
         self.step: int | None = None
         # Completion is counted per epoch: after a rollback the same step is written again,
@@ -111,11 +110,8 @@ class AsyncCheckpointer:
         return time.perf_counter() - t0
 
     def _write(self, step: int, snapshot: dict, epoch: int) -> None:
-        import time
-
         from . import protocol as P
 
-        t0 = time.perf_counter()
         path = local_path(self.run_dir, step, self.role_name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp"
@@ -129,7 +125,6 @@ class AsyncCheckpointer:
                 f.write(f"{step}\n")
             os.replace(f"{marker}.tmp", marker)
             self._prune(step)
-        self.last_write_s = time.perf_counter() - t0
 
     def _prune(self, newest: int) -> None:
         """Drop checkpoints older than the last ``keep`` complete ones."""

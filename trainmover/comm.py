@@ -415,9 +415,6 @@ class CommGroups:
     def slots(self) -> dict[str, Group]:
         return {s: g for s in SLOTS if (g := getattr(self, s)) is not None}
 
-    def by_name(self) -> dict[str, Group]:
-        return {g.name: g for g in self.slots().values()}
-
     def generations(self) -> dict[str, int]:
         return {g.name: g.generation for g in self.slots().values()}
 

@@ -13,6 +13,7 @@ taking part in a recovery.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 from . import protocol as P
@@ -22,22 +23,17 @@ from .comm import AbortSignal, StepAborted, StoreClients
 class Heartbeat:
     def __init__(self, stores: StoreClients, worker: str, interval_s: float):
         self.worker, self.interval_s = worker, interval_s
-        self.step = -1
         self._stores = stores
-        self._stop = threading.Event()
         threading.Thread(target=self._loop, name=f"heartbeat-{worker}", daemon=True).start()
 
     def _loop(self) -> None:
         store = self._stores.get()
-        while not self._stop.is_set():
+        while True:
             try:
                 store.add(P.heartbeat_key(self.worker), 1)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 return
-            self._stop.wait(self.interval_s)
-
-    def stop(self) -> None:
-        self._stop.set()
+            time.sleep(self.interval_s)
 
 
 class AbortWatcher:

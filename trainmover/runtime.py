@@ -101,7 +101,6 @@ class Participation:
     reported_ready: bool = False
     dropped: bool = False
     switch_at: int | None = None
-    t_ready: float | None = None
     t_go: float | None = None
     build_s: float = 0.0
     rss_before: dict = field(default_factory=dict)
@@ -201,7 +200,7 @@ class WorkerRuntime:
             self._drop(part, f"phase 1 failed: {err}")
             raise RuntimeError(f"migration {mid}: preparing groups failed on {self.name}: {err}")
         if not part.reported_ready:
-            part.reported_ready, part.t_ready = True, time.perf_counter()
+            part.reported_ready = True
             store.set(P.mig_key(mid, "ready", self.name),
                       P.encode({"build_s": part.build_s, "step": step}))
             store.add(P.mig_key(mid, "ready_count"), 1)
