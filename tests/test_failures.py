@@ -152,6 +152,9 @@ def test_restart_baseline_after_a_crash_is_bit_identical(tmp_path):
     cfg.runtime.restart_on_failure = True
     summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
     (restart,) = summary["restarts"]
-    assert restart["cause"] == "crash" and restart["step"] == 6
+    # Checkpoints are written asynchronously: when the crash hits step 6 the write of the
+    # step-6 checkpoint (state after step 5) may still be in flight, so the newest complete
+    # one can be a step older. Either is correct; anything older would be lost work.
+    assert restart["cause"] == "crash" and restart["step"] in (5, 6)
     assert restart["downtime_s"] > 0
     assert summary["weights_sha256"] == base["weights_sha256"]
