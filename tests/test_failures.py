@@ -9,6 +9,7 @@ import pytest
 from trainmover.checkpoint import complete_steps, local_path
 from trainmover.cli import apply_worker_faults
 from trainmover.coordinator import JobFailed, run_job
+from trainmover.events import read_jsonl
 from trainmover.faults import STEP_POINTS, Inject
 from trainmover.recipes import get_recipe
 from trainmover.topology import Layout
@@ -133,8 +134,26 @@ def test_checkpoint_fallback_rolls_everyone_back_bit_identical(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_without_a_standby_the_job_stops_cleanly(tmp_path):
-    cfg = with_faults(job(standbys=0, checkpoint_every=2), Inject("crash", 5, "w2", "forward"))
+def test_without_a_standby_a_replacement_is_started(tmp_path, baseline):
+    """No standby at all: a fresh process is started for the failed role (the job waits,
+    degraded), and nothing else restarts."""
+    cfg = with_faults(job(standbys=0), Inject("crash", 5, "w2", "backward"))
+    run_dir = str(tmp_path / "run")
+    summary = run_job(cfg, run_dir, quiet=True, timeout_s=300)
+    (rec,) = summary["recoveries"]
+    assert rec["replacements"] == ["s0"] and rec["pairs"][0]["joiner"] == "s0"
+    assert rec["sources"] == {"dp1.pp0.tp0": "replica:w0"}
+    assert summary["weights_sha256"] == baseline
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    assert [e["replacements"] for e in events if e["event"] == "degraded"] == [["s0"]]
+    started = [e["name"] for e in events if e["event"] == "process_started"]
+    assert sorted(started) == ["s0", "w0", "w1", "w2", "w3"]   # survivors were not restarted
+
+
+@pytest.mark.timeout(300)
+def test_without_a_standby_the_job_can_stop_cleanly_instead(tmp_path):
+    cfg = with_faults(job(standbys=0, checkpoint_every=2, replace_without_standby=False),
+                      Inject("crash", 5, "w2", "forward"))
     with pytest.raises(JobFailed, match="cannot recover.*0 free standby") as err:
         run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=200)
     assert "Committed progress" in str(err.value)

@@ -310,7 +310,7 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
     coord = job.coordinator
     try:
         _reach_event(job, event_step, warm_standby=strategy == "trainmover")
-        pid = coord.processes[victim].proc.pid
+        pid = coord.procs.pid(victim)
         coord.events.emit("fault_injected", worker=victim, kind=scenario, point="external")
         os.kill(pid, sig.SIGKILL if scenario == "crash" else sig.SIGSTOP)
         if strategy == "trainmover":

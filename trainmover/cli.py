@@ -35,6 +35,8 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         cfg.runtime.standbys = args.standbys
     if getattr(args, "checkpoint_every", None) is not None:
         cfg.runtime.checkpoint_every = args.checkpoint_every
+    if getattr(args, "controller_restart", None) is not None:
+        cfg.runtime.controller_restart = args.controller_restart
     cfg.validate()
     if args.workers is not None and args.workers != cfg.layout.num_roles:
         raise ValueError(f"--workers={args.workers} does not match layout {cfg.layout} "
@@ -53,8 +55,8 @@ def build_injects(args: argparse.Namespace, cfg: JobConfig) -> list:
 
 
 def apply_worker_faults(cfg: JobConfig, injects: list) -> list:
-    """Faults the workers carry out go into the job's configuration; the rest (migrations)
-    stay with the controller, which is what this returns."""
+    """Faults the workers carry out go into the job's configuration; the rest (migrations,
+    the controller's own crashes) stay with the controller, which is what this returns."""
     from .faults import worker_faults
 
     faults = worker_faults(injects)
@@ -62,7 +64,7 @@ def apply_worker_faults(cfg: JobConfig, injects: list) -> list:
         raise ValueError("a fault at point 'checkpoint' needs checkpoints: add "
                          "--checkpoint-every N")
     cfg.runtime.faults = list(cfg.runtime.faults) + faults
-    return [i for i in injects if i.kind == "migrate"]
+    return [i for i in injects if i.kind == "migrate" or i.target == "controller"]
 
 
 def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
@@ -82,6 +84,9 @@ def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="asynchronous checkpoint every N steps (the fallback when a failed "
                         "role has no data-parallel replica)")
+    p.add_argument("--controller-restart", choices=["auto", "manual"],
+                   help="if this controller process dies: the job's agent starts a new one "
+                        "(auto, default) or waits for `trainmover controller --resume` (manual)")
     p.add_argument("--inject", action="append", metavar="KIND@STEP:TARGET[:ARG]",
                    help="scheduled event, e.g. migrate@12:w3 (repeatable)")
     p.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
@@ -118,6 +123,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_controller(args: argparse.Namespace) -> int:
+    from .coordinator import Coordinator, Superseded
+
+    coord = Coordinator.resume(args.resume, quiet=args.quiet, force=args.force)
+    try:
+        summary = coord.run()
+    except Superseded as exc:
+        print(f"trainmover: this controller stepped down: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     from .client import request_migration
 
@@ -144,6 +162,13 @@ def make_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a small multi-worker job on the built-in corpus")
     _job_args(demo, "demo")
     demo.set_defaults(fn=cmd_demo)
+    ctl = sub.add_parser("controller", help="take control of a running job whose controller "
+                                            "died (training never stopped)")
+    ctl.add_argument("--resume", required=True, metavar="RUN_DIR", help="the job's run dir")
+    ctl.add_argument("--force", action="store_true",
+                     help="take over even if the current controller is alive (it steps down)")
+    ctl.add_argument("--quiet", action="store_true")
+    ctl.set_defaults(fn=cmd_controller)
     mig = sub.add_parser("migrate", help="hand running workers' roles to standbys")
     mig.add_argument("--run-dir", required=True, help="run directory of a running job")
     mig.add_argument("--worker", action="append", required=True,

@@ -162,6 +162,14 @@ class RuntimeConfig:
     # The restart baseline for failures: on a failure, restart every process from the newest
     # complete checkpoint instead of recovering into a standby.
     restart_on_failure: bool = False
+    # A failure with no free standby: start a replacement process (a new standby, promoted
+    # as soon as it runs; the job waits for it, "degraded") instead of stopping the job.
+    replace_without_standby: bool = True
+    # The controller may die without stopping training (the agent hosts the store and the
+    # processes). "auto": the agent starts a new one, which resumes from the store; "manual":
+    # it waits ``controller_grace_s`` for `trainmover controller --resume`, then stops the job.
+    controller_restart: str = "auto"
+    controller_grace_s: float = 300.0
 
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -179,6 +187,12 @@ class RuntimeConfig:
         if self.warmup_iterations < 1:
             raise ValueError(f"runtime.warmup_iterations must be >= 1, got "
                              f"{self.warmup_iterations!r}")
+        if self.controller_restart not in ("auto", "manual"):
+            raise ValueError(f"runtime.controller_restart must be 'auto' or 'manual', got "
+                             f"{self.controller_restart!r}")
+        if self.controller_grace_s <= 0:
+            raise ValueError(f"runtime.controller_grace_s must be > 0, got "
+                             f"{self.controller_grace_s!r}")
         if self.restart_at_step is not None and self.checkpoint_every != 1:
             raise ValueError("runtime.restart_at_step needs runtime.checkpoint_every=1 "
                              f"(got {self.checkpoint_every!r})")

@@ -1,18 +1,30 @@
-"""The coordinator of a local job: hosts the store, runs the controller, starts and watches
-every process, shows progress, and assembles the final canonical state.
+"""The controller process of a job: runs the controller's decisions, sends commands, watches
+progress and failures, and assembles the final canonical state.
 
-The controller's decisions are the pure functions of ``controller.py``; this module carries
-them out (commands through the store) and watches for their completion. It is not on the
-training hot path: workers train on their own groups and only look at commands between steps.
-Every process it starts is tracked by PID and stopped by PID on any exit path.
+The decisions are the pure functions of ``controller.py``; this module carries them out
+(commands through the store) and watches for their completion. It is not on the training hot
+path: workers train on their own groups and only look at commands between steps. The store
+and the processes belong to the job's agent (``agent.py``), so this process may die at any
+moment without stopping training, and a new one resumes from the store (``resume``):
+
+- the controller's whole state is a snapshot in the store, saved at the end of every
+  supervision round in which it changed;
+- everything it tells the outside world (worker commands, decision keys, process starts) is
+  queued in an *outbox* during the round and sent only after the snapshot that contains it
+  was saved; keys are written with content fixed in advance (commands are numbered by the
+  controller), so a resumed controller re-sends the outbox and nothing happens twice;
+- only fencing (SIGKILL of a failed worker) and the compare-and-set that aborts a step are
+  done at once: both are idempotent when a resumed controller repeats them.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import queue
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -20,53 +32,27 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import torch
+from datetime import timedelta
 
 from . import controller as C
 from . import protocol as P
-from .checkpoint import save_canonical
-from .comm import start_store_server
+from .agent import AgentClient, pid_alive
 from .config import JobConfig
 from .events import EventLog, read_jsonl
 from .faults import Inject
 from .recovery import Recovery
-from .state import assemble, state_digest
 
 
 class JobFailed(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:
-    """In each child, before exec: ask Linux to SIGKILL it if the coordinator dies, so a
-    coordinator killed without warning never leaves workers behind."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the workers' own store-liveness checks still end them
+class Superseded(RuntimeError):
+    """Another controller took over this job (``trainmover controller --resume --force``)."""
 
 
 def worker_names(n: int, prefix: str = "w") -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
-
-
-@dataclass
-class Process:
-    name: str
-    proc: subprocess.Popen
-    log_path: str
-    standby: bool
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
 
 
 @dataclass
@@ -118,6 +104,14 @@ class MigrationRequest:
     future: Future = field(default_factory=Future)
     naive: bool = False
 
+    def __getstate__(self) -> dict:
+        # an API caller's future lives in the process that died; a resumed controller still
+        # carries the request out (and answers store requests)
+        return {k: v for k, v in self.__dict__.items() if k != "future"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, future=Future())
+
 
 @dataclass
 class ActiveMigration:
@@ -144,7 +138,13 @@ def downtime_from_metrics(records: list[dict], event_step: int, baseline_steps: 
 
 
 class Coordinator:
-    """Runs one job. ``run()`` blocks until it ends; ``Job`` in api.py runs it in a thread."""
+    """Runs one job. ``run()`` blocks until it ends; ``Job`` in api.py runs it in a thread.
+    ``Coordinator.resume(run_dir)`` takes over a running job whose controller died."""
+
+    # what a resumed controller needs, beyond the job spec, the store and the run dir
+    SNAPSHOT = ("membership", "pending", "active", "finished_migrations", "awaiting_downtime",
+                "_next_standby", "_store_requests_seen", "restarts", "warm_for",
+                "awaiting_recovery", "injects", "cmd_next", "outbox", "procs", "t_started")
 
     def __init__(self, cfg: JobConfig, run_dir: str, quiet: bool = False,
                  injects: list[Inject] | None = None, timeout_s: float | None = None):
@@ -158,7 +158,6 @@ class Coordinator:
         self.active: ActiveMigration | None = None
         self.finished_migrations: list[dict] = []
         self.awaiting_downtime: list[ActiveMigration] = []
-        self.processes: dict[str, Process] = {}
         self.started = threading.Event()
         self._next_standby = cfg.runtime.standbys
         self._store_requests_seen = 0
@@ -168,6 +167,13 @@ class Coordinator:
         self._stop_requested = threading.Event()
         self.recovery = Recovery(self)
         self.awaiting_recovery: list = []
+        self.cmd_next: dict[str, int] = {}      # next command number per worker
+        self.outbox: list[tuple] = []            # ("set", key, value) | ("agent", request)
+        self._saved: bytes | None = None
+        self._agent_proc: subprocess.Popen | None = None
+        self._incarnation_checked_at = 0.0
+        self.t_started = time.time()
+        self.resumed = False
 
     # --- set-up ----------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -178,73 +184,198 @@ class Coordinator:
         with open(os.path.join(self.run_dir, "job.json"), "w") as f:
             json.dump(self.cfg.to_dict(), f, indent=2)
         self.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), worker="coordinator")
-        self.store = start_store_server(self.cfg.runtime.store_host)
-        with open(os.path.join(self.run_dir, "control.json"), "w") as f:
-            json.dump({"store": f"{self.cfg.runtime.store_host}:{self.store.port}",
-                       "coordinator_pid": os.getpid()}, f)
+        rt = self.cfg.runtime
+        # the store's socket is opened here and inherited by the agent, which starts the
+        # first processes before it even imports torch: no start-up latency is added
+        listener = socket.create_server((rt.store_host, 0), backlog=1024)
+        self.store_addr = f"{rt.store_host}:{listener.getsockname()[1]}"
         workers = worker_names(self.cfg.layout.num_roles)
-        standbys = worker_names(self.cfg.runtime.standbys, "s")
+        standbys = worker_names(rt.standbys, "s")
         self.membership = C.Membership.initial(self.cfg.layout, workers, standbys)
+        self.procs = AgentClient(None)
+        initial = [self._spawn_request(n, standby=False) for n in workers] + \
+                  [self._spawn_request(n, standby=True) for n in standbys]
+        init_path = os.path.join(self.run_dir, "agent_initial.json")
+        with open(init_path, "w") as f:
+            json.dump(initial, f)
+        with open(os.path.join(self.run_dir, "logs", "agent.log"), "ab") as log:
+            self._agent_proc = subprocess.Popen(
+                [sys.executable, "-m", "trainmover.agent", "--run-dir", self.run_dir,
+                 "--host", rt.store_host, "--port", str(listener.getsockname()[1]),
+                 "--listen-fd", str(listener.fileno()), "--initial", init_path,
+                 "--controller-restart", rt.controller_restart,
+                 "--controller-grace-s", str(rt.controller_grace_s),
+                 "--controller-pid", str(os.getpid())],
+                pass_fds=[listener.fileno()], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # outlives this process, and the terminal's Ctrl-C
+        listener.close()
+        with open(os.path.join(self.run_dir, "control.json"), "w") as f:
+            json.dump({"store": self.store_addr, "agent_pid": self._agent_proc.pid}, f)
+        self._connect()
+        self.procs.store = self.store
         for name, role in self.membership.workers.items():
-            self.store.set(P.membership_key(name), role.name)
+            self.put(P.membership_key(name), role.name)
         self.progress = Progress(os.path.join(self.run_dir, "metrics.jsonl"),
                                  self.cfg.train.steps, not self.quiet)
-        self.env = dict(os.environ)
-        self.env.setdefault("OMP_NUM_THREADS", str(self.cfg.threads_per_worker()))
-        self.env["PYTHONUNBUFFERED"] = "1"
 
-    def _spawn(self, name: str, standby: bool, extra: list[str] = ()) -> None:
-        log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
-        env = self.env
+    def _connect(self) -> None:
+        import torch.distributed as dist
+
+        host, _, port = self.store_addr.rpartition(":")
+        self.store = dist.TCPStore(host, int(port), is_master=False,
+                                   timeout=timedelta(seconds=60))
+        self.incarnation = self.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
+        self.store.set(P.CONTROLLER_KEY, P.encode({"pid": os.getpid(),
+                                                   "incarnation": self.incarnation}))
+
+    def _spawn_request(self, name: str, standby: bool, extra: list[str] = ()) -> dict:
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                 str(self.cfg.threads_per_worker())),
+               "PYTHONUNBUFFERED": "1"}
         if self.cfg.runtime.isolate_caches:
             # one "machine" per process: its own compiler caches, kept across its restarts
             root = os.path.join(self.run_dir, "cache", name)
-            env = dict(env, TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
+            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
                        TRITON_CACHE_DIR=os.path.join(root, "triton"),
                        TMPDIR=os.path.join(root, "tmp"))
-            os.makedirs(env["TMPDIR"], exist_ok=True)
-        with open(log_path, "ab") as log:
-            cmd = [sys.executable, "-m", "trainmover.worker", "--run-dir", self.run_dir,
-                   "--name", name, "--store", f"{self.cfg.runtime.store_host}:{self.store.port}",
-                   *extra]
-            if standby:
-                cmd.append("--standby")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent)
-        self.processes[name] = Process(name, proc, log_path, standby)
-        self.events.emit("process_started", name=name, pid=proc.pid, standby=standby)
+        argv = [sys.executable, "-m", "trainmover.worker", "--run-dir", self.run_dir,
+                "--name", name, "--store", self.store_addr, *extra]
+        if standby:
+            argv.append("--standby")
+        return self.procs.spawn_request(name, argv, env,
+                                        os.path.join(self.run_dir, "logs", f"{name}.log"),
+                                        standby)
+
+    def _spawn(self, name: str, standby: bool, extra: list[str] = ()) -> None:
+        self.outbox.append(("agent", self._spawn_request(name, standby, extra)))
+
+    # --- the outbox and the snapshot --------------------------------------------------------
+    def put(self, key: str, value: str) -> None:
+        """Set a store key the workers act on, once the snapshot that led to it is saved."""
+        self.outbox.append(("set", key, value))
+
+    def send(self, worker: str, command: dict) -> None:
+        index = self.cmd_next.get(worker, 1)
+        self.cmd_next[worker] = index + 1
+        self.put(P.command_key(worker, index), P.encode(command))
+
+    def _flush(self) -> None:
+        """Save the snapshot (if anything changed), then send the outbox."""
+        state = {k: getattr(self, k) for k in self.SNAPSHOT}
+        state["recovery"] = self.recovery.snapshot()
+        blob = pickle.dumps(state)
+        if blob != self._saved:
+            self.store.set(P.CONTROLLER_SNAPSHOT_KEY, blob)
+            self._saved = blob
+        if not self.outbox:
+            return
+        for item in self.outbox:
+            if item[0] == "set":
+                self.store.set(item[1], item[2])
+            else:
+                self.procs.send(item[1])
+        self.outbox = []
+
+    @classmethod
+    def resume(cls, run_dir: str, quiet: bool = False, force: bool = False) -> "Coordinator":
+        """A controller for a job whose controller died: the same view, rebuilt from the
+        store (its snapshot, the agent's process records) and the run dir (job spec, metrics,
+        checkpoints)."""
+        run_dir = os.path.abspath(run_dir)
+        for name in ("job.json", "control.json"):
+            if not os.path.exists(os.path.join(run_dir, name)):
+                raise ValueError(f"{run_dir!r} holds no running job (no {name})")
+        with open(os.path.join(run_dir, "job.json")) as f:
+            cfg = JobConfig.from_dict(json.load(f))
+        with open(os.path.join(run_dir, "control.json")) as f:
+            control = json.load(f)
+        if not pid_alive(control["agent_pid"]):
+            raise ValueError(f"the job in {run_dir!r} has ended (its agent, PID "
+                             f"{control['agent_pid']}, is gone)")
+        self = cls(cfg, run_dir, quiet)
+        self.store_addr = control["store"]
+        import torch.distributed as dist
+
+        host, _, port = self.store_addr.rpartition(":")
+        probe = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        if probe.check([P.CONTROLLER_KEY]):
+            current = P.decode(probe.get(P.CONTROLLER_KEY))
+            if pid_alive(current["pid"]) and current["pid"] != os.getpid() and not force:
+                raise ValueError(f"the job's controller (PID {current['pid']}) is alive; "
+                                 f"pass --force to take over anyway")
+        if not probe.check([P.CONTROLLER_SNAPSHOT_KEY]):
+            raise ValueError(f"the job in {run_dir!r} has no controller snapshot yet")
+        state = pickle.loads(probe.get(P.CONTROLLER_SNAPSHOT_KEY))
+        del probe
+        self._connect()
+        recovery = state.pop("recovery")
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.recovery.restore(recovery)
+        self.procs.store = self.store
+        self.resumed = True
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
+        self.progress = Progress(os.path.join(run_dir, "metrics.jsonl"), cfg.train.steps, False)
+        self.progress.poll()          # catch up silently, then report new steps as usual
+        self.progress.enabled = not quiet
+        # a request number taken by a controller that died before writing it would stall
+        # the agent's queue: fill such holes with no-ops
+        count = self.store.add(P.AGENT_REQUEST_COUNT_KEY, 0)
+        for i in range(1, count + 1):
+            if not self.store.check([P.agent_request_key(i)]):
+                self.store.set(P.agent_request_key(i), P.encode({"op": "noop"}))
+        return self
 
     # --- the run -----------------------------------------------------------------------------
     def run(self) -> dict:
-        self._prepare()
-        t0 = time.perf_counter()
         cfg = self.cfg
-        self.events.emit("job_started", layout=cfg.layout.as_dict(),
-                         workers=len(self.membership.workers),
-                         standbys=len(self.membership.standbys), store_port=self.store.port)
-        self.progress.say(f"job {cfg.name!r} {cfg.layout} on {len(self.membership.workers)} "
-                          f"workers + {len(self.membership.standbys)} standby, "
-                          f"{cfg.model.num_params() / 1e6:.2f}M parameters, run dir {self.run_dir}")
+        if not self.resumed:
+            self._prepare()
+            self.events.emit("job_started", layout=cfg.layout.as_dict(),
+                             workers=len(self.membership.workers),
+                             standbys=len(self.membership.standbys), store=self.store_addr,
+                             agent_pid=self._agent_proc.pid)
+            self.progress.say(f"job {cfg.name!r} {cfg.layout} on "
+                              f"{len(self.membership.workers)} workers + "
+                              f"{len(self.membership.standbys)} standby, "
+                              f"{cfg.model.num_params() / 1e6:.2f}M parameters, run dir "
+                              f"{self.run_dir}")
+        else:
+            self.events.emit("controller_resumed", incarnation=self.incarnation,
+                             pid=os.getpid(), last_step=self.progress.last_step,
+                             active_migration=None if self.active is None
+                             else self.active.plan.migration_id,
+                             active_recovery=None if self.recovery.active is None
+                             else self.recovery.active.recovery_id)
+            self.progress.say(f"controller resumed (incarnation {self.incarnation}) at step "
+                              f"{self.progress.last_step + 1} of job {cfg.name!r}")
+        t0 = time.perf_counter()
         try:
-            for name in self.membership.workers:
-                self._spawn(name, standby=False)
-            for name in self.membership.standbys:
-                self._spawn(name, standby=True)
+            self._flush()   # a resumed controller re-sends what its predecessor may not have
             self.started.set()
             while not self._stop_requested.is_set() and not self._poll():
+                self._flush()
                 if self.timeout_s is not None and time.perf_counter() - t0 > self.timeout_s:
                     raise JobFailed(f"job exceeded its timeout of {self.timeout_s} s")
                 time.sleep(0.02)
+            self._flush()
+        except Superseded:
+            self.started.set()
+            raise
         except BaseException as exc:
             self._fail_requests(exc)
-            self._stop_all()
+            if hasattr(self, "store"):
+                self._flush()
+                self._stop_all()
+            elif self._agent_proc is not None:
+                self._agent_proc.kill()
             raise
         finally:
             self.started.set()
         self._stop_all()  # standbys still waiting
         self.progress.poll()
         self._finish_downtimes(final=True)
-        wall = time.perf_counter() - t0
+        wall = time.time() - self.t_started
         if self._stop_requested.is_set():
             # stopped on request (benchmarks): no final state, but every event's accounting
             self.events.emit("job_stopped", wall_s=round(wall, 3),
@@ -262,8 +393,20 @@ class Coordinator:
         Committed steps and their checkpoints are left as they are."""
         self._stop_requested.set()
 
+    def _check_incarnation(self) -> None:
+        now = time.monotonic()
+        if now - self._incarnation_checked_at < 0.25:
+            return
+        self._incarnation_checked_at = now
+        latest = self.store.add(P.CONTROLLER_INCARNATION_KEY, 0)
+        if latest != self.incarnation:
+            raise Superseded(f"controller incarnation {latest} took over from "
+                             f"{self.incarnation}")
+
     def _poll(self) -> bool:
         """One round of supervision; True when the job has finished."""
+        self._check_incarnation()
+        self.procs.refresh()
         self.progress.poll()
         self._check_processes()
         self._update_standbys()
@@ -283,8 +426,7 @@ class Coordinator:
     def _job_finished(self) -> bool:
         """Every role holder exited cleanly (checked before migrations advance: a joiner
         whose leaver finished the job first loses its channel, which is not a failure)."""
-        holders = [self.processes[w] for w in self.membership.workers]
-        if not all(p.proc.poll() == 0 for p in holders):
+        if not all(self.procs.exit_code(w) == 0 for w in self.membership.workers):
             return False
         if self._restart_due():
             self._restart()
@@ -363,8 +505,8 @@ class Coordinator:
         return out
 
     def _check_processes(self) -> None:
-        for name, p in self.processes.items():
-            code = p.proc.poll()
+        for name, p in self.procs.procs.items():
+            code = p.code
             if code in (None, 0):
                 continue
             if p.standby and name not in self.membership.workers:
@@ -377,7 +519,8 @@ class Coordinator:
                 continue  # the recovery path detects, fences and replaces it
             if name in self.membership.departed or name in self.recovery.failed_workers:
                 continue
-            raise JobFailed(f"worker {name} exited with code {code}; last log lines:\n{p.tail()}")
+            raise JobFailed(f"worker {name} exited with code {code}; last log lines:\n"
+                            f"{self.procs.tail(name)}")
 
     def _update_standbys(self) -> None:
         """Follow each free standby's readiness (cold, warming, warm) as it reports it."""
@@ -387,7 +530,7 @@ class Coordinator:
         self._standbys_read_at = now
         for name, st in self.membership.standbys.items():
             if st in (C.StandbyState.DEAD, C.StandbyState.RESERVED) or \
-                    name not in self.processes or \
+                    not self.procs.known(name) or \
                     not self.store.check([P.standby_state_key(name)]):
                 continue
             new = C.StandbyState(self.store.get(P.standby_state_key(name)).decode())
@@ -424,8 +567,24 @@ class Coordinator:
                 self._answer(req, {"status": "queued",
                                    "reason": "another migration is in flight"}, final=False)
 
+    def controller_fault(self, point: str) -> None:
+        """A scheduled crash of this controller process at ``point`` (tests, chaos): it is
+        taken off the schedule and the snapshot saved first, so the controller that resumes
+        does not crash again, then SIGKILL, no clean-up."""
+        due = [i for i in self.injects if i.target == "controller" and
+               (i.arg or "boundary") == point and i.step <= self.progress.last_step + 1]
+        if not due:
+            return
+        self.injects = [i for i in self.injects if i is not due[0]]
+        self.events.emit("fault_injected", kind="crash", point=point, target="controller",
+                         step=self.progress.last_step + 1, pid=os.getpid())
+        self._flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def _fire_injects(self) -> None:
-        due = [i for i in self.injects if i.step <= self.progress.last_step + 1]
+        self.controller_fault("boundary")
+        due = [i for i in self.injects if i.step <= self.progress.last_step + 1
+               and i.target != "controller"]
         if not due:
             return
         self.injects = [i for i in self.injects if i not in due]
@@ -444,8 +603,8 @@ class Coordinator:
 
     def _answer(self, req: MigrationRequest, result: dict, final: bool = True) -> None:
         if req.store_index is not None:
-            self.store.set(P.request_key(req.store_index, "done" if final else "status"),
-                           P.encode(result))
+            self.put(P.request_key(req.store_index, "done" if final else "status"),
+                     P.encode(result))
         if final and not req.future.done():
             req.future.set_result(result)
 
@@ -486,18 +645,18 @@ class Coordinator:
             + (" [naive]" if req.naive else ""))
         self._answer(req, {"status": "started", **info}, final=False)
         for stayer, groups in plan.stayers.items():
-            P.send_command(self.store, stayer, {
+            self.send(stayer, {
                 "type": "prepare", "migration_id": mid, "naive": req.naive,
                 "groups": {g: plan.generations[g] for g in groups}})
         for pair in plan.pairs:
-            P.send_command(self.store, pair.leaver, {
+            self.send(pair.leaver, {
                 "type": "leave", "migration_id": mid, "naive": req.naive,
                 "joiner": pair.joiner, "transfer_group": pair.transfer_group,
                 "transfer_generation": mid})
             role_groups = self.cfg.layout.groups_of(pair.role)
-            P.send_command(self.store, pair.joiner, {
+            self.send(pair.joiner, {
                 "type": "assign", "migration_id": mid, "role": pair.role.name,
-                "leaver": pair.leaver, "transfer_group": pair.transfer_group,
+                "epoch": self.recovery.epoch, "leaver": pair.leaver, "transfer_group": pair.transfer_group,
                 "transfer_generation": mid, "naive": req.naive,
                 "groups": {s.name: plan.generations[s.name] for s in role_groups.values()
                            if s.name in plan.generations}})
@@ -505,22 +664,24 @@ class Coordinator:
             # no preparation phase: the switch is ordered at once, the joiner starts cold
             # when the leaver reaches the switch boundary
             self._go(mig)
+        self.controller_fault("migration_prepare")
 
     def _go(self, mig: ActiveMigration) -> None:
         mig.state, mig.t_go = C.MigrationState.SWITCHING, time.time()
-        self.store.set(P.mig_key(mig.plan.migration_id, "go"), "1")
+        self.put(P.mig_key(mig.plan.migration_id, "go"), "1")
         self.events.emit("migration_go", migration_id=mig.plan.migration_id)
+        self.controller_fault("migration_switch")
 
     def _advance_migration(self) -> None:
         mig = self.active
         plan, mid = mig.plan, mig.plan.migration_id
         if mig.request.naive:
             for pair in plan.pairs:
-                if pair.joiner not in self.processes and \
+                if not self.procs.known(pair.joiner) and \
                         self.store.check([P.mig_key(mid, "at_switch", pair.leaver)]):
                     self._spawn(pair.joiner, standby=True)
         dead = {j for j in plan.joiners
-                if j in self.processes and self.processes[j].proc.poll() not in (None, 0)}
+                if self.procs.known(j) and self.procs.exit_code(j) not in (None, 0)}
         participants = set(plan.participants)
         ready = participants if mig.state is not C.MigrationState.PREPARING else \
             (participants if self.store.add(P.mig_key(mid, "ready_count"), 0) >= len(participants)
@@ -544,13 +705,13 @@ class Coordinator:
     def _abort_active(self, reason: str, dead: set[str] = frozenset()) -> None:
         mig = self.active
         mid = mig.plan.migration_id
-        self.store.set(P.mig_key(mid, "abort"), reason)
+        self.put(P.mig_key(mid, "abort"), reason)
         self.membership = C.abort(self.membership, mig.plan, set(dead))
         for j in mig.plan.joiners:
-            if j not in dead and j in self.processes and self.processes[j].proc.poll() is None:
+            if j not in dead and self.procs.running(j):
                 # a joiner that prepared for an abandoned migration holds stale groups: retire
                 # it rather than reuse it
-                self._terminate(self.processes[j])
+                self.procs.stop(j)
                 self.membership.standbys[j] = C.StandbyState.DEAD
         self.events.emit("migration_aborted", migration_id=mid, reason=reason)
         self.progress.say(f"migration {mid} aborted: {reason}; the job continues unchanged")
@@ -563,7 +724,7 @@ class Coordinator:
         plan, mid = mig.plan, mig.plan.migration_id
         self.membership = C.commit(self.membership, plan)
         for p in plan.pairs:
-            self.store.set(P.membership_key(p.joiner), p.role.name)
+            self.put(P.membership_key(p.joiner), p.role.name)
         mig.switch_step = int(self.store.get(P.mig_key(mid, "switch_at")))
         mig.state = C.MigrationState.DONE
         self.active = None
@@ -634,29 +795,22 @@ class Coordinator:
         self._answer(mig.request, result)
 
     # --- stopping and the end ------------------------------------------------------------------
-    @staticmethod
-    def _terminate(p: Process, grace_s: float = 3.0) -> None:
-        if p.proc.poll() is None:
-            p.proc.send_signal(signal.SIGTERM)
-            try:
-                p.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
-
     def _stop_all(self, grace_s: float = 3.0) -> None:
-        for p in self.processes.values():
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in self.processes.values():
+        """Every process and the agent stop (the job is over or failed)."""
+        self.procs.shutdown(grace_s)
+        if self._agent_proc is not None:
             try:
-                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                self._agent_proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
+                self._agent_proc.kill()
+                self._agent_proc.wait()
 
     def _finish(self, wall_s: float) -> dict:
+        import torch
+
+        from .checkpoint import save_canonical
+        from .state import assemble, state_digest
+
         cfg = self.cfg
         shard_dir = os.path.join(self.run_dir, "final", "shards")
         shards = {}

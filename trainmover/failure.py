@@ -12,6 +12,7 @@ taking part in a recovery.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -30,7 +31,7 @@ class Heartbeat:
         store = self._stores.get()
         while True:
             try:
-                store.add(P.heartbeat_key(self.worker), 1)
+                store.add(P.heartbeat_key(self.worker, os.getpid()), 1)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 return
             time.sleep(self.interval_s)

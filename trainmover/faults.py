@@ -8,7 +8,12 @@
   was committed, before w3 applied it), ``checkpoint`` (half-way through writing one);
   default ``forward``;
 - ``hang@12:w3`` SIGSTOP w3 inside step 12 (same points; default ``forward``);
-- ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12.
+- ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12;
+- ``crash@12:controller[:POINT]`` the controller process SIGKILLs itself (training goes on;
+  the agent restarts it, or an operator resumes it): at the first supervision round at or
+  after step 12 (``boundary``, default), or once it reached a point of a migration or
+  recovery at or after step 12: ``migration_prepare`` (commands sent), ``migration_switch``
+  (the switch ordered), ``recovery`` (the recovery plan sent).
 
 Migrations are carried out by the controller; the other kinds by the worker itself at the
 named point (``hit``), so they land at an exact place in the step."""
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 
 KINDS = ("migrate", "crash", "hang", "commerr")
 WORKER_KINDS = ("crash", "hang", "commerr")
+CONTROLLER = "controller"
+CONTROLLER_POINTS = ("boundary", "migration_prepare", "migration_switch", "recovery")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,13 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
     for inj in injects:
         if not 0 < inj.step < steps:
             raise ValueError(f"inject {inj}: step {inj.step} is outside 1..{steps - 1}")
+        if inj.target == CONTROLLER:
+            if inj.kind != "crash":
+                raise ValueError(f"inject {inj}: the controller can only crash")
+            if inj.arg is not None and inj.arg not in CONTROLLER_POINTS:
+                raise ValueError(f"inject {inj}: unknown controller point {inj.arg!r} "
+                                 f"(known: {', '.join(CONTROLLER_POINTS)})")
+            continue
         if inj.target not in workers:
             raise ValueError(f"inject {inj}: unknown worker {inj.target!r}")
         if inj.kind in WORKER_KINDS and inj.arg is not None and inj.arg not in STEP_POINTS:
@@ -99,7 +113,7 @@ def worker_faults(injects: list[Inject]) -> list[dict]:
     """The injects a worker carries out itself, in the form the job configuration holds."""
     out = []
     for inj in injects:
-        if inj.kind in WORKER_KINDS:
+        if inj.kind in WORKER_KINDS and inj.target != CONTROLLER:
             point = inj.arg or "forward"
             fault = WorkerFault(inj.target, point, inj.step, inj.kind)
             fault.validate()

@@ -1,9 +1,10 @@
 """The store keys and messages shared by the coordinator and the workers. Pure (no torch):
 everything that crosses a process boundary is named here, once.
 
-Commands are JSON objects appended to a per-worker list (``cmd/<worker>/<n>``); a worker's
-command thread waits on the next index, so checking for a command costs the training loop one
-``queue.Queue`` look-up per step.
+Commands are JSON objects appended to a per-worker list (``cmd/<worker>/<n>``, numbered by
+the controller, so a resumed controller re-sending one writes the same key twice, never two
+commands); a worker's command thread waits on the next index, so checking for a command costs
+the training loop one ``queue.Queue`` look-up per step.
 """
 from __future__ import annotations
 
@@ -24,10 +25,6 @@ def command_key(worker: str, index: int) -> str:
     return f"cmd/{worker}/{index}"
 
 
-def command_count_key(worker: str) -> str:
-    return f"cmd/{worker}/count"
-
-
 def standby_state_key(worker: str) -> str:
     return f"standby/{worker}/state"
 
@@ -41,8 +38,10 @@ def request_key(index: int, what: str = "") -> str:
     return f"req/{index}" + (f"/{what}" if what else "")
 
 
-def heartbeat_key(worker: str) -> str:
-    return f"hb/{worker}"
+def heartbeat_key(worker: str, pid: int) -> str:
+    """Per process, not per name: a killed incarnation's last beats never count for the
+    fresh process that took its name."""
+    return f"hb/{worker}/{pid}"
 
 
 def finished_key(worker: str) -> str:
@@ -87,6 +86,27 @@ def decode(raw: bytes | str):
     return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
 
 
-def send_command(store, worker: str, command: dict) -> None:
-    index = store.add(command_count_key(worker), 1)
-    store.set(command_key(worker, index), encode(command))
+
+
+# --- the agent (store host and process supervisor) and the controller's registration -----
+
+AGENT_REQUEST_COUNT_KEY = "agent/req/count"
+AGENT_EXIT_COUNT_KEY = "agent/exit/count"
+AGENT_READY_KEY = "agent/ready"
+AGENT_DONE_KEY = "agent/done"
+AGENT_DONE_ACK_KEY = "agent/done_ack"
+CONTROLLER_KEY = "controller/current"            # {"pid", "incarnation"} of the live one
+CONTROLLER_INCARNATION_KEY = "controller/incarnation"
+CONTROLLER_SNAPSHOT_KEY = "controller/snapshot"  # the controller's state, for a resume
+
+
+def agent_request_key(index: int) -> str:
+    return f"agent/req/{index}"
+
+
+def agent_proc_key(name: str) -> str:
+    return f"agent/proc/{name}"
+
+
+def agent_exit_key(index: int) -> str:
+    return f"agent/exit/{index}"

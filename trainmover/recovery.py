@@ -16,7 +16,6 @@ any wait, and the step's commit decision is set to ``abort`` unless it was alrea
 from __future__ import annotations
 
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -77,10 +76,9 @@ class Recovery:
         if look:
             self._looked_at = now
         for w in list(coord.membership.workers):
-            if w in handled or w not in coord.processes:
+            if w in handled or not coord.procs.known(w):
                 continue
-            proc = coord.processes[w].proc
-            code = proc.poll()
+            code = coord.procs.exit_code(w)
             if code is not None and code != 0:
                 out.append(Failure(w, "crash", now, f"exit code {code}"))
                 continue
@@ -102,13 +100,16 @@ class Recovery:
     def _beat(self, worker: str) -> float | None:
         """Time the worker's heartbeat counter last moved (None before its first beat)."""
         store = self.coord.store
-        key = P.heartbeat_key(worker)
+        pid = self.coord.procs.pid(worker)
+        if pid is None:
+            return None   # not started yet
+        key = P.heartbeat_key(worker, pid)
         if not store.check([key]):
             return None
         count = store.add(key, 0)
         seen = self._beats.get(worker)
-        if seen is None or seen[0] != count:
-            self._beats[worker] = (count, time.time())
+        if seen is None or seen[0] != (pid, count):
+            self._beats[worker] = ((pid, count), time.time())
         return self._beats[worker][1]
 
     def forget_heartbeats(self, workers) -> None:
@@ -116,16 +117,25 @@ class Recovery:
         (starting up, importing torch, takes longer than the heartbeat timeout)."""
         for w in workers:
             self._beats.pop(w, None)
-            self.coord.store.delete_key(P.heartbeat_key(w))
 
     def fence(self, worker: str, why: str) -> None:
         """Kill a worker that is alive but failed: SIGCONT first is not needed, SIGKILL works
-        on a stopped process, and closing its sockets turns a hang into a crash."""
-        proc = self.coord.processes[worker].proc
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        on a stopped process, and closing its sockets turns a hang into a crash. Sent at
+        once (not through the outbox): killing a failed process twice is harmless."""
+        if self.coord.procs.running(worker):
+            self.coord.procs.kill(worker)
         self.coord.events.emit("fenced", name=worker, reason=why)
+
+    # --- the controller's snapshot -----------------------------------------------------------
+    STATE = ("epoch", "active", "done", "_count", "committed", "failed_workers")
+
+    def snapshot(self) -> dict:
+        return {k: getattr(self, k) for k in self.STATE}
+
+    def restore(self, state: dict) -> None:
+        """A resumed controller: heartbeats are judged afresh (their timing was not kept)."""
+        for k, v in state.items():
+            setattr(self, k, v)
 
     # --- the state machine ------------------------------------------------------------------
     def poll(self) -> None:
@@ -160,6 +170,8 @@ class Recovery:
             if f.kind != "crash":
                 self.fence(f.worker, f.kind)
         reason = ", ".join(f"{f.worker} {f.kind} ({f.detail})" for f in failures)
+        # the abort key goes out at once: the survivors are blocked until they see it, and a
+        # resumed controller that repeats it writes the same key again
         coord.store.set(P.abort_key(self.epoch), reason)
         last = decide_abort(coord.store, self.epoch, self.committed + 1)
         self.committed = last
@@ -223,6 +235,9 @@ class Recovery:
         dirty = C.dirty_groups(m.layout, {w: r["accounting"] for w, r in rec.reports.items()},
                                holders)
         ckpt = latest_complete(coord.run_dir)
+        short = len(rec.failures) - len(m.free_standbys())
+        if short > 0 and self.cfg.runtime.replace_without_standby:
+            self._start_replacements(rec, short)
         try:
             plan = C.plan_recovery(m, rec.recovery_id, sorted(rec.failures), dirty, ckpt)
         except C.RecoveryImpossible as exc:
@@ -251,7 +266,7 @@ class Recovery:
             if replica:
                 senders[replica] = {"joiner": p.joiner, "transfer_group": channel,
                                     "transfer_generation": rec.recovery_id}
-            P.send_command(coord.store, p.joiner, {
+            coord.send(p.joiner, {
                 "type": "assign", "recovery_id": rec.recovery_id, "role": p.role.name,
                 "epoch": new_epoch, "resume_step": resume,
                 "groups": {s.name: plan.generations[s.name]
@@ -263,13 +278,33 @@ class Recovery:
         for w in coord.membership.workers:
             if w in rec.failures:
                 continue
-            P.send_command(coord.store, w, {
+            coord.send(w, {
                 "type": "recover", "recovery_id": rec.recovery_id, "epoch": new_epoch,
                 "resume_step": resume, "rollback_step": plan.rollback_step,
                 "groups": {g: plan.generations[g] for g in plan.stayers.get(w, [])},
                 "send_state": senders.get(w)})
         self.epoch = new_epoch
         self.committed = resume - 1
+        coord.controller_fault("recovery")
+
+    def _start_replacements(self, rec: ActiveRecovery, count: int) -> None:
+        """No free standby for every failed role: start new standby processes (on a cluster,
+        on newly allocated machines). They take the assignment as soon as they run; until
+        then the job waits, degraded. Nothing restarts: survivors keep their processes,
+        state and clean groups."""
+        coord = self.coord
+        names = []
+        for _ in range(count):
+            name = f"s{coord._next_standby}"
+            coord._next_standby += 1
+            coord.membership.standbys[name] = C.StandbyState.STARTING
+            coord._spawn(name, standby=True)
+            names.append(name)
+        rec.reports["replacements"] = names
+        coord.events.emit("degraded", recovery_id=rec.recovery_id, reason="no free standby",
+                          replacements=names)
+        coord.progress.say(f"no free standby for {', '.join(sorted(rec.failures))}: starting "
+                           f"replacement {', '.join(names)}; the job waits for it (degraded)")
 
     def _backfill_metrics(self, rec: ActiveRecovery) -> None:
         """A reporter that died after its step was committed but before recording it: the
@@ -296,7 +331,7 @@ class Recovery:
         coord.membership = C.commit(coord.membership, C.MigrationPlan(
             rec.recovery_id, plan.pairs, plan.generations, plan.stayers, plan.groups_total))
         for p in plan.pairs:
-            coord.store.set(P.membership_key(p.joiner), p.role.name)
+            coord.put(P.membership_key(p.joiner), p.role.name)
         self.failed_workers |= set(rec.failures)
         rec.state = "done"
         self.active = None
@@ -314,6 +349,7 @@ class Recovery:
                                              f.detected_at)
                      for w, f in rec.failures.items()}
         result = {"status": "done", **rec.plan.describe(), "resume_step": resume,
+                  "replacements": rec.reports.get("replacements", []),
                   "last_committed_step": rec.last_committed,
                   "lost_steps": rec.last_committed + 1 - resume,
                   "failures": {w: f.kind for w, f in rec.failures.items()},

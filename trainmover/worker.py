@@ -134,6 +134,9 @@ class Worker:
         role = Role.parse(cmd["role"])
         self.events.fixed["role"] = role.name
         mid = cmd["migration_id"]
+        # the job's current failure epoch (each recovery starts one): the joiner votes and
+        # watches for aborts in it, never in an epoch that was aborted before it joined
+        self.epoch = cmd["epoch"]
         faults.hit(self.cfg.runtime.faults, self.name, "joiner_prepare", store=self.store)
         t0 = time.perf_counter()
         # Phase 1: build the role's groups at their new generations and the transfer channel,

@@ -1,0 +1,128 @@
+"""The controller is not on the training hot path: when its process dies, training goes on
+(the agent hosts the store and the workers), and a new controller resumes from the store.
+
+Each job's controller runs in its own process here, since the faults kill it."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainmover.coordinator import Coordinator, run_job
+from trainmover.events import read_jsonl
+from trainmover.faults import Inject
+
+from test_failures import job, with_faults
+
+RUNNER = ("import json, sys; from trainmover.config import JobConfig; "
+          "from trainmover.coordinator import run_job; from trainmover.faults import parse_inject; "
+          "run_job(JobConfig.from_dict(json.load(open(sys.argv[1]))), sys.argv[2], quiet=True, "
+          "injects=[parse_inject(t) for t in sys.argv[3:]])")
+
+
+def start_controller(cfg, run_dir, *injects) -> subprocess.Popen:
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    path = run_dir + ".json"
+    with open(path, "w") as f:
+        json.dump(cfg.to_dict(), f)
+    return subprocess.Popen([sys.executable, "-c", RUNNER, path, run_dir, *injects],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for(cond, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def events(run_dir, name=None):
+    out = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    return [e for e in out if name is None or e["event"] == name]
+
+
+def steps_done(run_dir):
+    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def summary_of(run_dir, timeout_s=240):
+    path = os.path.join(run_dir, "summary.json")
+    wait_for(lambda: os.path.exists(path), timeout_s, "the job's summary")
+    with open(path) as f:
+        return json.load(f)
+
+
+STEPS = 150   # the tiny model's steps take tens of milliseconds; controllers take seconds
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("failover-baseline")
+    return run_job(job(steps=STEPS), str(root / "run"), quiet=True,
+                   timeout_s=300)["weights_sha256"]
+
+
+@pytest.mark.timeout(400)
+def test_controller_crashes_are_survived_and_restarted_automatically(tmp_path, baseline):
+    """The controller dies at step 3; a worker crashes while no controller runs; the
+    restarted controller finds the crash, recovers it and dies right after sending the plan;
+    the survivors carry the plan out on their own; the third controller completes the
+    accounting and a scheduled migration. The run ends with the uninterrupted run's
+    weights."""
+    run_dir = str(tmp_path / "run")
+    cfg = with_faults(job(steps=STEPS), Inject("crash", 20, "w1", "backward"))
+    proc = start_controller(cfg, run_dir, "crash@3:controller", "crash@20:controller:recovery",
+                            "migrate@100:w2")
+    assert proc.wait(timeout=200) == -9, proc.stdout.read().decode()[-2000:]
+    summary = summary_of(run_dir)
+    assert summary["weights_sha256"] == baseline
+    assert summary["steps"] == STEPS
+    (mig,) = summary["migrations"]
+    assert mig["status"] == "done" and mig["pairs"][0]["leaver"] == "w2"
+    (rec,) = summary["recoveries"]
+    assert rec["failures"] == {"w1": "crash"}
+    assert rec["sources"] == {"dp0.pp1.tp0": "replica:w3"}
+    lost, resumed = events(run_dir, "controller_lost"), events(run_dir, "controller_resumed")
+    assert len(lost) == 2 and len(resumed) == 2
+    assert len(events(run_dir, "controller_restarted")) == 2
+    # training went on while there was no controller: steps were committed in the gap
+    gap = (lost[0]["time"], resumed[0]["time"])
+    assert any(gap[0] < m["time"] < gap[1] for m in steps_done(run_dir)), gap
+    # and no step was lost or recorded twice
+    assert sorted(m["step"] for m in steps_done(run_dir)) == list(range(STEPS))
+
+
+@pytest.mark.timeout(400)
+def test_controller_dies_mid_migration_and_an_operator_resumes_it(tmp_path, baseline):
+    """Manual mode: the controller dies right after ordering a migration's switch; training
+    continues through the switch without it; `trainmover controller --resume` finds the
+    migration in flight, completes its accounting and runs the job to the end."""
+    run_dir = str(tmp_path / "run")
+    cfg = job(steps=STEPS, controller_restart="manual")
+    proc = start_controller(cfg, run_dir, "migrate@6:w1", "crash@6:controller:migration_switch")
+    wait_for(lambda: len(steps_done(run_dir)) >= 1, 120, "the first step")
+    with pytest.raises(ValueError, match="is alive"):
+        Coordinator.resume(run_dir)            # never two controllers at once
+    assert proc.wait(timeout=200) == -9, proc.stdout.read().decode()[-2000:]
+    t_dead = time.time()
+    # nobody in control, yet the switch happens and steps keep being committed
+    wait_for(lambda: any(m["time"] > t_dead for m in steps_done(run_dir)[-1:]) and
+             len(steps_done(run_dir)) >= 12, 120, "steps without a controller")
+    assert not events(run_dir, "controller_restarted")
+    done = subprocess.run([sys.executable, "-m", "trainmover", "controller", "--resume",
+                           run_dir, "--quiet"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["weights_sha256"] == baseline
+    (mig,) = summary["migrations"]
+    assert mig["status"] == "done" and mig["pairs"][0]["leaver"] == "w1"
+    assert mig["downtime_s"] is not None
+    assert summary["membership"]["s0"] == "dp0.pp1.tp0"
+
+
+def test_resume_refuses_a_run_dir_without_a_running_job(tmp_path):
+    with pytest.raises(ValueError, match="no running job"):
+        Coordinator.resume(str(tmp_path))
