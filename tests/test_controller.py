@@ -90,6 +90,24 @@ def test_abort_keeps_roles_and_never_reuses_a_generation():
     assert all(retry.generations[g] == plan.generations[g] + 1 for g in retry.generations)
 
 
+def test_a_failure_mid_migration_keeps_the_pairs_whose_state_moved():
+    m = membership()
+    plan = C.plan_migration(m, 1, ["w0", "w5"])
+    m = C.reserve(m, plan)
+    out, done, rest = C.settle_on_failure(m, plan, handed_over={"w5"})
+    assert [p.leaver for p in done] == ["w5"] and [p.leaver for p in rest] == ["w0"]
+    assert out.workers["s1"] == m.workers["w5"] and "w5" not in out.workers
+    assert out.departed == ["w5"]
+    # w0 keeps its role; its joiner goes back to the pool
+    assert out.workers["w0"] == m.workers["w0"] and out.standbys["s0"] is C.StandbyState.COLD
+    assert "s1" not in out.standbys
+    # nothing handed over: plain abort; everything handed over: plain commit
+    none, done, rest = C.settle_on_failure(m, plan, set())
+    assert not done and none.workers == m.workers
+    both, done, rest = C.settle_on_failure(m, plan, {"w0", "w5"})
+    assert not rest and both.workers == C.commit(m, plan).workers
+
+
 def test_warm_standbys_are_preferred():
     m = membership(standbys=3)
     m.standbys["s2"] = C.StandbyState.WARM

@@ -206,6 +206,26 @@ def abort(m: Membership, plan: MigrationPlan, dead: set[str]) -> Membership:
     return out
 
 
+def settle_on_failure(m: Membership, plan: MigrationPlan, handed_over: set[str]
+                      ) -> tuple[Membership, list[Pair], list[Pair]]:
+    """A failure while a migration is in flight. A pair whose leaver already handed its
+    state to the joiner (at the switch boundary) is past the point of no return: the joiner
+    holds the role, the leaver is gone, so the pair is committed. Every other pair is
+    abandoned (its leaver still holds role and state). Returns (membership, committed,
+    abandoned); groups whose members ended up on different generations are found dirty by
+    the recovery and rebuilt."""
+    done = [p for p in plan.pairs if p.leaver in handed_over]
+    rest = [p for p in plan.pairs if p.leaver not in handed_over]
+    out = m
+    if done:
+        out = commit(out, MigrationPlan(plan.migration_id, done, plan.generations, plan.stayers,
+                                        plan.groups_total, plan.rebuild_all))
+    if rest:
+        out = abort(out, MigrationPlan(plan.migration_id, rest, {}, {}, plan.groups_total),
+                    set())
+    return out, done, rest
+
+
 class MigrationState(str, Enum):
     PREPARING = "preparing"   # phase 1: groups and joiner prepared while training continues
     SWITCHING = "switching"   # phase 2 ordered: participants switch at an agreed boundary

@@ -720,6 +720,38 @@ class Coordinator:
         self._answer(mig.request, result)
         self.active = None
 
+    def _settle_active(self, reason: str) -> None:
+        """A failure interrupted the migration in flight: pairs whose state already moved
+        are committed (their joiners now take part in the recovery as role holders), the
+        others are abandoned."""
+        mig = self.active
+        plan, mid = mig.plan, mig.plan.migration_id
+        # per pair, the leaver's "handover" and this "abort" race on one compare-and-set
+        handed = {p.leaver for p in plan.pairs
+                  if self.store.compare_set(P.mig_key(mid, "outcome", p.leaver), "",
+                                            "abort") == b"handover"}
+        if not handed:
+            return self._abort_active(reason)
+        self.membership, done, rest = C.settle_on_failure(self.membership, plan, handed)
+        for p in done:
+            self.put(P.membership_key(p.joiner), p.role.name)
+        for p in rest:
+            if self.procs.running(p.joiner):
+                self.procs.stop(p.joiner)
+                self.membership.standbys[p.joiner] = C.StandbyState.DEAD
+        self.put(P.mig_key(mid, "abort"), reason)   # participants still preparing drop it
+        result = {"status": "interrupted", "reason": reason, **plan.describe(),
+                  "committed_pairs": [p.leaver for p in done],
+                  "abandoned_pairs": [p.leaver for p in rest]}
+        self.events.emit("migration_interrupted", **result)
+        self.progress.say(f"migration {mid} interrupted by a failure: "
+                          + ", ".join(f"{p.leaver} -> {p.joiner} kept (state already moved)"
+                                      for p in done)
+                          + "".join(f"; {p.leaver} -> {p.joiner} abandoned" for p in rest))
+        self.finished_migrations.append(result)
+        self._answer(mig.request, result)
+        self.active = None
+
     def _complete(self, mig: ActiveMigration) -> None:
         plan, mid = mig.plan, mig.plan.migration_id
         self.membership = C.commit(self.membership, plan)

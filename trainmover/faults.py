@@ -8,6 +8,10 @@
   was committed, before w3 applied it), ``checkpoint`` (half-way through writing one);
   default ``forward``;
 - ``hang@12:w3`` SIGSTOP w3 inside step 12 (same points; default ``forward``);
+- the same kinds at a point of a migration or of a standby's life, the first time it is
+  passed at or after step 12: ``prepare`` (a leaver or stayer starts phase 1), ``switch``
+  (a leaver or stayer reached the switch boundary), ``joiner_prepare`` (a joiner starts
+  phase 1), ``standby`` (a standby registered and waits; the step is not checked);
 - ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12;
 - ``crash@12:controller[:POINT]`` the controller process SIGKILLs itself (training goes on;
   the agent restarts it, or an operator resumes it): at the first supervision round at or
@@ -67,11 +71,12 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
                 raise ValueError(f"inject {inj}: unknown controller point {inj.arg!r} "
                                  f"(known: {', '.join(CONTROLLER_POINTS)})")
             continue
-        if inj.target not in workers:
+        standby_point = inj.kind in WORKER_KINDS and inj.arg in ("joiner_prepare", "standby")
+        if inj.target not in workers and not (standby_point and inj.target in standbys):
             raise ValueError(f"inject {inj}: unknown worker {inj.target!r}")
-        if inj.kind in WORKER_KINDS and inj.arg is not None and inj.arg not in STEP_POINTS:
+        if inj.kind in WORKER_KINDS and inj.arg is not None and inj.arg not in POINTS:
             raise ValueError(f"inject {inj}: unknown point {inj.arg!r} "
-                             f"(known: {', '.join(STEP_POINTS)})")
+                             f"(known: {', '.join(POINTS)})")
         if inj.kind == "migrate":
             if not standbys:
                 raise ValueError(f"inject {inj}: the job has no standby (use --standbys)")
@@ -92,7 +97,10 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
 # named points it passes and kills itself with SIGKILL there: no clean-up, as in a crash.
 
 STEP_POINTS = ("forward", "backward", "allreduce", "optimizer", "checkpoint")
-POINTS = STEP_POINTS + ("joiner_prepare",)
+# passed at most once per migration or process, at a step only known approximately: they
+# fire the first time they are passed at or after the fault's step
+EVENT_POINTS = ("prepare", "switch", "joiner_prepare", "standby")
+POINTS = STEP_POINTS + EVENT_POINTS
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,13 @@ def hit(faults: list[dict], worker: str, point: str, step: int | None = None,
     import signal
 
     for index, f in enumerate(faults):
-        if f["worker"] != worker or f["point"] != point or f.get("step") not in (None, step):
+        if f["worker"] != worker or f["point"] != point:
+            continue
+        at = f.get("step")
+        if point in EVENT_POINTS:
+            if at is not None and step is not None and step < at:
+                continue
+        elif at not in (None, step):
             continue
         if store is not None and store.add(f"faults/{index}/fired", 1) != 1:
             continue

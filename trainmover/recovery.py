@@ -182,7 +182,7 @@ class Recovery:
         coord.progress.say(f"failure: {reason}; step {last + 1} aborted everywhere, "
                            f"last committed step {last}")
         if coord.active is not None:
-            coord._abort_active(f"failure during the migration: {reason}")
+            coord._settle_active(f"failure during the migration: {reason}")
 
     def _restart_everything(self, failures: list[Failure]) -> None:
         """The restart baseline for failures: stop every worker, start fresh processes from

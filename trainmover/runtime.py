@@ -121,6 +121,7 @@ class WorkerRuntime:
         self.active: dict[int, Participation] = {}
         self.retired: list[Group] = []
         self.engine = None  # set by the worker once built
+        self.on_point = lambda point, step: None   # fault injection (faults.hit)
 
     # --- the per-step hook ---------------------------------------------------------------
     def at_boundary(self, step: int) -> str | None:
@@ -130,7 +131,7 @@ class WorkerRuntime:
             threading.Thread(target=lambda: [g.shutdown() for g in retired], daemon=True,
                              name="retire-groups").start()
         for cmd in self.commands.poll():
-            self._accept(cmd)
+            self._accept(cmd, step)
         if not self.active:
             return None  # the common case: one queue look-up, nothing else
         for mid in list(self.active):
@@ -141,7 +142,7 @@ class WorkerRuntime:
         return None
 
     # --- commands ------------------------------------------------------------------------
-    def _accept(self, cmd: dict) -> None:
+    def _accept(self, cmd: dict, step: int) -> None:
         kind = cmd["type"]
         if kind not in ("prepare", "leave"):
             raise ValueError(f"worker {self.name}: unknown command {kind!r}")
@@ -151,6 +152,7 @@ class WorkerRuntime:
         self.active[mid] = part
         self.events.emit("migration_prepare", migration_id=mid, part=part.kind,
                          groups=cmd.get("groups", {}), naive=cmd.get("naive", False))
+        self.on_point("prepare", step)
         if cmd.get("naive"):
             part.done.set()  # the naive baseline prepares nothing ahead: all of it at the switch
             return
@@ -221,10 +223,18 @@ class WorkerRuntime:
         """Phase 2, at the agreed boundary: every collective of the previous step has
         completed (train_step waits for all its work), so the old groups are quiet."""
         mid, cmd = part.migration_id, part.command
+        self.on_point("switch", step)
         t0 = time.perf_counter()
         report = {"wait_boundary_s": t0 - (part.t_go or t0), "build_s": part.build_s,
                   "rss_before": part.rss_before}
         if part.kind == "leaver":
+            # the point of no return, decided once: the controller claims "abort" the same
+            # way when a failure interrupts the migration, and only one of us can win
+            outcome = self.store.compare_set(P.mig_key(mid, "outcome", self.name), "",
+                                             "handover").decode()
+            if outcome != "handover":
+                self._drop(part, "a failure interrupted the migration before the handover")
+                return None   # still this role's holder: recovery treats us as a survivor
             self.store.set(P.mig_key(mid, "at_switch", self.name), str(step))
             if cmd.get("naive"):
                 spec, gen, role = self._specs(part)[0]

@@ -124,6 +124,8 @@ class Worker:
     def run_standby(self) -> None:
         self._set_standby_state("cold")
         self.events.emit("standby_registered", state="cold")
+        faults.hit(self.cfg.runtime.faults, self.name, "standby", store=self.store,
+                   events=self.events)
         warm = self.warm_up() if self.cfg.runtime.warmup else None
         cmd = self.commands.next()
         if cmd["type"] != "assign":
@@ -137,7 +139,8 @@ class Worker:
         # the job's current failure epoch (each recovery starts one): the joiner votes and
         # watches for aborts in it, never in an epoch that was aborted before it joined
         self.epoch = cmd["epoch"]
-        faults.hit(self.cfg.runtime.faults, self.name, "joiner_prepare", store=self.store)
+        faults.hit(self.cfg.runtime.faults, self.name, "joiner_prepare", store=self.store,
+                   events=self.events)
         t0 = time.perf_counter()
         # Phase 1: build the role's groups at their new generations and the transfer channel,
         # in the one global name order every participant uses.
@@ -277,6 +280,7 @@ class Worker:
             cfg.runtime.faults, self.name, point, step, self.events,
             on_commerr=lambda: [g.abort() for g in groups.slots().values() if g.size > 1],
             store=self.store)
+        runtime.on_point = engine.on_point
         metrics = JsonlWriter(os.path.join(self.run_dir, "metrics.jsonl")) \
             if role == reporter_role(cfg) else None
         tokens_per_step = cfg.train.global_batch * cfg.model.seq_len

@@ -1,0 +1,79 @@
+"""Compound faults: a failure in the middle of a planned migration (of its leaver, a stayer,
+at phase 1 or at the switch), a standby that died before it was needed. Each ends either
+recovered, with the uninterrupted run's weights, or stopped cleanly; never hung."""
+import os
+
+import pytest
+
+from trainmover.coordinator import run_job
+from trainmover.events import read_jsonl
+from trainmover.faults import Inject
+
+from test_failures import baseline, job, with_faults  # noqa: F401 - baseline is a fixture
+
+
+def run(tmp_path, cfg, *injects):
+    run_dir = str(tmp_path / "run")
+    summary = run_job(cfg, run_dir, quiet=True, timeout_s=300, injects=list(injects))
+    return summary, read_jsonl(os.path.join(run_dir, "events.jsonl"))
+
+
+def fired(events):
+    return [(e["worker"], e["point"]) for e in events if e["event"] == "fault_injected"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", ["w1", "w3"], ids=["leaver", "stayer"])
+def test_failure_while_preparing_a_migration(tmp_path, baseline, victim):
+    """w1 hands its role over; w1 itself (the leaver) or w3 (a stayer of w1's data-parallel
+    group) crashes as it starts phase 1. The migration is abandoned (the live groups were
+    never touched) and the crash is recovered like any other."""
+    cfg = with_faults(job(), Inject("crash", 6, victim, "prepare"))
+    summary, events = run(tmp_path, cfg, Inject("migrate", 6, "w1"))
+    assert fired(events) == [(victim, "prepare")]
+    (mig,) = summary["migrations"]
+    assert mig["status"] == "aborted" and "failure during the migration" in mig["reason"]
+    (rec,) = summary["recoveries"]
+    assert rec["failures"] == {victim: "crash"}
+    assert summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", ["w1", "w3"], ids=["leaver", "stayer"])
+def test_failure_at_the_switch_of_a_migration(tmp_path, baseline, victim):
+    """The switch was ordered; w1 (the leaver, before sending its state) or w3 (a stayer,
+    before installing the new groups) crashes at the switch boundary."""
+    cfg = with_faults(job(), Inject("crash", 6, victim, "switch"))
+    summary, events = run(tmp_path, cfg, Inject("migrate", 6, "w1"))
+    assert fired(events) == [(victim, "switch")]
+    assert summary["weights_sha256"] == baseline
+    assert summary["steps"] == 16
+    (mig,) = summary["migrations"]
+    (rec,) = summary["recoveries"]
+    assert rec["failures"] == {victim: "crash"}
+    if victim == "w1":
+        # the leaver died before handing its state over: the migration is abandoned and
+        # its role restored from its data-parallel replica
+        assert mig["status"] == "aborted"
+        assert rec["sources"] == {"dp0.pp1.tp0": "replica:w3"}
+    elif mig["status"] == "interrupted":
+        # the leaver had already handed over (the usual order): the joiner keeps the role
+        # and is itself the replica the crashed stayer's role is restored from
+        assert mig["committed_pairs"] == ["w1"]
+        assert summary["membership"]["s0"] == "dp0.pp1.tp0"
+        assert rec["sources"] == {"dp1.pp1.tp0": "replica:s0"}
+    else:   # the stayer's crash was seen before the leaver handed over
+        assert mig["status"] == "aborted"
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_standby_is_never_promoted(tmp_path, baseline):
+    """The only standby dies while waiting; a later crash is recovered into a replacement
+    process, not into the dead standby."""
+    cfg = with_faults(job(standbys=1), Inject("crash", 1, "s0", "standby"),
+                      Inject("crash", 8, "w2", "backward"))
+    summary, events = run(tmp_path, cfg)
+    assert [e["name"] for e in events if e["event"] == "standby_died"] == ["s0"]
+    (rec,) = summary["recoveries"]
+    assert rec["replacements"] == ["s1"] and rec["pairs"][0]["joiner"] == "s1"
+    assert summary["weights_sha256"] == baseline
