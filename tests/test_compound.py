@@ -77,3 +77,31 @@ def test_a_dead_standby_is_never_promoted(tmp_path, baseline):
     (rec,) = summary["recoveries"]
     assert rec["replacements"] == ["s1"] and rec["pairs"][0]["joiner"] == "s1"
     assert summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
+def test_the_recovery_joiner_dies(tmp_path, baseline):
+    """The standby promoted into a crashed worker's role dies while joining: the plan is
+    abandoned (the survivors are woken out of their group builds), and a second plan uses
+    the other standby."""
+    cfg = with_faults(job(), Inject("crash", 5, "w2", "backward"),
+                      Inject("crash", 5, "s0", "joiner_prepare"))
+    summary, events = run(tmp_path, cfg)
+    assert fired(events) == [("w2", "backward"), ("s0", "joiner_prepare")]
+    (rec,) = summary["recoveries"]
+    assert rec["abandoned_plans"] == [1] and rec["pairs"][0]["joiner"] == "s1"
+    assert summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
+def test_a_survivor_dies_while_recovering(tmp_path, baseline):
+    """A second worker crashes while carrying out the plan for the first: both roles are
+    restored (each from its live data-parallel replica) under a new plan."""
+    cfg = with_faults(job(), Inject("crash", 5, "w2", "backward"),
+                      Inject("crash", 5, "w3", "recover"))
+    summary, events = run(tmp_path, cfg)
+    assert sorted(fired(events)) == [("w2", "backward"), ("w3", "recover")]
+    (rec,) = summary["recoveries"]
+    assert rec["failures"] == {"w2": "crash", "w3": "crash"}
+    assert rec["sources"] == {"dp1.pp0.tp0": "replica:w0", "dp1.pp1.tp0": "replica:w1"}
+    assert summary["weights_sha256"] == baseline

@@ -11,7 +11,8 @@
 - the same kinds at a point of a migration or of a standby's life, the first time it is
   passed at or after step 12: ``prepare`` (a leaver or stayer starts phase 1), ``switch``
   (a leaver or stayer reached the switch boundary), ``joiner_prepare`` (a joiner starts
-  phase 1), ``standby`` (a standby registered and waits; the step is not checked);
+  phase 1, for a migration or a recovery), ``standby`` (a standby registered and waits; the
+  step is not checked), ``recover`` (a survivor received its part of a recovery plan);
 - ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12;
 - ``crash@12:controller[:POINT]`` the controller process SIGKILLs itself (training goes on;
   the agent restarts it, or an operator resumes it): at the first supervision round at or
@@ -99,7 +100,7 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
 STEP_POINTS = ("forward", "backward", "allreduce", "optimizer", "checkpoint")
 # passed at most once per migration or process, at a step only known approximately: they
 # fire the first time they are passed at or after the fault's step
-EVENT_POINTS = ("prepare", "switch", "joiner_prepare", "standby")
+EVENT_POINTS = ("prepare", "switch", "joiner_prepare", "standby", "recover")
 POINTS = STEP_POINTS + EVENT_POINTS
 
 

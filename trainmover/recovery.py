@@ -45,6 +45,9 @@ class ActiveRecovery:
     plan: C.RecoveryPlan | None = None
     t_planned: float | None = None
     reports: dict[str, dict] = field(default_factory=dict)
+    replacements: list[str] = field(default_factory=list)   # processes started for it
+    t_collect: float | None = None      # when collecting reports began (if not at detection)
+    abandoned: list[int] = field(default_factory=list)      # ids of plans given up before
 
 
 class Recovery:
@@ -145,11 +148,14 @@ class Recovery:
         if new and self.active is None:
             self._start(new)
         elif new:
-            # a failure while recovering: fence it too and start over with the wider set
+            # a failure while recovering: fence it too and go on with the wider set (a plan
+            # already sent is abandoned: it counted on the worker that just failed)
             for f in new:
                 self.fence(f.worker, f.kind)
                 self.active.failures[f.worker] = f
             coord.events.emit("failure_during_recovery", workers=[f.worker for f in new])
+            if self.active.state == "recovering":
+                self._abandon(self.active, ", ".join(f"{f.worker} {f.kind}" for f in new))
         if self.active is not None:
             self._advance()
 
@@ -214,7 +220,8 @@ class Recovery:
                     else:
                         missing.append(w)
             if missing:
-                if time.time() - rec.t_detected > self.cfg.runtime.heartbeat_timeout_s * 2:
+                since = rec.t_collect or rec.t_detected
+                if time.time() - since > self.cfg.runtime.heartbeat_timeout_s * 2:
                     # alive (beating) yet silent: treat as failed too
                     for w in missing:
                         self.fence(w, "no report after abort")
@@ -222,11 +229,38 @@ class Recovery:
                 return
             self._plan(rec)
         elif rec.state == "recovering":
+            dead = [j for j in rec.plan.joiners if coord.procs.exit_code(j) not in (None, 0)]
+            if dead:
+                self._abandon(rec, f"joiner {', '.join(dead)} died")
+                return
             participants = set(rec.plan.joiners) | {w for w in coord.membership.workers
                                                     if w not in rec.failures}
             count = coord.store.add(P.recovery_key(rec.recovery_id, "recovered_count"), 0)
             if count >= len(participants):
                 self._complete(rec)
+
+    def _abandon(self, rec: ActiveRecovery, reason: str) -> None:
+        """The plan sent for ``rec`` cannot complete (one of its joiners, or a survivor,
+        failed). Its joiners are retired, the recovery's epoch is aborted, which wakes every
+        survivor out of the group builds, transfers or step it is in, and a new recovery
+        for the same failed roles starts collecting their reports in that epoch."""
+        coord = self.coord
+        for j in rec.plan.joiners:
+            if coord.procs.running(j):
+                coord.procs.kill(j)
+            coord.membership.standbys[j] = C.StandbyState.DEAD
+        coord.store.set(P.abort_key(self.epoch), f"recovery {rec.recovery_id} abandoned: "
+                                                 f"{reason}")
+        last = decide_abort(coord.store, self.epoch, self.committed + 1)
+        self.committed = last
+        coord.events.emit("recovery_abandoned", recovery_id=rec.recovery_id, reason=reason,
+                          epoch=self.epoch)
+        coord.progress.say(f"recovery {rec.recovery_id} abandoned ({reason}); planning again")
+        self._count += 1
+        failures = {w: f for w, f in rec.failures.items()}
+        self.active = ActiveRecovery(self._count, self.epoch, failures, rec.t_detected, last,
+                                     replacements=rec.replacements, t_collect=time.time(),
+                                     abandoned=rec.abandoned + [rec.recovery_id])
 
     def _plan(self, rec: ActiveRecovery) -> None:
         coord = self.coord
@@ -300,7 +334,7 @@ class Recovery:
             coord.membership.standbys[name] = C.StandbyState.STARTING
             coord._spawn(name, standby=True)
             names.append(name)
-        rec.reports["replacements"] = names
+        rec.replacements.extend(names)
         coord.events.emit("degraded", recovery_id=rec.recovery_id, reason="no free standby",
                           replacements=names)
         coord.progress.say(f"no free standby for {', '.join(sorted(rec.failures))}: starting "
@@ -349,7 +383,7 @@ class Recovery:
                                              f.detected_at)
                      for w, f in rec.failures.items()}
         result = {"status": "done", **rec.plan.describe(), "resume_step": resume,
-                  "replacements": rec.reports.get("replacements", []),
+                  "replacements": rec.replacements, "abandoned_plans": rec.abandoned,
                   "last_committed_step": rec.last_committed,
                   "lost_steps": rec.last_committed + 1 - resume,
                   "failures": {w: f.kind for w, f in rec.failures.items()},

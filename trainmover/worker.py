@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 T_START = time.perf_counter()
@@ -26,7 +27,7 @@ from .engine import Engine  # noqa: E402
 from .events import EventLog, JsonlWriter  # noqa: E402
 from .runtime import LEAVE, CommandChannel, WorkerRuntime, rss_mb, transfer_spec  # noqa: E402
 from .checkpoint import AsyncCheckpointer, load_local  # noqa: E402
-from .comm import AbortSignal  # noqa: E402
+from .comm import AbortSignal, StepAborted  # noqa: E402
 from .failure import AbortWatcher, CommitVote, Heartbeat, is_step_failure  # noqa: E402
 from .record import (Recorder, RecordingInvalid, SandboxMismatch, load_recording,  # noqa: E402
                      manifest_for, recording_dir, recording_path, representative_roles,
@@ -188,6 +189,8 @@ class Worker:
         role = Role.parse(cmd["role"])
         self.events.fixed["role"] = role.name
         rid, source = cmd["recovery_id"], cmd["source"]
+        faults.hit(self.cfg.runtime.faults, self.name, "joiner_prepare", store=self.store,
+                   events=self.events)
         t0 = time.perf_counter()
         specs = {s.name: s for s in self.cfg.layout.groups_of(role).values()}
         if source["kind"] == "replica":
@@ -348,14 +351,50 @@ class Worker:
         groups.shutdown()
 
     # --- failures ------------------------------------------------------------------------------
-    def _start_epoch(self, is_reporter: bool) -> CommitVote | None:
-        """Arm this epoch's abort watcher and commit vote (None when recovery is off)."""
+    def _start_epoch(self, is_reporter: bool, watching: bool = False) -> CommitVote | None:
+        """Arm this epoch's abort watcher (unless ``watching`` already) and commit vote (None
+        when recovery is off)."""
         if not self.cfg.runtime.recover:
             return None
-        self.abort.clear()
-        AbortWatcher(self.stores, self.abort, self.epoch)
+        if not watching:
+            self.abort.clear()
+            AbortWatcher(self.stores, self.abort, self.epoch)
         return CommitVote(self.stores, self.cfg.layout.num_roles, self.epoch,
                           self.name if is_reporter else None)
+
+    def _report_failure(self, step: int, exc: BaseException, groups: CommGroups) -> None:
+        """Tell the controller what this worker saw: the error, whether its own communicator
+        failed, and each group's operation accounting (which groups are still consistent)."""
+        own = [g.name for g in groups.slots().values()
+               if g.error is not None and g.error.op == "abort"]
+        accounting = {g.name: g.accounting() for g in groups.slots().values() if g.size > 1}
+        self.store.set(P.failure_key(self.epoch, self.name), P.encode({
+            "step": step, "error": f"{type(exc).__name__}: {exc}"[:400], "self": bool(own),
+            "accounting": accounting}))
+        self.events.emit("step_failed", step=step, epoch=self.epoch,
+                         error=f"{type(exc).__name__}: {exc}"[:300])
+
+    def _abortably(self, build):
+        """Run ``build`` (a group rendezvous: a blocking call gloo cannot cancel) in a helper
+        thread and wait for it, or raise ``StepAborted`` as soon as the epoch is aborted. An
+        abandoned build times out on its own; its generation is never used again."""
+        box: dict = {}
+        done = threading.Event()
+
+        def target():
+            try:
+                box["value"] = build()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                box["error"] = exc
+            done.set()
+
+        threading.Thread(target=target, daemon=True, name="recovery-build").start()
+        while not done.wait(0.001):
+            if self.abort.is_set():
+                raise StepAborted(f"group build abandoned: {self.abort.reason}")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _survive(self, step: int, exc: BaseException, role: Role, groups: CommGroups,
                  engine: Engine, runtime: WorkerRuntime, is_reporter: bool
@@ -365,37 +404,44 @@ class Worker:
         was seen, wait for the controller's plan, carry out this worker's part of it, and
         return the step to resume at."""
         t0 = time.perf_counter()
-        own = [g.name for g in groups.slots().values()
-               if g.error is not None and g.error.op == "abort"]
-        accounting = {g.name: g.accounting() for g in groups.slots().values() if g.size > 1}
-        self.store.set(P.failure_key(self.epoch, self.name), P.encode({
-            "step": step, "error": f"{type(exc).__name__}: {exc}"[:400], "self": bool(own),
-            "accounting": accounting}))
-        self.events.emit("step_failed", step=step, epoch=self.epoch,
-                         error=f"{type(exc).__name__}: {exc}"[:300])
+        self._report_failure(step, exc, groups)
+        specs = self.cfg.layout.all_groups()
         while True:
             cmd = self.commands.next()
-            if cmd["type"] == "recover":
-                break
-            self.events.emit("command_dropped", command=cmd["type"], reason="recovering")
-        runtime.active.clear()  # a migration in flight was aborted by the controller
-        self.abort.clear()  # the new groups must not see the old epoch's abort
-        specs = self.cfg.layout.all_groups()
-        built = {name: self.builder.build(specs[name], role, gen)
-                 for name, gen in sorted(cmd["groups"].items())}
-        runtime.retired.extend(groups.install(built))
-        if cmd["rollback_step"] is not None:
-            apply_local_state(engine.model, engine.optimizer,
-                              load_local(self.run_dir, cmd["rollback_step"], role.name))
-        sent = None
-        if cmd["send_state"]:
-            s = cmd["send_state"]
-            channel = self.builder.build_ranked(transfer_spec(s["transfer_group"], role), 0,
-                                                s["transfer_generation"])
-            sent = send_state(engine, channel, 1, cmd["resume_step"])
-            channel.shutdown()
+            if cmd["type"] != "recover":
+                self.events.emit("command_dropped", command=cmd["type"], reason="recovering")
+                continue
+            faults.hit(self.cfg.runtime.faults, self.name, "recover", cmd["resume_step"],
+                       self.events, store=self.store)
+            runtime.active.clear()  # a migration in flight was settled by the controller
+            # the recovery's own epoch: if the controller abandons this plan (a joiner or
+            # another survivor failed meanwhile), every wait below is woken up
+            self.abort.clear()
+            AbortWatcher(self.stores, self.abort, cmd["epoch"])
+            try:
+                built = self._abortably(lambda: {
+                    name: self.builder.build(specs[name], role, gen)
+                    for name, gen in sorted(cmd["groups"].items())})
+                runtime.retired.extend(groups.install(built))
+                if cmd["rollback_step"] is not None:
+                    apply_local_state(engine.model, engine.optimizer,
+                                      load_local(self.run_dir, cmd["rollback_step"], role.name))
+                sent = None
+                if cmd["send_state"]:
+                    s = cmd["send_state"]
+                    channel = self._abortably(lambda: self.builder.build_ranked(
+                        transfer_spec(s["transfer_group"], role), 0, s["transfer_generation"]))
+                    sent = send_state(engine, channel, 1, cmd["resume_step"])
+                    channel.shutdown()
+            except Exception as err:  # noqa: BLE001 - sorted by is_step_failure
+                if not is_step_failure(err, self.abort):
+                    raise
+                self.epoch = cmd["epoch"]
+                self._report_failure(cmd["resume_step"], err, groups)
+                continue
+            break
         self.epoch = cmd["epoch"]
-        vote = self._start_epoch(is_reporter)
+        vote = self._start_epoch(is_reporter, watching=True)
         self.store.add(P.recovery_key(cmd["recovery_id"], "recovered_count"), 1)
         self.events.emit("recovered", recovery_id=cmd["recovery_id"], epoch=self.epoch,
                          resume_step=cmd["resume_step"], rebuilt=sorted(built),
