@@ -159,6 +159,11 @@ class RuntimeConfig:
     recover: bool = True
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 3.0
+    # Step watchdog: once no step was committed for max(stall_floor_s, stall_factor x the
+    # recent step time), a worker whose heartbeat has been silent for a few intervals while
+    # the others beat is the hung one, fenced without waiting for heartbeat_timeout_s.
+    stall_factor: float = 3.0
+    stall_floor_s: float = 0.5
     # The restart baseline for failures: on a failure, restart every process from the newest
     # complete checkpoint instead of recovering into a standby.
     restart_on_failure: bool = False
@@ -184,6 +189,9 @@ class RuntimeConfig:
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(f"runtime.heartbeat_interval_s={self.heartbeat_interval_s!r} must "
                              f"be > 0 and below heartbeat_timeout_s={self.heartbeat_timeout_s!r}")
+        if self.stall_factor < 1 or self.stall_floor_s <= 0:
+            raise ValueError(f"runtime.stall_factor must be >= 1 and stall_floor_s > 0, got "
+                             f"{self.stall_factor!r} and {self.stall_floor_s!r}")
         if self.warmup_iterations < 1:
             raise ValueError(f"runtime.warmup_iterations must be >= 1, got "
                              f"{self.warmup_iterations!r}")

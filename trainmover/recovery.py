@@ -3,8 +3,11 @@ collect the survivors' accounts, plan (``controller.plan_recovery``), command, a
 
 Detection, bounded:
 - a crashed worker: its process exit is seen at the next poll (tens of milliseconds);
-- a hung worker (stopped, wedged): its heartbeat counter stops moving; after
-  ``heartbeat_timeout_s`` it is *fenced*: killed with SIGKILL. gloo cannot cancel an
+- a hung worker (stopped, wedged): its heartbeat counter stops moving. The step watchdog
+  localizes it early: once no step was committed for ``stall_factor`` x the recent step time
+  (at least ``stall_floor_s``), the workers silent for a few heartbeat intervals while the
+  others beat are the hung ones. Otherwise, after ``heartbeat_timeout_s``, a silent worker
+  is hung regardless. A hung worker is *fenced*: killed with SIGKILL. gloo cannot cancel an
   operation and a stopped peer keeps its sockets open, so without fencing the survivors would
   wait for the group timeout; with it, a hang costs at most the heartbeat timeout;
 - a failed collective (peer reset, a worker's own communicator aborted): the survivors
@@ -78,6 +81,8 @@ class Recovery:
         look = now - self._looked_at >= 0.05
         if look:
             self._looked_at = now
+        stalled = self.stalled_for(now) if look else None
+        silent, beating = [], 0
         for w in list(coord.membership.workers):
             if w in handled or not coord.procs.known(w):
                 continue
@@ -93,12 +98,38 @@ class Recovery:
             if beat is not None and now - beat > self.cfg.runtime.heartbeat_timeout_s:
                 out.append(Failure(w, "hang", now, f"no heartbeat for {now - beat:.2f} s"))
                 continue
+            if beat is not None and now - beat > self._silence_s():
+                silent.append((w, now - beat))
+            elif beat is not None:
+                beating += 1
             key = P.failure_key(self.epoch, w)
             if coord.store.check([key]):
                 report = P.decode(coord.store.get(key))
                 if report.get("self"):
                     out.append(Failure(w, "commerr", now, report.get("error", "")))
+        if stalled is not None and silent and beating:
+            for w, quiet in silent:
+                out.append(Failure(w, "hang", now, f"silent for {quiet:.2f} s while the job "
+                                                   f"made no progress for {stalled:.2f} s"))
         return out
+
+    def _silence_s(self) -> float:
+        """How long a heartbeat may pause before the step watchdog may call it silent."""
+        return max(0.5, 3 * self.cfg.runtime.heartbeat_interval_s)
+
+    def stalled_for(self, now: float) -> float | None:
+        """Seconds since the last committed step, if that is beyond the watchdog's limit
+        (``stall_factor`` x the median of the recent gaps between commits, at least
+        ``stall_floor_s``); None while the job progresses or before it has a step time."""
+        records = self.coord.progress.records
+        if len(records) < 4:
+            return None
+        times = [r["time"] for r in records[-11:]]
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        limit = max(self.cfg.runtime.stall_floor_s,
+                    self.cfg.runtime.stall_factor * gaps[len(gaps) // 2])
+        idle = now - times[-1]
+        return idle if idle > limit else None
 
     def _beat(self, worker: str) -> float | None:
         """Time the worker's heartbeat counter last moved (None before its first beat)."""
