@@ -202,3 +202,46 @@ def test_dirty_groups_from_survivor_accounting():
     # a group with a dead member is left to the failed role's rebuild
     del broken["w0"]
     assert "dp.pp0.tp0" not in C.dirty_groups(layout, broken, holders)
+
+
+def test_step_watchdog_limit_follows_the_step_time():
+    from trainmover.recovery import stalled_for
+
+    steady = [0.0, 0.1, 0.2, 0.3, 0.4]              # 0.1 s steps
+    assert stalled_for(steady[:3], 100.0, 3, 0.5) is None   # no step time known yet
+    assert stalled_for(steady, 0.85, 3, 0.5) is None        # the floor (0.5 s) is not reached
+    assert stalled_for(steady, 0.95, 3, 0.5) == pytest.approx(0.55)
+    slow = [0.0, 2.0, 4.0, 6.0, 8.0]                # 2 s steps: 3 x 2 s
+    assert stalled_for(slow, 13.9, 3, 0.5) is None
+    assert stalled_for(slow, 14.1, 3, 0.5) == pytest.approx(6.1)
+    # one long gap (a recovery, a checkpoint) does not move the median
+    assert stalled_for([0.0, 0.1, 0.2, 5.0, 5.1, 5.2], 5.6, 3, 0.1) == pytest.approx(0.4)
+
+
+def test_fault_points_of_events_fire_at_or_after_their_step():
+    from trainmover.faults import hit
+
+    fired = []
+    faults = [{"worker": "w1", "point": "prepare", "step": 6, "kind": "commerr"},
+              {"worker": "w1", "point": "backward", "step": 6, "kind": "commerr"}]
+    for step in (4, 5, 7, 8):
+        hit(faults, "w1", "prepare", step, on_commerr=lambda: fired.append(("prepare", step)))
+        hit(faults, "w1", "backward", step, on_commerr=lambda: fired.append(("backward", step)))
+    hit(faults, "w2", "prepare", 9, on_commerr=lambda: fired.append(("other", 9)))
+    # an event point fires at the first pass at or after its step (here 7, and again at 8
+    # without a store to record it fired); a step point only at its exact step
+    assert fired == [("prepare", 7), ("prepare", 8)]
+
+
+def test_controller_and_standby_inject_targets():
+    workers, standbys = ["w0", "w1"], ["s0"]
+    validate_injects([parse_inject("crash@3:controller"),
+                      parse_inject("crash@3:controller:recovery"),
+                      parse_inject("crash@2:s0:joiner_prepare"),
+                      parse_inject("hang@2:w1:switch")], 10, workers, standbys)
+    for bad, msg in [("hang@3:controller", "the controller can only crash"),
+                     ("crash@3:controller:lunch", "unknown controller point 'lunch'"),
+                     ("crash@3:s0:backward", "unknown worker 's0'"),
+                     ("crash@3:w1:sideways", "unknown point 'sideways'")]:
+        with pytest.raises(ValueError, match=msg):
+            validate_injects([parse_inject(bad)], 10, workers, standbys)

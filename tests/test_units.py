@@ -130,6 +130,9 @@ def test_config_round_trip():
     (lambda c: setattr(c.train, "global_batch", 10), "global_batch=10 is not divisible by dp=2"),
     (lambda c: setattr(c.data, "source", "/nonexistent/file.txt"), "'/nonexistent/file.txt' does not exist"),
     (lambda c: setattr(c.train, "lr", -1.0), "lr=-1.0"),
+    (lambda c: setattr(c.runtime, "controller_restart", "sometimes"),
+     "controller_restart must be 'auto' or 'manual', got 'sometimes'"),
+    (lambda c: setattr(c.runtime, "stall_factor", 0.5), "stall_factor must be >= 1"),
 ])
 def test_config_errors_name_the_bad_value(change, message):
     cfg = get_recipe("demo")

@@ -100,9 +100,8 @@ class Agent:
         if old is not None and old.proc.poll() is None:
             self._kill(old)  # never two incarnations of one name
         env = dict(os.environ, **req.get("env", {}))
-        for key in ("TMPDIR",):
-            if key in req.get("env", {}):
-                os.makedirs(env[key], exist_ok=True)
+        if "TMPDIR" in req.get("env", {}):
+            os.makedirs(env["TMPDIR"], exist_ok=True)   # a per-process cache root
         with open(req["log"], "ab") as log:
             proc = subprocess.Popen(req["argv"], stdout=log, stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=_die_with_parent)
@@ -352,8 +351,8 @@ class AgentClient:
         """Stop every process and the agent; returns once they are stopped."""
         from datetime import timedelta
 
-        self.send({"op": "shutdown", "grace_s": grace_s})
         try:
+            self.send({"op": "shutdown", "grace_s": grace_s})
             self.store.wait([P.AGENT_DONE_KEY], timedelta(seconds=timeout_s))
             self.store.set(P.AGENT_DONE_ACK_KEY, "1")
         except Exception:  # noqa: BLE001 - the agent is gone already: nothing left to stop

@@ -420,6 +420,9 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
         cfg = get_recipe("bench_downtime")
         cfg.layout = LAYOUTS_BY_WORKERS[n]
         cfg.train.compile = compile
+        # the benchmark's jobs run "forever" until it stops them: if the benchmark process
+        # itself dies, their agents must not restart a controller for them
+        cfg.runtime.controller_restart, cfg.runtime.controller_grace_s = "manual", 30.0
         cfg.validate()
         leaver = "w1"
         for scenario in scenarios:

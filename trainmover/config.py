@@ -160,7 +160,7 @@ class RuntimeConfig:
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 3.0
     # Step watchdog: once no step was committed for max(stall_floor_s, stall_factor x the
-    # recent step time), a worker whose heartbeat has been silent for a few intervals while
+    # recent step time), a worker whose heartbeat has been silent for 4 intervals (>= 1 s) while
     # the others beat is the hung one, fenced without waiting for heartbeat_timeout_s.
     stall_factor: float = 3.0
     stall_floor_s: float = 0.5

@@ -314,6 +314,7 @@ class Coordinator:
         self.recovery.restore(recovery)
         self.procs.store = self.store
         self.resumed = True
+        self.recovery.disrupted()   # heartbeats and step times are judged afresh
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
         self.progress = Progress(os.path.join(run_dir, "metrics.jsonl"), cfg.train.steps, False)
         self.progress.poll()          # catch up silently, then report new steps as usual
@@ -363,12 +364,15 @@ class Coordinator:
             self.started.set()
             raise
         except BaseException as exc:
-            self._fail_requests(exc)
-            if hasattr(self, "store"):
+            try:
+                self._fail_requests(exc)
                 self._flush()
+            except Exception:  # noqa: BLE001 - the store may be what failed; stop anyway
+                pass
+            if hasattr(self, "store"):
                 self._stop_all()
             elif self._agent_proc is not None:
-                self._agent_proc.kill()
+                self._agent_proc.kill()   # its workers die with it (PR_SET_PDEATHSIG)
             raise
         finally:
             self.started.set()
@@ -462,6 +466,7 @@ class Coordinator:
             self.membership.next_generation[name] = generation + 1
         self.recovery.epoch += 1
         self.recovery.committed = k - 1
+        self.recovery.disrupted()
         self.recovery.forget_heartbeats(self.membership.workers)  # new processes, new beats
         self.events.emit("restart_began", step=k, generation=generation, cause=cause)
         self.restarts.append({"step": k, "t_all_stopped": t, "generation": generation,
@@ -667,6 +672,7 @@ class Coordinator:
         self.controller_fault("migration_prepare")
 
     def _go(self, mig: ActiveMigration) -> None:
+        self.recovery.disrupted()
         mig.state, mig.t_go = C.MigrationState.SWITCHING, time.time()
         self.put(P.mig_key(mig.plan.migration_id, "go"), "1")
         self.events.emit("migration_go", migration_id=mig.plan.migration_id)
@@ -753,6 +759,7 @@ class Coordinator:
         self.active = None
 
     def _complete(self, mig: ActiveMigration) -> None:
+        self.recovery.disrupted()
         plan, mid = mig.plan, mig.plan.migration_id
         self.membership = C.commit(self.membership, plan)
         for p in plan.pairs:

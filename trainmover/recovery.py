@@ -5,8 +5,8 @@ Detection, bounded:
 - a crashed worker: its process exit is seen at the next poll (tens of milliseconds);
 - a hung worker (stopped, wedged): its heartbeat counter stops moving. The step watchdog
   localizes it early: once no step was committed for ``stall_factor`` x the recent step time
-  (at least ``stall_floor_s``), the workers silent for a few heartbeat intervals while the
-  others beat are the hung ones. Otherwise, after ``heartbeat_timeout_s``, a silent worker
+  (at least ``stall_floor_s``), the workers silent for 4 heartbeat intervals while the
+  others beat are the hung ones; judged only in steady state (``disrupted``). Otherwise, after ``heartbeat_timeout_s``, a silent worker
   is hung regardless. A hung worker is *fenced*: killed with SIGKILL. gloo cannot cancel an
   operation and a stopped peer keeps its sockets open, so without fencing the survivors would
   wait for the group timeout; with it, a hang costs at most the heartbeat timeout;
@@ -27,6 +27,19 @@ from . import protocol as P
 from .checkpoint import latest_complete
 from .events import JsonlWriter
 from .failure import decide_abort
+
+
+def stalled_for(commit_times: list[float], now: float, factor: float, floor_s: float
+                ) -> float | None:
+    """Seconds since the last committed step, if that is beyond the watchdog's limit
+    (``factor`` x the median gap between the recent commits, at least ``floor_s``); None
+    while the job progresses, or before it has a step time (fewer than 4 commits)."""
+    if len(commit_times) < 4:
+        return None
+    gaps = sorted(b - a for a, b in zip(commit_times, commit_times[1:]))
+    limit = max(floor_s, factor * gaps[len(gaps) // 2])
+    idle = now - commit_times[-1]
+    return idle if idle > limit else None
 
 
 @dataclass
@@ -66,6 +79,15 @@ class Recovery:
         self.committed = -1           # last step whose decision is known to be commit
         self.failed_workers: set[str] = set()
         self._looked_at = 0.0
+        # the step watchdog judges only a job in steady state: N commits after the last
+        # change of processes or groups (a restarted or promoted process may spend a minute
+        # compiling, starved of CPU, its heartbeat pausing: that is no hang)
+        self._steady_since = time.time()
+
+    def disrupted(self) -> None:
+        """Processes or groups just changed (start, restart, promotion, switch, resume):
+        the watchdog waits for the job to be back in steady state."""
+        self._steady_since = time.time()
 
     @property
     def cfg(self):
@@ -115,21 +137,13 @@ class Recovery:
 
     def _silence_s(self) -> float:
         """How long a heartbeat may pause before the step watchdog may call it silent."""
-        return max(0.5, 3 * self.cfg.runtime.heartbeat_interval_s)
+        return max(1.0, 4 * self.cfg.runtime.heartbeat_interval_s)
 
     def stalled_for(self, now: float) -> float | None:
-        """Seconds since the last committed step, if that is beyond the watchdog's limit
-        (``stall_factor`` x the median of the recent gaps between commits, at least
-        ``stall_floor_s``); None while the job progresses or before it has a step time."""
-        records = self.coord.progress.records
-        if len(records) < 4:
-            return None
-        times = [r["time"] for r in records[-11:]]
-        gaps = sorted(b - a for a, b in zip(times, times[1:]))
-        limit = max(self.cfg.runtime.stall_floor_s,
-                    self.cfg.runtime.stall_factor * gaps[len(gaps) // 2])
-        idle = now - times[-1]
-        return idle if idle > limit else None
+        rt = self.cfg.runtime
+        times = [r["time"] for r in self.coord.progress.records[-11:]]
+        return stalled_for([t for t in times if t > self._steady_since], now,
+                           rt.stall_factor, rt.stall_floor_s)
 
     def _beat(self, worker: str) -> float | None:
         """Time the worker's heartbeat counter last moved (None before its first beat)."""
@@ -311,6 +325,7 @@ class Recovery:
             raise JobFailed(f"cannot recover from {sorted(rec.failures)}: {exc}. Committed "
                             f"progress (step {rec.last_committed}) and checkpoints are intact.")
         rec.plan, rec.t_planned, rec.state = plan, time.time(), "recovering"
+        self.disrupted()
         self._backfill_metrics(rec)
         coord.membership = C.reserve(coord.membership, plan)
         new_epoch = rec.epoch + 1
@@ -399,6 +414,7 @@ class Recovery:
             coord.put(P.membership_key(p.joiner), p.role.name)
         self.failed_workers |= set(rec.failures)
         rec.state = "done"
+        self.disrupted()
         self.active = None
         coord.awaiting_recovery.append(rec)
 
