@@ -431,15 +431,27 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
                     continue
                 t0 = time.perf_counter()
                 run_dir = os.path.join(scratch, f"{scenario}-{strategy}-{n}")
-                res = _downtime_run(strategy, cfg, event_step, leaver, run_dir) \
-                    if scenario == "planned" else \
-                    _failure_run(strategy, scenario, cfg, event_step, leaver, run_dir)
+                try:
+                    res = _downtime_run(strategy, cfg, event_step, leaver, run_dir) \
+                        if scenario == "planned" else \
+                        _failure_run(strategy, scenario, cfg, event_step, leaver, run_dir)
+                except RuntimeError as exc:
+                    # one failed run is a result too (reported as such), not the end of
+                    # the others
+                    res = {"downtime_s": None, "error": str(exc)[:500]}
                 rows.append({"scenario": scenario, "strategy": strategy, "workers": n,
                              "layout": cfg.layout.as_dict(), "compile": compile,
                              "caches_at_start": CACHES[strategy],
                              "bench_wall_s": time.perf_counter() - t0, **res})
-                print(f"  {n:>2} workers {scenario:>7} {strategy:>15}: downtime "
-                      f"{res['downtime_s']:.3f} s", flush=True)
+                print(f"  {n:>2} workers {scenario:>7} {strategy:>15}: " +
+                      (f"downtime {res['downtime_s']:.3f} s" if res["downtime_s"] is not None
+                       else f"FAILED: {res['error']}"), flush=True)
+                # written after every run: a long benchmark keeps what it measured so far
+                result = _downtime_result(rows, event_step, scratch, out_dir, name, json_path)
+    return result
+
+
+def _downtime_result(rows, event_step, scratch, out_dir, name, json_path) -> dict:
     result = {"benchmark": "downtime", "event_step": event_step,
               "recipe": "bench_downtime", "results": rows, "machine": machine_description(),
               "scratch": scratch}
@@ -452,11 +464,12 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
 
 
 def _add_ratios(result: dict) -> None:
-    by = {(r["strategy"], r["workers"]): r["downtime_s"] for r in result["results"]
+    measured = [r for r in result["results"] if r["downtime_s"] is not None]
+    by = {(r["strategy"], r["workers"]): r["downtime_s"] for r in measured
           if r["scenario"] == "planned"}
     ratios = {}
     for scenario in ("crash", "hang"):
-        rows = {(r["strategy"], r["workers"]): r["downtime_s"] for r in result["results"]
+        rows = {(r["strategy"], r["workers"]): r["downtime_s"] for r in measured
                 if r["scenario"] == scenario}
         for (strategy, n), d in rows.items():
             if strategy == "trainmover" and ("restart", n) in rows and d:
@@ -479,6 +492,10 @@ def _downtime_table(r: dict) -> str:
              "| scenario | workers | strategy | downtime (s) | detection (s) | first step / normal | "
              "groups rebuilt | stayer peak RSS growth |", "|---|---|---|---|---|---|---|---|"]
     for row in r["results"]:
+        if row["downtime_s"] is None:
+            lines.append(f"| {row['scenario']} | {row['workers']} | {row['strategy']} | "
+                         f"failed: {row['error']} | | | | |")
+            continue
         ratio = row["first_step_ratio"]
         rss = row["stayer_peak_rss_growth"]
         det = row.get("detection_latency_s")
@@ -490,6 +507,8 @@ def _downtime_table(r: dict) -> str:
                      f"{'' if rss is None else f'{rss * 100:+.2f}%'} |")
     lines += ["", "Phases (seconds):", ""]
     for row in r["results"]:
+        if row["downtime_s"] is None:
+            continue
         phases = ", ".join(f"{k} {v:.3f}" for k, v in row["phases"].items() if v is not None)
         lines.append(f"- {row['scenario']}, {row['workers']} workers, {row['strategy']}: "
                      f"{phases}")

@@ -164,6 +164,10 @@ class RuntimeConfig:
     # the others beat is the hung one, fenced without waiting for heartbeat_timeout_s.
     stall_factor: float = 3.0
     stall_floor_s: float = 0.5
+    # Until the job commits its first step after a start, restart, promotion or switch, a
+    # heartbeat may pause this long (many processes compiling at once starve each other of
+    # CPU for seconds): the start-up probe, to the heartbeat timeout's liveness probe.
+    startup_timeout_s: float = 30.0
     # The restart baseline for failures: on a failure, restart every process from the newest
     # complete checkpoint instead of recovering into a standby.
     restart_on_failure: bool = False
@@ -189,6 +193,9 @@ class RuntimeConfig:
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(f"runtime.heartbeat_interval_s={self.heartbeat_interval_s!r} must "
                              f"be > 0 and below heartbeat_timeout_s={self.heartbeat_timeout_s!r}")
+        if self.startup_timeout_s < self.heartbeat_timeout_s:
+            raise ValueError(f"runtime.startup_timeout_s={self.startup_timeout_s!r} must be >= "
+                             f"heartbeat_timeout_s={self.heartbeat_timeout_s!r}")
         if self.stall_factor < 1 or self.stall_floor_s <= 0:
             raise ValueError(f"runtime.stall_factor must be >= 1 and stall_floor_s > 0, got "
                              f"{self.stall_factor!r} and {self.stall_floor_s!r}")

@@ -104,6 +104,7 @@ class Recovery:
         if look:
             self._looked_at = now
         stalled = self.stalled_for(now) if look else None
+        timeout = self._heartbeat_timeout_s()
         silent, beating = [], 0
         for w in list(coord.membership.workers):
             if w in handled or not coord.procs.known(w):
@@ -117,7 +118,7 @@ class Recovery:
             if coord.store.check([P.finished_key(w)]):
                 continue
             beat = self._beat(w)
-            if beat is not None and now - beat > self.cfg.runtime.heartbeat_timeout_s:
+            if beat is not None and now - beat > timeout:
                 out.append(Failure(w, "hang", now, f"no heartbeat for {now - beat:.2f} s"))
                 continue
             if beat is not None and now - beat > self._silence_s():
@@ -134,6 +135,15 @@ class Recovery:
                 out.append(Failure(w, "hang", now, f"silent for {quiet:.2f} s while the job "
                                                    f"made no progress for {stalled:.2f} s"))
         return out
+
+    def _heartbeat_timeout_s(self) -> float:
+        """The liveness timeout once the job committed a step since it last changed; the
+        longer start-up timeout before that."""
+        rt = self.cfg.runtime
+        records = self.coord.progress.records
+        if records and records[-1]["time"] > self._steady_since:
+            return rt.heartbeat_timeout_s
+        return rt.startup_timeout_s
 
     def _silence_s(self) -> float:
         """How long a heartbeat may pause before the step watchdog may call it silent."""
