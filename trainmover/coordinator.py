@@ -218,12 +218,13 @@ class Coordinator:
         self.progress = Progress(os.path.join(self.run_dir, "metrics.jsonl"),
                                  self.cfg.train.steps, not self.quiet)
 
-    def _connect(self) -> None:
+    def _connect(self, store=None) -> None:
+        """Connect (or adopt ``store``) and register as the job's controller."""
         import torch.distributed as dist
 
         host, _, port = self.store_addr.rpartition(":")
-        self.store = dist.TCPStore(host, int(port), is_master=False,
-                                   timeout=timedelta(seconds=60))
+        self.store = store or dist.TCPStore(host, int(port), is_master=False,
+                                            timeout=timedelta(seconds=60))
         self.incarnation = self.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
         self.store.set(P.CONTROLLER_KEY, P.encode({"pid": os.getpid(),
                                                    "incarnation": self.incarnation}))
@@ -297,7 +298,7 @@ class Coordinator:
         import torch.distributed as dist
 
         host, _, port = self.store_addr.rpartition(":")
-        probe = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        probe = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
         if probe.check([P.CONTROLLER_KEY]):
             current = P.decode(probe.get(P.CONTROLLER_KEY))
             if pid_alive(current["pid"]) and current["pid"] != os.getpid() and not force:
@@ -306,8 +307,7 @@ class Coordinator:
         if not probe.check([P.CONTROLLER_SNAPSHOT_KEY]):
             raise ValueError(f"the job in {run_dir!r} has no controller snapshot yet")
         state = pickle.loads(probe.get(P.CONTROLLER_SNAPSHOT_KEY))
-        del probe
-        self._connect()
+        self._connect(probe)   # one client: the one that read the snapshot
         recovery = state.pop("recovery")
         for k, v in state.items():
             setattr(self, k, v)
@@ -467,7 +467,6 @@ class Coordinator:
         self.recovery.epoch += 1
         self.recovery.committed = k - 1
         self.recovery.disrupted()
-        self.recovery.forget_heartbeats(self.membership.workers)  # new processes, new beats
         self.events.emit("restart_began", step=k, generation=generation, cause=cause)
         self.restarts.append({"step": k, "t_all_stopped": t, "generation": generation,
                               "cause": cause})

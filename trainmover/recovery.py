@@ -74,7 +74,7 @@ class Recovery:
         self.epoch = 0
         self.active: ActiveRecovery | None = None
         self.done: list[dict] = []
-        self._beats: dict[str, tuple[int, float]] = {}
+        self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, count), seen at
         self._count = 0
         self.committed = -1           # last step whose decision is known to be commit
         self.failed_workers: set[str] = set()
@@ -169,12 +169,6 @@ class Recovery:
         if seen is None or seen[0] != (pid, count):
             self._beats[worker] = ((pid, count), time.time())
         return self._beats[worker][1]
-
-    def forget_heartbeats(self, workers) -> None:
-        """Fresh processes for these workers: a hang is judged only once each has beaten
-        (starting up, importing torch, takes longer than the heartbeat timeout)."""
-        for w in workers:
-            self._beats.pop(w, None)
 
     def fence(self, worker: str, why: str) -> None:
         """Kill a worker that is alive but failed: SIGCONT first is not needed, SIGKILL works
@@ -312,8 +306,8 @@ class Recovery:
                           epoch=self.epoch)
         coord.progress.say(f"recovery {rec.recovery_id} abandoned ({reason}); planning again")
         self._count += 1
-        failures = {w: f for w, f in rec.failures.items()}
-        self.active = ActiveRecovery(self._count, self.epoch, failures, rec.t_detected, last,
+        self.active = ActiveRecovery(self._count, self.epoch, dict(rec.failures),
+                                     rec.t_detected, last,
                                      replacements=rec.replacements, t_collect=time.time(),
                                      abandoned=rec.abandoned + [rec.recovery_id])
 
