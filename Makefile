@@ -11,8 +11,9 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	# the pinned CPU wheel first, so the range in pyproject never pulls a CUDA build
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	# the pinned CPU wheel first, so the range in pyproject never pulls a CUDA build; numpy
+	# beside it, since the CPU wheel does not require it but warns at import without it
+	$(BIN)/pip install -q "$(TORCH_SPEC)" numpy
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 

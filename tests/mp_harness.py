@@ -9,7 +9,7 @@ import signal
 import time
 import traceback
 
-from trainmover.comm import StoreAddress, start_store_server
+from trainmover.comm.groups import StoreAddress, start_store_server
 
 
 def _entry(fn, rank, address, args, results):

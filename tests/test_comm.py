@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mp_harness import run_processes, values
-from trainmover.comm import (CommError, GroupBuilder, StoreClients, build_comm_groups)
-from trainmover.topology import Layout, Role
+from trainmover.comm.groups import (CommError, GroupBuilder, StoreClients, build_comm_groups)
+from trainmover.core.topology import Layout, Role
 
 LAYOUT = Layout(2, 1, 2)  # 4 processes: two TP pairs, two DP pairs
 
@@ -94,7 +94,7 @@ def test_rebuild_one_group_while_others_keep_working():
 
 
 def _peer_dies(rank, address, size, victim):
-    from trainmover.topology import GroupSpec
+    from trainmover.core.topology import GroupSpec
 
     spec = GroupSpec("test.kill", "tp", tuple(Role(0, 0, i) for i in range(size)))
     group = _builder(address, timeout_s=8.0).build(spec, Role(0, 0, rank), 0)

@@ -6,12 +6,12 @@ import sys
 import pytest
 import torch
 
-from trainmover.events import read_jsonl
-from trainmover.checkpoint import load_canonical as load_canonical_checkpoint
-from trainmover.coordinator import run_job
+from trainmover.core.events import read_jsonl
+from trainmover.train.checkpoint import load_canonical as load_canonical_checkpoint
+from trainmover.control.coordinator import run_job
 from trainmover.recipes import get_recipe
-from trainmover.state import state_digest
-from trainmover.topology import Layout
+from trainmover.train.state import state_digest
+from trainmover.core.topology import Layout
 
 
 def tiny(dp=1, pp=1, tp=1, steps=6, **train):

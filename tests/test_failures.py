@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from trainmover.checkpoint import complete_steps, local_path
+from trainmover.train.checkpoint import complete_steps, local_path
 from trainmover.cli import apply_worker_faults
-from trainmover.coordinator import JobFailed, run_job
-from trainmover.events import read_jsonl
-from trainmover.faults import STEP_POINTS, Inject
+from trainmover.control.coordinator import JobFailed, run_job
+from trainmover.core.events import read_jsonl
+from trainmover.core.faults import STEP_POINTS, Inject
 from trainmover.recipes import get_recipe
-from trainmover.topology import Layout
+from trainmover.core.topology import Layout
 
 CHAOS_SEEDS = [int(s) for s in os.environ.get("TRAINMOVER_CHAOS_SEEDS", "1,2,3").split(",")]
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from trainmover.events import read_jsonl
-from trainmover.coordinator import run_job
+from trainmover.core.events import read_jsonl
+from trainmover.control.coordinator import run_job
 from trainmover.recipes import get_recipe
-from trainmover.topology import Layout
+from trainmover.core.topology import Layout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from trainmover.api import Job
-from trainmover.coordinator import run_job
-from trainmover.events import read_jsonl
-from trainmover.faults import Inject, WorkerFault
+from trainmover.control.coordinator import run_job
+from trainmover.core.events import read_jsonl
+from trainmover.core.faults import Inject, WorkerFault
 from trainmover.recipes import get_recipe
-from trainmover.topology import Layout
+from trainmover.core.topology import Layout
 
 SEED = int(os.environ.get("TRAINMOVER_TEST_SEED", "7"))
 
@@ -69,7 +69,8 @@ def test_migrations_of_every_stage_kind_are_bit_identical(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_two_workers_at_once(tmp_path):
-    cfg = job(2, 2, 1, 14, 2)
+    # long enough for both standbys to finish the shadow run they are in when assigned
+    cfg = job(2, 2, 1, 60, 2)
     base = run_job(cfg, str(tmp_path / "base"), quiet=True, timeout_s=200)
     moved = run_job(cfg, str(tmp_path / "moved"), quiet=True, timeout_s=200,
                     injects=[Inject("migrate", 4, "w0"), Inject("migrate", 4, "w3")])
@@ -101,10 +102,12 @@ def cli(*args):
 
 @pytest.mark.timeout(400)
 def test_migrate_command_against_a_running_job(tmp_path):
+    # the job must outlive six `trainmover migrate` processes (each imports torch for its
+    # store client: seconds on a loaded 2-core machine), hence its many (fast) steps
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainmover", "run", "--recipe", "tiny", "--dp", "2", "--pp", "2",
-         "--steps", "400", "--standbys", "1", "--run-dir", str(run_dir), "--quiet"],
+         "--steps", "1500", "--standbys", "1", "--run-dir", str(run_dir), "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

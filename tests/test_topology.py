@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from trainmover.topology import GROUP_KINDS, Layout, Role, StageKind, split_layers
+from trainmover.core.topology import GROUP_KINDS, Layout, Role, StageKind, split_layers
 
 LAYOUTS = [Layout(d, p, t) for d, p, t in itertools.product((1, 2, 3), (1, 2, 3, 4), (1, 2))]
 

@@ -5,14 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainmover.comm import GroupBuilder, StoreAddress, StoreClients, build_comm_groups
-from trainmover.config import DataConfig, JobConfig, ModelConfig
-from trainmover.data import BatchSource, TokenData, derive_seed, load_tokens
-from trainmover.engine import Engine, lr_at
-from trainmover.model import GPTStage, _VocabParallelCrossEntropy
+from trainmover.comm.groups import GroupBuilder, StoreAddress, StoreClients, build_comm_groups
+from trainmover.core.config import DataConfig, JobConfig, ModelConfig
+from trainmover.train.data import BatchSource, TokenData, derive_seed, load_tokens
+from trainmover.train.engine import Engine, lr_at
+from trainmover.train.model import GPTStage, _VocabParallelCrossEntropy
 from trainmover.recipes import get_recipe
-from trainmover.state import assemble, local_state, state_digest
-from trainmover.topology import Layout, Role
+from trainmover.train.state import TrainState, assemble, state_digest
+from trainmover.core.topology import Layout, Role
 
 
 def local_groups():
@@ -112,9 +112,11 @@ def test_gradients_accumulate_in_the_bucket_buffers():
     for p in eng.params:
         base = eng.grads.buffers[eng.grads.bucket_of[id(p)]]
         assert p.grad.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-    tensors, dims = local_state(eng.model, eng.optimizer)
+    tensors, dims = TrainState(eng.model, eng.optimizer).local_state()
     canon = assemble({Role(0, 0, 0): (tensors, dims)}, Layout())
-    assert canon["optim/step"].item() == 1
+    assert canon["optim/step/head.weight"].item() == 1
+    assert not any(name.startswith(("meta/", "rng/")) for name in canon)
+    assert "model/blocks.0.attn.k.bias" not in canon and "model/blocks.0.attn.q.bias" in canon
     assert len(state_digest(canon)) == 64
 
 
@@ -158,6 +160,6 @@ def test_stage_names_are_canonical_and_stages_of_one_depth_are_alike():
 
 
 def local_state_names(model):
-    from trainmover.state import canonical_params
+    from trainmover.train.state import canonical_params
 
     return canonical_params(model)

@@ -5,16 +5,16 @@ import shutil
 import pytest
 import torch
 
-from trainmover.coordinator import run_job
-from trainmover.data import BatchSource, load_tokens
-from trainmover.engine import Engine
-from trainmover.events import read_jsonl
-from trainmover.faults import Inject
-from trainmover.record import (RecordingInvalid, SandboxMismatch, load_recording, manifest_for,
+from trainmover.control.coordinator import run_job
+from trainmover.train.data import BatchSource, load_tokens
+from trainmover.train.engine import Engine
+from trainmover.core.events import read_jsonl
+from trainmover.core.faults import Inject
+from trainmover.comm.record import (RecordingInvalid, SandboxMismatch, load_recording, manifest_for,
                                recording_path, representative_roles, rewind, sandbox_groups,
                                structure_key)
 from trainmover.recipes import get_recipe
-from trainmover.topology import Layout, Role
+from trainmover.core.topology import Layout, Role
 
 
 def job(dp, pp, tp, steps, standbys, **runtime):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import threading
 
-from .config import JobConfig
-from .coordinator import Coordinator
-from .faults import Inject
+from trainmover.core.config import JobConfig
+from trainmover.control.coordinator import Coordinator
+from trainmover.core.faults import Inject
 
 
 class Job:

@@ -7,9 +7,9 @@ import os
 import sys
 import time
 
-from .config import JobConfig
-from .recipes import RECIPES, get_recipe
-from .topology import Layout
+from trainmover.core.config import JobConfig
+from trainmover.recipes import RECIPES, get_recipe
+from trainmover.core.topology import Layout
 
 
 def build_config(args: argparse.Namespace) -> JobConfig:
@@ -45,8 +45,8 @@ def build_config(args: argparse.Namespace) -> JobConfig:
 
 
 def build_injects(args: argparse.Namespace, cfg: JobConfig) -> list:
-    from .coordinator import worker_names
-    from .faults import parse_inject, validate_injects
+    from trainmover.control.coordinator import worker_names
+    from trainmover.core.faults import parse_inject, validate_injects
 
     injects = [parse_inject(text) for text in (args.inject or [])]
     validate_injects(injects, cfg.train.steps, worker_names(cfg.layout.num_roles),
@@ -57,7 +57,7 @@ def build_injects(args: argparse.Namespace, cfg: JobConfig) -> list:
 def apply_worker_faults(cfg: JobConfig, injects: list) -> list:
     """Faults the workers carry out go into the job's configuration; the rest (migrations,
     the controller's own crashes) stay with the controller, which is what this returns."""
-    from .faults import worker_faults
+    from trainmover.core.faults import worker_faults
 
     faults = worker_faults(injects)
     if any(f["point"] == "checkpoint" for f in faults) and not cfg.runtime.checkpoint_every:
@@ -79,6 +79,11 @@ def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each stage module")
     p.add_argument("--data", help="text file (bytes as tokens) or uint16 token file")
     p.add_argument("--data-format", choices=["text", "uint16"])
+    _runtime_args(p)
+    p.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
+
+
+def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--standbys", type=int, help="standby processes started with the job")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
@@ -89,8 +94,48 @@ def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
                         "(auto, default) or waits for `trainmover controller --resume` (manual)")
     p.add_argument("--inject", action="append", metavar="KIND@STEP:TARGET[:ARG]",
                    help="scheduled event, e.g. migrate@12:w3 (repeatable)")
-    p.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
     p.add_argument("--quiet", action="store_true")
+
+
+def python_command(command: list[str]) -> list[str]:
+    """``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` -> what follows ``python``: the
+    script runs inside trainmover's worker processes (a standby runs it several times)."""
+    if not command:
+        raise ValueError("no training command after '--': expected "
+                         "`trainmover launch [OPTIONS] -- python SCRIPT [ARGS]`")
+    exe = os.path.basename(command[0])
+    if not (exe.startswith("python") or command[0] == sys.executable):
+        raise ValueError(f"the training command must start with a Python interpreter "
+                         f"(python SCRIPT ARGS or python -m MODULE ARGS), got {command[0]!r}")
+    rest = list(command[1:])
+    if not rest:
+        raise ValueError(f"{command[0]!r} is given no script or module to run")
+    if rest[0] not in ("-m",) and rest[0].startswith("-"):
+        raise ValueError(f"interpreter option {rest[0]!r} is not supported: give "
+                         f"python SCRIPT ARGS or python -m MODULE ARGS")
+    if rest[0] != "-m":
+        rest[0] = os.path.abspath(rest[0])
+    return rest
+
+
+def build_launch_config(args: argparse.Namespace, command: list[str]) -> JobConfig:
+    cfg = JobConfig(name=os.path.splitext(os.path.basename(
+        command[1] if command[0] == "-m" else command[0]))[0].split(".")[-1])
+    if args.nproc is not None and any(v is not None for v in (args.dp, args.pp, args.tp)):
+        raise ValueError("give either --nproc N (data parallel) or --dp/--pp/--tp, not both")
+    if args.nproc is not None:
+        cfg.layout = Layout(args.nproc, 1, 1)
+    else:
+        cfg.layout = Layout(args.dp or 1, args.pp or 1, args.tp or 1)
+    cfg.process.command = command
+    cfg.train.steps = args.steps or 0
+    if args.threads is not None:
+        cfg.train.threads_per_worker = args.threads
+    for name in ("device", "standbys", "checkpoint_every", "controller_restart"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(cfg.runtime, name, value)
+    return cfg.validate()
 
 
 def _default_run_dir(name: str) -> str:
@@ -98,7 +143,7 @@ def _default_run_dir(name: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .coordinator import run_job
+    from trainmover.control.coordinator import run_job
 
     cfg = build_config(args)
     injects = build_injects(args, cfg)
@@ -108,9 +153,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from trainmover.control.coordinator import run_job
+
+    cfg = build_launch_config(args, python_command(args.command))
+    injects = build_injects(args, cfg)
+    run_dir = args.run_dir or _default_run_dir(cfg.name)
+    summary = run_job(cfg, run_dir, quiet=args.quiet, injects=injects)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .coordinator import run_job
-    from .demo import demo_injects, print_demo_summary
+    from trainmover.control.coordinator import run_job
+    from trainmover.demo import demo_injects, print_demo_summary
 
     if args.standbys is None:
         args.standbys = 2
@@ -124,7 +180,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from .coordinator import Coordinator, Superseded
+    from trainmover.control.coordinator import Coordinator, Superseded
 
     coord = Coordinator.resume(args.resume, quiet=args.quiet, force=args.force)
     try:
@@ -137,7 +193,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from .client import request_migration
+    from trainmover.control.client import request_migration
 
     result = request_migration(args.run_dir, args.worker, args.to, wait=not args.no_wait,
                                timeout_s=args.timeout)
@@ -146,9 +202,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from trainmover.bench.main import main
 
-    return bench.main(args)
+    return main(args)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -159,6 +215,21 @@ def make_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a local job")
     _job_args(run, "demo")
     run.set_defaults(fn=cmd_run)
+    launch = sub.add_parser(
+        "launch", help="run your own training script under trainmover",
+        usage="trainmover launch [--dp N --pp N --tp N | --nproc N] [OPTIONS] -- "
+              "python SCRIPT [ARGS]")
+    launch.add_argument("--nproc", type=int, help="workers, data parallel (dp = N)")
+    launch.add_argument("--dp", type=int)
+    launch.add_argument("--pp", type=int)
+    launch.add_argument("--tp", type=int)
+    launch.add_argument("--steps", type=int,
+                        help="the script's step count, if known (progress, inject checks)")
+    launch.add_argument("--threads", type=int, help="intra-op threads per worker "
+                                                    "(default: cores / processes)")
+    launch.add_argument("--run-dir", help="output directory (default: runs/<script>-<time>)")
+    _runtime_args(launch)
+    launch.set_defaults(fn=cmd_launch, command=[])
     demo = sub.add_parser("demo", help="a small multi-worker job on the built-in corpus")
     _job_args(demo, "demo")
     demo.set_defaults(fn=cmd_demo)
@@ -186,6 +257,13 @@ def make_parser() -> argparse.ArgumentParser:
     step.add_argument("--repeats", type=int, default=3)
     step.add_argument("--out", default="benchmarks/results")
     step.set_defaults(fn=cmd_bench)
+    ex = bsub.add_parser("example", help="examples/ddp_gpt.py under trainmover vs the plain "
+                                         "DDP script under torchrun (run from the repo root)")
+    ex.add_argument("--nproc", type=int, default=2)
+    ex.add_argument("--steps", type=int, default=40)
+    ex.add_argument("--repeats", type=int, default=3)
+    ex.add_argument("--out", default="benchmarks/results")
+    ex.set_defaults(fn=cmd_bench)
     down = bsub.add_parser("downtime", help="planned migration vs naive migration vs restart")
     down.add_argument("--workers", default="4,8", help="comma list from 4, 8, 16")
     down.add_argument("--strategies", default="trainmover,trainmover_cold,naive,restart")
@@ -201,7 +279,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
     args = make_parser().parse_args(argv)
+    if command:
+        args.command = command
     try:
         return args.fn(args)
     except ValueError as exc:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from .config import JobConfig
-from .events import read_jsonl
-from .faults import Inject
+from trainmover.core.config import JobConfig
+from trainmover.core.events import read_jsonl
+from trainmover.core.faults import Inject
 
 
 def demo_injects(cfg: JobConfig) -> list[Inject]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .config import JobConfig, ModelConfig, RuntimeConfig, TrainConfig
-from .topology import Layout
+from trainmover.core.config import JobConfig, ModelConfig, RuntimeConfig, TrainConfig
+from trainmover.core.topology import Layout
 
 
 def tiny() -> JobConfig:

@@ -1,0 +1,191 @@
+"""Users' own training scripts under `trainmover launch`: the examples survive a planned
+migration, a crash and a hang with the weights of their own uninterrupted run; their standbys
+warm up by replay; misuse of the API is refused with a clear error."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainmover.core.events import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+DDP = ROOT / "examples" / "ddp_gpt.py"
+DDP_PLAIN = ROOT / "examples" / "ddp_gpt_plain.py"
+PIPE = ROOT / "examples" / "pipeline_tp_gpt.py"
+
+
+def launch(run_dir, layout, script, script_args=(), extra=(), timeout=300):
+    """`trainmover launch` as a user runs it; one intra-op thread per worker in every run,
+    so runs with different process counts use the same kernels (bit-identical results)."""
+    cmd = [sys.executable, "-m", "trainmover", "launch", *layout, "--threads", "1",
+           "--run-dir", str(run_dir), "--quiet", *extra, "--", sys.executable, str(script),
+           *script_args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    summary_path = Path(run_dir) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return res, summary
+
+
+def events(run_dir, name):
+    return [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == name]
+
+
+def test_ddp_example_is_the_plain_script_with_at_most_15_changed_lines():
+    plain, resilient = DDP_PLAIN.read_text().splitlines(), DDP.read_text().splitlines()
+    import difflib
+
+    changed = [line for line in difflib.unified_diff(plain, resilient, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 0 < len(changed) <= 15, changed
+    assert any("trainmover.init()" in line for line in changed)
+
+
+STEPS = 40
+DDP_ARGS = ("--steps", str(STEPS))
+
+
+@pytest.fixture(scope="module")
+def ddp_base(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ddp") / "base"
+    res, summary = launch(run_dir, ["--nproc", "2"], DDP, DDP_ARGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary["steps"] == STEPS
+    return summary
+
+
+@pytest.mark.timeout(400)
+def test_ddp_example_migration_is_bit_identical_and_its_standby_warmed_by_replay(
+        tmp_path, ddp_base):
+    run_dir = tmp_path / "moved"
+    res, summary = launch(run_dir, ["--nproc", "2"], DDP, DDP_ARGS,
+                          ["--standbys", "1", "--inject", "migrate@3:w1"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    (m,) = summary["migrations"]
+    assert m["status"] == "done", m
+    assert m["pairs"] == [{"leaver": "w1", "joiner": "s0", "role": "dp1.pp0.tp0"}]
+    assert summary["weights_sha256"] == ddp_base["weights_sha256"]
+    assert summary["membership"] == {"w0": "dp0.pp0.tp0", "s0": "dp1.pp0.tp0"}
+    # the representative role recorded step 0; the standby ran shadow steps of the script
+    assert [e["structure"] for e in events(run_dir, "recorded")] == ["only"]
+    (warmed,) = events(run_dir, "warmed")
+    assert warmed["worker"] == "s0" and len(warmed["shadow_step_s"]) >= 1
+    assert m["transfer_bytes"] > 0
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", ["crash@9:w0", "hang@9:w1"])
+def test_ddp_example_recovers_from_a_crash_and_a_hang_bit_identically(
+        tmp_path, ddp_base, fault):
+    run_dir = tmp_path / "run"
+    res, summary = launch(run_dir, ["--nproc", "2"], DDP, DDP_ARGS,
+                          ["--standbys", "1", "--inject", fault])
+    assert res.returncode == 0, res.stderr[-3000:]
+    (r,) = summary["recoveries"]
+    assert r["failures"] == {fault.split(":")[1]: fault.split("@")[0]}
+    assert r["lost_steps"] == 0 and r["sources"] == {r["pairs"][0]["role"]: "replica:" +
+                                                      ({"w0": "w1", "w1": "w0"}[r["pairs"][0]["failed"]])}
+    assert summary["weights_sha256"] == ddp_base["weights_sha256"]
+    assert summary["steps"] == STEPS
+
+
+PIPE_LAYOUT = ["--dp", "2", "--pp", "2", "--tp", "1"]
+PIPE_TP_LAYOUT = ["--dp", "1", "--pp", "2", "--tp", "2"]
+PIPE_ARGS = ("--steps", "24")
+
+
+@pytest.fixture(scope="module")
+def pipe_base(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("pipe") / "base"
+    res, summary = launch(run_dir, PIPE_LAYOUT, PIPE, PIPE_ARGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return summary
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_tp_example_runs_tensor_parallel(tmp_path):
+    res, summary = launch(tmp_path / "tp", PIPE_TP_LAYOUT, PIPE, ("--steps", "6"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary["layout"] == {"dp": 1, "pp": 2, "tp": 2} and summary["steps"] == 6
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("events_", [["migrate@3:w1", "crash@14:w2"], ["hang@8:w3"]])
+def test_pipeline_example_survives_migration_crash_and_hang(tmp_path, pipe_base, events_):
+    extra = ["--standbys", "2"]
+    for e in events_:
+        extra += ["--inject", e]
+    res, summary = launch(tmp_path / "run", PIPE_LAYOUT, PIPE, PIPE_ARGS, extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary["weights_sha256"] == pipe_base["weights_sha256"]
+    if any(e.startswith("migrate") for e in events_):
+        assert [m["status"] for m in summary["migrations"]] == ["done"], summary["migrations"]
+    kinds = sorted(k for r in summary["recoveries"] for k in r["failures"].values())
+    assert kinds == sorted(e.split("@")[0] for e in events_ if not e.startswith("migrate"))
+
+
+# --- misuse -----------------------------------------------------------------------------------
+
+MISUSE = {
+    "unregistered": ("""
+        rt = trainmover.init()
+        for step in rt.steps(5):
+            rt.commit()
+        """, "register the training state"),
+    "no_commit": ("""
+        rt = trainmover.init()
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rt.register(model=model, optimizer=opt)
+        for step in rt.steps(5):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        """, "skipped the commit point"),
+    "stateful_data": ("""
+        rt = trainmover.init()
+        model = rt.data_parallel(torch.nn.Linear(4, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rt.register(model=model, optimizer=opt)
+        def stream():
+            g = torch.Generator().manual_seed(0)
+            while True:
+                yield torch.randn(2, 4, generator=g)
+        batches = stream()
+        for step in rt.steps(100000):  # stopped long before: by the standby's check
+            model(next(batches)).sum().backward()   # the batch is the iterator's, not the step's
+            if rt.commit():
+                opt.step()
+            opt.zero_grad()
+        """, "data must be a pure function of the step"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(MISUSE))
+def test_misuse_is_refused_with_a_clear_error(tmp_path, case):
+    body, message = MISUSE[case]
+    script = tmp_path / f"{case}.py"
+    script.write_text("import torch\nimport trainmover\n" + textwrap.dedent(body))
+    extra = ["--standbys", "1"] if case == "stateful_data" else []
+    res, summary = launch(tmp_path / "run", ["--nproc", "1"], script, (), extra)
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert message in res.stderr, res.stderr[-3000:]
+    assert summary is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command, message", [
+    ([], "no training command after '--'"),
+    (["bash", "train.sh"], "must start with a Python interpreter"),
+    ([sys.executable, "/no/such/script.py"], "'/no/such/script.py' does not exist"),
+    ([sys.executable, "-c", "print(1)"], "interpreter option '-c' is not supported"),
+])
+def test_launch_refuses_a_bad_command_before_starting_anything(tmp_path, command, message):
+    cmd = [sys.executable, "-m", "trainmover", "launch", "--nproc", "2", "--run-dir",
+           str(tmp_path / "run"), "--", *command]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,216 @@
+"""The state contract (TrainState) and the runtime's building blocks, with real processes
+where communication is involved: transfer, checkpoint round trip, doomed steps, the
+data-parallel wrapper."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mp_harness import run_processes, values
+from trainmover.comm.groups import (AbortSignal, CommError, GroupBuilder, StepAborted,
+                                    StoreClients, build_comm_groups)
+from trainmover.core.topology import GroupSpec, Layout, Role
+from trainmover.train.buckets import GradBuckets
+from trainmover.train.ddp import DataParallel
+from trainmover.train.state import StateError, TrainState, assemble
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(40, 30)
+        self.b = nn.Linear(30, 2)
+        self.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def trained(seed: int, steps: int):
+    torch.manual_seed(seed)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(steps):
+        net(torch.randn(4, 40)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    net.seen += steps
+    return net, opt, sched
+
+
+def same_state(a: TrainState, b: TrainState) -> bool:
+    ta, _ = a.entries()
+    tb, _ = b.entries()
+    return sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_checkpoint_round_trip_restores_everything_into_a_fresh_model():
+    net, opt, sched = trained(1, 5)
+    src = TrainState(net, opt, extra={"sched": sched, "tokens": 1234,
+                                      "ema": torch.arange(3.0)})
+    tensors, dims = src.local_state()
+    assert dims["model/a.weight"] is None and "optim/exp_avg/a.weight" in tensors
+    assert "model/seen" in tensors          # buffers move too
+    fresh_net, fresh_opt, fresh_sched = trained(2, 0)   # never stepped: no optimizer state
+    extra = {"sched": fresh_sched, "tokens": 0, "ema": torch.zeros(3)}
+    dst = TrainState(fresh_net, fresh_opt, extra=extra)
+    assert not same_state(src, dst)
+    dst.load({k: v.clone() for k, v in tensors.items()})
+    assert same_state(src, dst)
+    assert extra["tokens"] == 1234 and fresh_sched.last_epoch == sched.last_epoch
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"] != 1e-2
+    # the restored optimizer takes the same next step as the original
+    x = torch.randn(4, 40)
+    for n, o in ((net, opt), (fresh_net, fresh_opt)):
+        n(x).pow(2).sum().backward()
+        o.step()
+    assert torch.equal(net.a.weight, fresh_net.a.weight)
+
+
+def test_loading_a_state_of_another_model_is_refused():
+    net, opt, _ = trained(1, 1)
+    tensors, _ = TrainState(net, opt).local_state()
+    other = nn.Linear(40, 30)
+    with pytest.raises(StateError):
+        TrainState(other, torch.optim.AdamW(other.parameters())).load(tensors)
+
+
+def test_assembly_refuses_a_name_held_by_two_stages():
+    t = {"model/w": torch.ones(2)}
+    shards = {Role(0, 0, 0): (t, {"model/w": None}), Role(0, 1, 0): (t, {"model/w": None})}
+    with pytest.raises(StateError, match="held by pipeline stages 0 and 1"):
+        assemble(shards, Layout(1, 2, 1))
+
+
+def _transfer(rank, address, use_buckets):
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30)
+    channel = builder.build_ranked(GroupSpec("xfer.t", "xfer", (Role(0, 0, 0), Role(0, 0, 0))),
+                                   rank, 0)
+    net, opt, sched = trained(1 if rank == 0 else 2, 3 if rank == 0 else 0)
+    groups = build_comm_groups(builder, Layout(), Role(0, 0, 0))[0]
+    buckets = GradBuckets(list(net.parameters()), 4000, groups) if use_buckets else None
+    extra = {"sched": sched, "note": "leaver" if rank == 0 else "joiner"}
+    state = TrainState(net, opt, extra=extra, buckets=buckets)
+    torch.manual_seed(100 + rank)
+    if rank == 0:
+        info = state.send(channel, 1, resume_step=17)
+        out = None
+    else:
+        out, info = state.recv(channel, 0)
+    tensors, _ = state.entries()
+    # plain lists: tensors sent through the result queue would outlive their process
+    digest = {k: v.reshape(-1).tolist() for k, v in tensors.items()}
+    return out, info["bytes"], digest, extra["note"], torch.randint(0, 10**9, (1,)).item()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("use_buckets", [True, False])
+def test_live_transfer_moves_the_whole_state(use_buckets):
+    res = values(run_processes(_transfer, 2, use_buckets))
+    (_, sent, a, _, rng_a), (resume, got, b, note, rng_b) = res[0], res[1]
+    assert resume == 17 and sent == got > 0
+    assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)
+    assert note == "leaver"     # JSON extras are replaced in the registered dict
+    assert rng_a == rng_b       # the joiner continues the leaver's random stream
+
+
+def _doomed(rank, address):
+    signal = AbortSignal()
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30, abort_signal=signal)
+    layout = Layout(2, 1, 1)
+    groups, _ = build_comm_groups(builder, layout, layout.role_of(rank))
+    t = torch.ones(3)
+    groups.dp.allreduce(t)
+    out = {"first": t.tolist()}
+    signal.set("test abort")
+    signal.in_step = True              # inside a step: the op returns, the step is doomed
+    t = torch.full((3,), 5.0)
+    groups.dp.allreduce(t)
+    out["doomed"] = t.tolist()
+    signal.in_step = False             # outside a step: the same abort raises
+    try:
+        groups.dp.allreduce(t)
+        out["outside"] = "returned"
+    except StepAborted:
+        out["outside"] = "raised"
+    out["accounting"] = groups.dp.accounting()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_doomed_step_returns_without_communicating_and_raises_outside_a_step():
+    res = values(run_processes(_doomed, 2))
+    for out in res.values():
+        assert out["first"] == [2.0, 2.0, 2.0]
+        assert out["doomed"] == [5.0, 5.0, 5.0]      # untouched: nothing was issued
+        assert out["outside"] == "raised"
+        assert out["accounting"]["coll"] == 1 and out["accounting"]["pending"] == 0
+
+
+def test_doom_records_the_first_reason_only_in_a_step():
+    s = AbortSignal()
+    assert not s.doom(CommError("g", 0, "allreduce", "peer gone"))
+    assert not s.is_set()
+    s.in_step = True
+    assert s.doom(CommError("g", 0, "allreduce", "peer gone"))
+    s.doom(StepAborted("later"))
+    assert s.is_set() and "peer gone" in s.reason
+
+
+def _ddp(rank, address):
+    layout = Layout(2, 1, 1)
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30)
+    groups, _ = build_comm_groups(builder, layout, layout.role_of(rank))
+    torch.manual_seed(0)
+    net = Net()
+    model = DataParallel(net, groups, bucket_mb=0.001)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        xs = torch.randn(2, 4, 40, generator=gen)
+        with model.no_sync():            # accumulate the first micro-batch locally
+            model(xs[0]).pow(2).mean().backward()
+        model(xs[1]).pow(2).mean().backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # the wrapper points grads back into its buckets
+    return [g.tolist() for g in grads], \
+        {n: p.detach().reshape(-1).tolist() for n, p in net.named_parameters()}, \
+        model.canonical_name("module.a.weight")
+
+
+def _reference_grads():
+    """The same two replicas' accumulated gradients averaged by hand, in one process."""
+    torch.manual_seed(0)
+    nets = [Net(), Net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+    gens = [torch.Generator().manual_seed(r) for r in range(2)]
+    for step in range(3):
+        for r in range(2):
+            xs = torch.randn(2, 4, 40, generator=gens[r])
+            for x in xs:
+                nets[r](x).pow(2).mean().backward()
+        avg = [(a.grad + b.grad) / 2 for a, b in zip(nets[0].parameters(), nets[1].parameters())]
+        for n, o in zip(nets, opts):
+            for p, g in zip(n.parameters(), avg):
+                p.grad = g.clone()
+            o.step()
+            o.zero_grad()
+    return avg
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_wrapper_averages_accumulated_gradients_like_ddp():
+    res = values(run_processes(_ddp, 2))
+    (g0, p0, name), (g1, p1, _) = res[0], res[1]
+    ref = _reference_grads()
+    for a, b, r in zip(g0, g1, ref):
+        assert a == b
+        torch.testing.assert_close(torch.tensor(a), r, rtol=1e-5, atol=1e-7)
+    assert p0 == p1
+    assert name == "a.weight"
+    assert all(math.isfinite(sum(v)) for v in p0.values())

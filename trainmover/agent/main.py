@@ -1,0 +1,253 @@
+"""The job's agent: hosts the store and starts, watches and stops the job's processes, so
+that the controller can die without taking training down with it.
+
+Why a separate process: workers vote on every step through the store, so whoever hosts the
+store is on the hot path and must be the simplest, longest-lived process of the job. The
+agent makes no decisions; the controller (``coordinator.py``) sends it requests through the
+store and reads back what happened:
+
+- ``agent/req/<n>``: ``spawn`` (argv, env, log), ``signal`` (KILL / TERM-then-KILL / STOP /
+  CONT to one incarnation of a process), ``shutdown`` (stop everything and exit);
+- ``agent/proc/<name>``: the current incarnation and PID of each process it started;
+- ``agent/exit/<n>``: one record per process exit (name, incarnation, code, time).
+
+Workers are the agent's children and die with it (``PR_SET_PDEATHSIG``); the agent is in its
+own session, so it outlives the controller. When the controller's process disappears without
+having shut the job down, the agent restarts it (``controller_restart="auto"``: ``trainmover
+controller --resume``, at most ``MAX_CONTROLLER_RESTARTS`` times) or waits ``controller_grace_s``
+for an operator to run that command, then stops the job. Training continues meanwhile.
+
+Processes are started before the agent imports torch, so the agent adds no start-up latency:
+the store's listening socket is created by the controller and inherited (``--listen-fd``);
+workers that connect early wait in its backlog.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from trainmover.core import protocol as P
+from trainmover.core.events import EventLog
+from trainmover.core.proc import pid_alive
+
+MAX_CONTROLLER_RESTARTS = 3
+POLL_S = 0.005
+
+
+def _die_with_parent() -> None:
+    """In each child, before exec: ask Linux to SIGKILL it if the agent dies, so an agent
+    killed without warning never leaves workers behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the workers' own store-liveness checks still end them
+
+
+
+@dataclass
+class Child:
+    name: str
+    incarnation: int
+    proc: subprocess.Popen
+    kill_at: float | None = None     # TERM was sent: KILL at this time if still alive
+    reported: bool = False
+
+
+class Agent:
+    def __init__(self, run_dir: str, host: str, listen_fd: int, port: int,
+                 controller_restart: str, controller_grace_s: float):
+        self.run_dir = run_dir
+        self.host, self.listen_fd, self.port = host, listen_fd, port
+        self.controller_restart = controller_restart
+        self.controller_grace_s = controller_grace_s
+        self.children: dict[str, Child] = {}
+        self.controllers: list[subprocess.Popen] = []   # the ones this agent restarted
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="agent")
+        self.store = None
+        self._next_request = 1
+        self._controller: dict | None = None
+        self._controller_lost_at: float | None = None
+        self._controller_read_at = 0.0
+
+    # --- processes ---------------------------------------------------------------------------
+    def spawn(self, req: dict) -> None:
+        name, incarnation = req["name"], req["incarnation"]
+        old = self.children.get(name)
+        if old is not None and old.incarnation >= incarnation:
+            return  # a request replayed by a resumed controller: already done
+        if old is not None and old.proc.poll() is None:
+            self._kill(old)  # never two incarnations of one name
+        env = dict(os.environ, **req.get("env", {}))
+        if "TMPDIR" in req.get("env", {}):
+            os.makedirs(env["TMPDIR"], exist_ok=True)   # a per-process cache root
+        with open(req["log"], "ab") as log:
+            proc = subprocess.Popen(req["argv"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_parent)
+        self.children[name] = Child(name, incarnation, proc)
+        if self.store is not None:
+            self.store.set(P.agent_proc_key(name),
+                           P.encode({"pid": proc.pid, "incarnation": incarnation}))
+        self.events.emit("process_started", name=name, pid=proc.pid, incarnation=incarnation,
+                         standby=req.get("standby", False))
+
+    def _kill(self, child: Child) -> None:
+        if child.proc.poll() is None:
+            child.proc.kill()
+        child.proc.wait()
+        self._reap(child)
+
+    def signal(self, req: dict) -> None:
+        child = self.children.get(req["name"])
+        if child is None or (req.get("incarnation") is not None and
+                             child.incarnation != req["incarnation"]):
+            return  # that incarnation is gone already
+        sig = req["signal"]
+        if sig == "KILL":
+            self._kill(child)   # synchronous, so requests after it see the process gone
+        elif child.proc.poll() is None:
+            if sig == "TERM":
+                child.proc.send_signal(signal.SIGTERM)
+                child.kill_at = time.monotonic() + float(req.get("grace_s", 3.0))
+            else:
+                child.proc.send_signal(getattr(signal, f"SIG{sig}"))
+
+    def _reap(self, child: Child) -> None:
+        code = child.proc.poll()
+        if code is None or child.reported:
+            return
+        child.reported = True
+        record = {"name": child.name, "incarnation": child.incarnation, "code": code,
+                  "time": time.time()}
+        index = self.store.add(P.AGENT_EXIT_COUNT_KEY, 1)
+        self.store.set(P.agent_exit_key(index), P.encode(record))
+        self.events.emit("process_exited", name=child.name, incarnation=child.incarnation,
+                         code=code)
+
+    def stop_all(self, grace_s: float) -> None:
+        for c in self.children.values():
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in self.children.values():
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+            self._reap(c)
+
+    # --- the controller ----------------------------------------------------------------------
+    def _watch_controller(self, now: float) -> bool:
+        """False once the job must end because no controller came back."""
+        if now - self._controller_read_at < 0.1:
+            return True
+        self._controller_read_at = now
+        if self.store.check([P.CONTROLLER_KEY]):
+            current = P.decode(self.store.get(P.CONTROLLER_KEY))
+            if current != self._controller:
+                if self._controller_lost_at is not None:
+                    self.events.emit("controller_back", pid=current["pid"],
+                                     incarnation=current["incarnation"],
+                                     gap_s=round(time.time() - self._controller_lost_at, 3))
+                self._controller, self._controller_lost_at = current, None
+        if self._controller is None or pid_alive(self._controller["pid"]):
+            return True
+        if self._controller_lost_at is None:
+            self._controller_lost_at = time.time()
+            self.events.emit("controller_lost", pid=self._controller["pid"],
+                             incarnation=self._controller["incarnation"],
+                             action=self.controller_restart)
+            if self.controller_restart == "auto":
+                if len(self.controllers) >= MAX_CONTROLLER_RESTARTS:
+                    self.events.emit("job_abandoned", reason=f"the controller died "
+                                     f"{len(self.controllers) + 1} times")
+                    return False
+                self._restart_controller()
+        elif time.time() - self._controller_lost_at > self.controller_grace_s:
+            self.events.emit("job_abandoned", reason=f"no controller for "
+                             f"{self.controller_grace_s} s (controller_grace_s)")
+            return False
+        return True
+
+    def _restart_controller(self) -> None:
+        log = os.path.join(self.run_dir, "logs", "controller.log")
+        with open(log, "ab") as out:
+            # not tied to the agent's life: it shuts the agent down at the end of the job,
+            # then writes the job's summary
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trainmover", "controller", "--resume", self.run_dir],
+                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self.controllers.append(proc)
+        self.events.emit("controller_restarted", pid=proc.pid, log=log)
+
+    # --- the loop ----------------------------------------------------------------------------
+    def serve(self, initial: list[dict]) -> int:
+        for req in initial:          # before importing torch: workers start at once
+            self.spawn(req)
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(self.host, self.port, is_master=True,
+                                   wait_for_workers=False, timeout=timedelta(seconds=60),
+                                   master_listen_fd=self.listen_fd)
+        for c in self.children.values():
+            self.store.set(P.agent_proc_key(c.name),
+                           P.encode({"pid": c.proc.pid, "incarnation": c.incarnation}))
+        self.store.set(P.AGENT_READY_KEY, P.encode({"pid": os.getpid()}))
+        while True:
+            while self.store.check([P.agent_request_key(self._next_request)]):
+                req = P.decode(self.store.get(P.agent_request_key(self._next_request)))
+                self._next_request += 1
+                if req["op"] == "spawn":
+                    self.spawn(req)
+                elif req["op"] == "signal":
+                    self.signal(req)
+                elif req["op"] == "shutdown":
+                    return self._shutdown(float(req.get("grace_s", 3.0)), "requested")
+            now = time.monotonic()
+            for c in list(self.children.values()):
+                if c.kill_at is not None and now > c.kill_at and c.proc.poll() is None:
+                    c.proc.kill()
+                self._reap(c)
+            if not self._watch_controller(time.time()):
+                return self._shutdown(3.0, "no controller")
+            time.sleep(POLL_S)
+
+    def _shutdown(self, grace_s: float, why: str) -> int:
+        self.stop_all(grace_s)
+        self.events.emit("agent_stopped", reason=why)
+        self.store.set(P.AGENT_DONE_KEY, why)
+        # the controller reads AGENT_DONE_KEY before the store goes away with this process
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not self.store.check([P.AGENT_DONE_ACK_KEY]):
+            time.sleep(0.01)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trainmover.agent")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--listen-fd", type=int, required=True)
+    p.add_argument("--initial", required=True, help="JSON file of the first spawn requests")
+    p.add_argument("--controller-restart", choices=["auto", "manual"], default="auto")
+    p.add_argument("--controller-grace-s", type=float, default=300.0)
+    p.add_argument("--controller-pid", type=int, required=True)
+    args = p.parse_args(argv)
+    with open(args.initial) as f:
+        initial = json.load(f)
+    agent = Agent(args.run_dir, args.host, args.listen_fd, args.port,
+                  args.controller_restart, args.controller_grace_s)
+    agent._controller = {"pid": args.controller_pid, "incarnation": 0}
+    return agent.serve(initial)

@@ -1,0 +1,568 @@
+"""Benchmarks. Results go under ``benchmarks/results/``; each compares strategies measured side
+by side in one run (interleaved repeats), because this machine is shared and noisy.
+
+``bench step``: the engine's training step in a DP-only layout against plain
+``DistributedDataParallel`` over gloo: same model code, batch, micro-batches, optimizer,
+clipping and processes. Only the step loop differs.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import statistics
+import time
+
+import torch
+
+from trainmover.comm.groups import GroupBuilder, StoreAddress, StoreClients, build_comm_groups, start_store_server
+from trainmover.core.config import JobConfig
+from trainmover.train.data import BatchSource, load_tokens
+from trainmover.train.engine import Engine, lr_at
+from trainmover.bench.report import git_commit, machine_description, write_result
+from trainmover.core.events import read_jsonl
+from trainmover.recipes import get_recipe
+from trainmover.core.topology import Layout, Role
+
+WARMUP_STEPS = 5
+
+
+
+
+def _engine_steps(cfg: JobConfig, rank: int, address: StoreAddress,
+                  record_first: bool = False, commit: bool = True) -> list[float]:
+    """The engine's steps as a job runs them: abortable waits and the commit vote (unless
+    ``commit`` is off); with ``record_first``, step 0 runs under the warm-up recorder exactly
+    as in a job with standbys (the recorder is removed afterwards)."""
+    from trainmover.comm.groups import AbortSignal
+    from trainmover.worker.liveness import CommitVote
+    from trainmover.comm.record import Recorder
+
+    role = cfg.layout.role_of(rank)
+    stores = StoreClients(address)
+    builder = GroupBuilder(stores, torch.device("cpu"), 120,
+                           abort_signal=AbortSignal() if commit else None)
+    groups, _ = build_comm_groups(builder, cfg.layout, role)
+    data = load_tokens(cfg.data)
+    batches = BatchSource(data, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
+                          cfg.model.vocab_size)
+    engine = Engine(cfg, role, groups, batches, torch.device("cpu"))
+    vote = CommitVote(stores, cfg.layout.num_roles, epoch=0) if commit else None
+    times = []
+    for step in range(cfg.train.steps):
+        commit = None if vote is None else (lambda s=step, **info: vote(s, info))
+        if step == 0 and record_first:
+            with Recorder(groups):
+                times.append(engine.train_step(step, commit).step_time_s)
+        else:
+            times.append(engine.train_step(step, commit).step_time_s)
+    groups.shutdown()
+    return times
+
+
+def _recorded_engine_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
+    return _engine_steps(cfg, rank, address, record_first=True)
+
+
+def _engine_steps_no_commit(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
+    return _engine_steps(cfg, rank, address, commit=False)
+
+
+def _ddp_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
+    """The reference loop a DDP user writes: no_sync for all but the last micro-batch,
+    clip_grad_norm_, AdamW, and the loss averaged over replicas for logging."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainmover.train.model import GPTStage
+
+    store = dist.TCPStore(address.host, address.port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("ddp/", store), rank=rank,
+                            world_size=cfg.layout.dp)
+    local = Layout()
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 120)
+    groups, _ = build_comm_groups(builder, local, Role(0, 0, 0))  # trivial: no TP traffic
+    model = GPTStage(cfg.model, local, 0, 0, groups)
+    model.init_weights(cfg.train.seed)
+    ddp = DDP(model, bucket_cap_mb=cfg.train.bucket_mb)
+    tc = cfg.train
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False)
+    data = load_tokens(cfg.data)
+    batches = BatchSource(data, cfg.model.seq_len, tc.global_batch, tc.seed, cfg.model.vocab_size)
+    m = tc.num_microbatches
+    times = []
+    for step in range(tc.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        x, y = batches.batch(step, rank, cfg.layout.dp)
+        total = torch.zeros(())
+        for i, (xi, yi) in enumerate(zip(x.chunk(m), y.chunk(m))):
+            if i < m - 1:
+                with ddp.no_sync():
+                    loss = model.loss(ddp(xi), yi) / m
+                    loss.backward()
+            else:
+                loss = model.loss(ddp(xi), yi) / m
+                loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc.lr, tc.min_lr, tc.warmup_steps, tc.steps)
+        opt.step()
+        dist.all_reduce(total)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+_STRATEGIES = {"trainmover": _engine_steps, "trainmover_recorded": _recorded_engine_steps,
+               "trainmover_no_commit": _engine_steps_no_commit, "ddp": _ddp_steps}
+JOB = "trainmover_job"
+
+
+def _job_steps(cfg: JobConfig, timeout_s: float) -> list[float]:
+    """The built-in trainer as `trainmover run` runs it: controller, agent, workers, the
+    runtime API's step loop with the commit vote, metrics and heartbeats. A step's time is
+    commit to commit as the reporter (dp rank 0) records them, so everything the runtime
+    does between steps is counted."""
+    import tempfile
+
+    from trainmover.control.coordinator import run_job
+
+    with tempfile.TemporaryDirectory(prefix="tm-bench-step-") as scratch:
+        run_job(cfg, os.path.join(scratch, "run"), quiet=True, timeout_s=timeout_s)
+        records = read_jsonl(os.path.join(scratch, "run", "metrics.jsonl"))
+    t = [r["time"] for r in sorted(records, key=lambda r: r["step"])]
+    return [b - a for a, b in zip(t, t[1:])]
+
+
+def _child(strategy: str, cfg_dict: dict, rank: int, address: StoreAddress, threads: int,
+           out: mp.Queue) -> None:
+    torch.set_num_threads(threads)
+    cfg = JobConfig.from_dict(cfg_dict)
+    out.put((rank, _STRATEGIES[strategy](cfg, rank, address)))
+    out.close()
+    out.join_thread()  # the result is in the pipe
+    # Skip teardown: a process-group destructor can wait on its peers' sockets, which hung
+    # one rank at exit in about one run in ten; nothing is left to clean up.
+    os._exit(0)
+
+
+def run_strategy(strategy: str, cfg: JobConfig, timeout_s: float = 600) -> list[float]:
+    """Per-step times of rank 0, from fresh processes."""
+    ctx = mp.get_context("spawn")
+    store = start_store_server()
+    address = StoreAddress("127.0.0.1", store.port)
+    out = ctx.Queue()
+    threads = cfg.threads_per_worker()
+    procs = [ctx.Process(target=_child, args=(strategy, cfg.to_dict(), r, address, threads, out))
+             for r in range(cfg.layout.num_roles)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < len(procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench strategy {strategy} exceeded {timeout_s} s")
+            try:
+                rank, times = out.get(timeout=1.0)
+                results[rank] = times
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"bench strategy {strategy}: a process exited with "
+                                       f"code {dead[0].exitcode}")
+                if any(p.exitcode == 0 for p in procs) and time.monotonic() > deadline - \
+                        timeout_s + 120 and len(results) < len(procs):
+                    raise RuntimeError(f"bench strategy {strategy}: a process exited without "
+                                       f"reporting; the others are stuck")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    return results[0]
+
+
+def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats: int = 3,
+               out_dir: str = "benchmarks/results") -> dict:
+    cfg = get_recipe(recipe)
+    cfg.layout = Layout(dp, 1, 1)
+    cfg.train.steps = steps
+    cfg.validate()
+    if steps <= WARMUP_STEPS + 2:
+        raise ValueError(f"--steps must exceed {WARMUP_STEPS + 2}, got {steps}")
+    rows = []
+    names = tuple(_STRATEGIES) + (JOB,)
+    for rep in range(repeats):
+        # interleave, rotating the order: a slow phase of the shared machine hits all alike
+        k = rep % len(names)
+        for strategy in names[k:] + names[:k]:
+            times = (_job_steps(cfg, 600) if strategy == JOB else
+                     run_strategy(strategy, cfg))[WARMUP_STEPS:]
+            rows.append({"repeat": rep, "strategy": strategy,
+                         "median_step_s": statistics.median(times),
+                         "mean_step_s": statistics.fmean(times), "steps_timed": len(times)})
+            print(f"  repeat {rep} {strategy:>10}: median {rows[-1]['median_step_s'] * 1000:.1f} "
+                  f"ms/step", flush=True)
+    med = {s: statistics.median(r["median_step_s"] for r in rows if r["strategy"] == s)
+           for s in names}
+    ratios, record_ratios, commit_ratios, job_ratios = [], [], [], []
+    for rep in range(repeats):
+        by = {r["strategy"]: r["median_step_s"] for r in rows if r["repeat"] == rep}
+        ratios.append(by["trainmover"] / by["ddp"])
+        job_ratios.append(by[JOB] / by["ddp"])
+        record_ratios.append(by["trainmover_recorded"] / by["trainmover"])
+        commit_ratios.append(by["trainmover"] / by["trainmover_no_commit"])
+    result = {
+        "benchmark": "step", "recipe": recipe, "layout": cfg.layout.as_dict(),
+        "model_params": cfg.model.num_params(), "global_batch": cfg.train.global_batch,
+        "num_microbatches": cfg.train.num_microbatches, "steps": steps,
+        "warmup_steps_excluded": WARMUP_STEPS, "threads_per_worker": cfg.threads_per_worker(),
+        "rows": rows, "median_step_s": med,
+        "overhead_vs_ddp": statistics.median(ratios) - 1.0,
+        "per_repeat_ratio": ratios,
+        "job_overhead_vs_ddp": statistics.median(job_ratios) - 1.0,
+        "per_repeat_job_ratio": job_ratios,
+        "commit": git_commit(),
+        "recorded_over_plain": statistics.median(record_ratios),
+        "commit_over_no_commit": statistics.median(commit_ratios),
+        "per_repeat_commit_over_no_commit": commit_ratios,
+        "per_repeat_recorded_over_plain": record_ratios, "machine": machine_description(),
+    }
+    write_result(out_dir, "step", result, _step_table(result))
+    return result
+
+
+
+
+def _verdict(ratios: list[float]) -> str:
+    """A ratio whose repeats straddle 1 is no measurable difference."""
+    lo, hi = min(ratios), max(ratios)
+    mid = statistics.median(ratios)
+    if lo <= 1.0 <= hi:
+        return f"no measurable difference (median {mid:.3f}, repeats {lo:.3f}-{hi:.3f})"
+    return f"{(mid - 1) * 100:+.1f}% (repeats {lo:.3f}-{hi:.3f})"
+
+
+def _step_table(r: dict) -> str:
+    lines = [f"# bench step: the built-in trainer vs DistributedDataParallel ({r['recipe']}, "
+             f"DP{r['layout']['dp']}, {r['model_params'] / 1e6:.2f}M params, "
+             f"{r['threads_per_worker']} thread(s) per worker, commit {r.get('commit')})", "",
+             "Strategies: `trainmover_job` = a whole job as `trainmover run` runs it (the "
+             "runtime API's step loop, commit vote, heartbeats, metrics; step time commit to "
+             "commit); `trainmover` = the engine's step with the commit vote and abortable "
+             "waits in a bare process; `_recorded` = the same after recording step 0 for "
+             "warm-up; `_no_commit` = without vote and abortable waits; `ddp` = the reference "
+             "DDP loop.", "",
+             "| strategy | median step (ms) |", "|---|---|"]
+    for s, v in r["median_step_s"].items():
+        lines.append(f"| {s} | {v * 1000:.1f} |")
+    lines += ["",
+              f"job (runtime API) vs DDP: {_verdict(r['per_repeat_job_ratio'])}",
+              f"engine step vs DDP: {_verdict(r['per_repeat_ratio'])}",
+              f"steady state after recording step 0 for warm-up, over plain: "
+              f"{_verdict(r['per_repeat_recorded_over_plain'])}",
+              f"commit vote + abortable waits, over none: "
+              f"{_verdict(r['per_repeat_commit_over_no_commit'])}",
+              f"{len(r['per_repeat_ratio'])} interleaved repeats, first "
+              f"{r['warmup_steps_excluded']} steps excluded; machine: {r['machine']['cpu']}, "
+              f"{r['machine']['cores']} cores, torch {r['machine']['torch']}"]
+    return "\n".join(lines) + "\n"
+
+
+
+
+
+
+# --- bench downtime --------------------------------------------------------------------------
+
+LAYOUTS_BY_WORKERS = {4: Layout(2, 2, 1), 8: Layout(2, 2, 2), 16: Layout(2, 4, 2)}
+STRATEGIES = ("trainmover", "trainmover_cold", "naive", "restart")
+
+
+def _wait(cond, job, what: str, timeout_s: float = 1800) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if not job._thread.is_alive():
+            raise RuntimeError(f"the job ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _reach_event(job, event_step: int, warm_standby: bool) -> None:
+    """Wait until the job reached ``event_step`` (and, if asked, every standby is warm)."""
+    from trainmover.core import decisions as C
+
+    coord = job.coordinator
+    if warm_standby:
+        _wait(lambda: all(st is C.StandbyState.WARM for st in coord.membership.standbys.values()),
+              job, "a warm standby")
+    _wait(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
+
+
+def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, victim: str,
+                 run_dir: str, steps_after: int = 6) -> dict:
+    """One job under one strategy with one unexpected failure of ``victim``, delivered from
+    outside the process (SIGKILL for a crash, SIGSTOP for a hang) once the job reached
+    ``event_step`` (and, for trainmover, once its standby is warm)."""
+    import signal as sig
+
+    from trainmover.api import Job
+
+    cfg = JobConfig.from_dict(cfg.to_dict())
+    cfg.train.steps = 100_000
+    if strategy == "trainmover":
+        cfg.runtime.standbys = 1
+    elif strategy == "restart":
+        cfg.runtime.checkpoint_every = 1
+        cfg.runtime.restart_on_failure = True
+    else:
+        raise ValueError(f"strategy {strategy!r} has no {scenario} scenario")
+    job = Job(cfg, run_dir, timeout_s=3600).start()
+    coord = job.coordinator
+    try:
+        _reach_event(job, event_step, warm_standby=strategy == "trainmover")
+        pid = coord.procs.pid(victim)
+        coord.events.emit("fault_injected", worker=victim, kind=scenario, point="external")
+        os.kill(pid, sig.SIGKILL if scenario == "crash" else sig.SIGSTOP)
+        if strategy == "trainmover":
+            _wait(lambda: coord.recovery.done, job, "the recovery")
+            resume = coord.recovery.done[0]["resume_step"]
+        else:
+            _wait(lambda: coord.restarts, job, "the restart")
+            resume = coord.restarts[0]["step"]
+        _wait(lambda: coord.progress.last_step >= resume + steps_after, job, "steps after")
+    finally:
+        coord.stop()
+    summary = job.wait(600)
+    if strategy == "trainmover":
+        (event,) = summary["recoveries"]
+        detection = max(event["detection_latency_s"].values())
+    else:
+        (event,) = summary["restarts"]
+        detection = None
+    return {"downtime_s": event["downtime_s"], "phases": event["phases"],
+            "detection_latency_s": detection, "state_source": event.get("sources"),
+            "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
+            "first_step_ratio": None, "stayer_peak_rss_growth": None, "recording": None,
+            "standby_warmup_s": None}
+
+
+def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
+                  run_dir: str, steps_after: int = 6) -> dict:
+    """One job under one strategy with one planned event at ``event_step`` (for the
+    trainmover strategy: at that step or once the standby is warm, whichever is later, since
+    a warm standby is the point). The job runs until the event is accounted for, then stops."""
+    from trainmover.api import Job
+
+    cfg = JobConfig.from_dict(cfg.to_dict())
+    cfg.train.steps = 100_000  # stopped once the event is measured
+    if strategy in ("trainmover", "trainmover_cold"):
+        cfg.runtime.standbys = 1
+        cfg.runtime.warmup = cfg.runtime.record = strategy == "trainmover"
+    if strategy == "restart":
+        cfg.runtime.checkpoint_every = 1
+        cfg.runtime.restart_at_step = event_step
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    job = Job(cfg, run_dir, timeout_s=3600).start()
+    coord = job.coordinator
+    try:
+        _reach_event(job, event_step, warm_standby=strategy == "trainmover")
+        if strategy == "restart":
+            _wait(lambda: coord.restarts and coord.progress.last_step >= event_step + steps_after,
+                  job, "the restart")
+        else:
+            result = coord.request_migration([leaver], naive=strategy == "naive",
+                                             source="bench").result(timeout=1800)
+            if result["status"] != "done":
+                raise RuntimeError(f"{strategy}: migration {result['status']}: {result}")
+            _wait(lambda: coord.progress.last_step >= result["switch_step"] + steps_after, job,
+                  "steps after the switch")
+    finally:
+        coord.stop()
+    summary = job.wait(600)
+    if strategy == "restart":
+        (event,) = summary["restarts"]
+        first_step_ratio = None
+    else:
+        (event,) = [m for m in summary["migrations"] if m["status"] == "done"]
+        first_step_ratio = event["phases"]["first_step_s"] / event["phases"]["normal_step_s"]
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    recorded = [e for e in events if e["event"] == "recorded"]
+    warmed = [e for e in events if e["event"] == "warmed"]
+    return {"downtime_s": event["downtime_s"], "phases": event["phases"],
+            "event_step": event.get("switch_step", event.get("step")),
+            "recording": {"files": len(recorded), "bytes": sum(e["bytes"] for e in recorded),
+                          "save_s": max([e["save_s"] for e in recorded] or [0.0])}
+            if recorded else None,
+            "standby_warmup_s": sum(e["duration_s"] for e in warmed) if warmed else None,
+            "first_step_ratio": first_step_ratio,
+            "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
+            "stayer_peak_rss_growth": event.get("stayer_peak_rss_growth")}
+
+
+CACHES = {
+    "trainmover": "joiner: a standby on a new machine whose own caches (in memory and on disk) "
+                  "were filled by its sandboxed warm-up; stayers: their own",
+    "trainmover_cold": "joiner: none (a standby on a new machine that skipped warm-up); "
+                       "stayers: their own",
+    "naive": "joiner: none (started cold on a new machine); stayers: their own",
+    "restart": "every restarted process: its own caches from the first start (same machines)",
+}
+
+
+SCENARIOS = ("planned", "crash", "hang")
+FAILURE_STRATEGIES = ("trainmover", "restart")
+
+
+def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8,
+                   out_dir: str = "benchmarks/results",
+                   json_path: str | None = None, strategies=STRATEGIES,
+                   scratch: str | None = None, scenarios=SCENARIOS,
+                   name: str = "downtime") -> dict:
+    import tempfile
+
+    for n in workers:
+        if n not in LAYOUTS_BY_WORKERS:
+            raise ValueError(f"--workers {n}: choose from {sorted(LAYOUTS_BY_WORKERS)}")
+    rows = []
+    scratch = scratch or tempfile.mkdtemp(prefix="tm-bench-downtime-")
+    for n in workers:
+        cfg = get_recipe("bench_downtime")
+        cfg.layout = LAYOUTS_BY_WORKERS[n]
+        cfg.train.compile = compile
+        # the benchmark's jobs run "forever" until it stops them: if the benchmark process
+        # itself dies, their agents must not restart a controller for them
+        cfg.runtime.controller_restart, cfg.runtime.controller_grace_s = "manual", 30.0
+        cfg.validate()
+        leaver = "w1"
+        for scenario in scenarios:
+            for strategy in strategies:
+                if scenario != "planned" and strategy not in FAILURE_STRATEGIES:
+                    continue
+                t0 = time.perf_counter()
+                run_dir = os.path.join(scratch, f"{scenario}-{strategy}-{n}")
+                try:
+                    res = _downtime_run(strategy, cfg, event_step, leaver, run_dir) \
+                        if scenario == "planned" else \
+                        _failure_run(strategy, scenario, cfg, event_step, leaver, run_dir)
+                except RuntimeError as exc:
+                    # one failed run is a result too (reported as such), not the end of
+                    # the others
+                    res = {"downtime_s": None, "error": str(exc)[:500]}
+                rows.append({"scenario": scenario, "strategy": strategy, "workers": n,
+                             "layout": cfg.layout.as_dict(), "compile": compile,
+                             "caches_at_start": CACHES[strategy],
+                             "bench_wall_s": time.perf_counter() - t0, **res})
+                print(f"  {n:>2} workers {scenario:>7} {strategy:>15}: " +
+                      (f"downtime {res['downtime_s']:.3f} s" if res["downtime_s"] is not None
+                       else f"FAILED: {res['error']}"), flush=True)
+                # written after every run: a long benchmark keeps what it measured so far
+                result = _downtime_result(rows, event_step, scratch, out_dir, name, json_path)
+    return result
+
+
+def _downtime_result(rows, event_step, scratch, out_dir, name, json_path) -> dict:
+    result = {"benchmark": "downtime", "event_step": event_step,
+              "recipe": "bench_downtime", "results": rows, "machine": machine_description(),
+              "scratch": scratch}
+    _add_ratios(result)
+    write_result(out_dir, name, result, _downtime_table(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _add_ratios(result: dict) -> None:
+    measured = [r for r in result["results"] if r["downtime_s"] is not None]
+    by = {(r["strategy"], r["workers"]): r["downtime_s"] for r in measured
+          if r["scenario"] == "planned"}
+    ratios = {}
+    for scenario in ("crash", "hang"):
+        rows = {(r["strategy"], r["workers"]): r["downtime_s"] for r in measured
+                if r["scenario"] == scenario}
+        for (strategy, n), d in rows.items():
+            if strategy == "trainmover" and ("restart", n) in rows and d:
+                ratios[f"{scenario}_restart_over_trainmover_{n}"] = rows[("restart", n)] / d
+    for (strategy, n), d in by.items():
+        if strategy != "restart" and ("restart", n) in by and d:
+            ratios[f"restart_over_{strategy}_{n}"] = by[("restart", n)] / d
+    ns = sorted({n for _, n in by})
+    if len(ns) > 1:
+        for strategy in STRATEGIES:
+            if (strategy, ns[0]) in by and (strategy, ns[-1]) in by and by[(strategy, ns[0])]:
+                ratios[f"{strategy}_growth_{ns[0]}_to_{ns[-1]}"] = \
+                    by[(strategy, ns[-1])] / by[(strategy, ns[0])]
+    result["ratios"] = ratios
+
+
+def _downtime_table(r: dict) -> str:
+    lines = [f"# bench downtime: trainmover vs baselines (event at step "
+             f"{r['event_step']}, compile={r['results'][0]['compile']})", "",
+             "| scenario | workers | strategy | downtime (s) | detection (s) | first step / normal | "
+             "groups rebuilt | stayer peak RSS growth |", "|---|---|---|---|---|---|---|---|"]
+    for row in r["results"]:
+        if row["downtime_s"] is None:
+            lines.append(f"| {row['scenario']} | {row['workers']} | {row['strategy']} | "
+                         f"failed: {row['error']} | | | | |")
+            continue
+        ratio = row["first_step_ratio"]
+        rss = row["stayer_peak_rss_growth"]
+        det = row.get("detection_latency_s")
+        groups = (f"{row['groups_rebuilt']}/{row['groups_total']}"
+                  if row["groups_rebuilt"] is not None else "all")
+        lines.append(f"| {row['scenario']} | {row['workers']} | {row['strategy']} | "
+                     f"{row['downtime_s']:.3f} | {'' if det is None else f'{det:.3f}'} | "
+                     f"{'' if ratio is None else f'{ratio:.2f}'} | {groups} | "
+                     f"{'' if rss is None else f'{rss * 100:+.2f}%'} |")
+    lines += ["", "Phases (seconds):", ""]
+    for row in r["results"]:
+        if row["downtime_s"] is None:
+            continue
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in row["phases"].items() if v is not None)
+        lines.append(f"- {row['scenario']}, {row['workers']} workers, {row['strategy']}: "
+                     f"{phases}")
+    lines += ["", "Caches each strategy starts with:", ""]
+    lines += [f"- {k}: {v}" for k, v in CACHES.items()]
+    lines += ["", "Ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()),
+              f"machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, "
+              f"torch {r['machine']['torch']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(args) -> int:
+    if args.bench == "step":
+        bench_step(args.recipe, args.dp, args.steps, args.repeats, args.out)
+        return 0
+    if args.bench == "example":
+        from trainmover.bench.example import bench_example
+
+        bench_example(args.nproc, args.steps, args.repeats, args.out)
+        return 0
+    if args.bench == "downtime":
+        workers = [int(x) for x in args.workers.split(",")]
+        strategies = args.strategies.split(",")
+        for s in strategies:
+            if s not in STRATEGIES:
+                raise ValueError(f"--strategies: unknown strategy {s!r} "
+                                 f"(known: {', '.join(STRATEGIES)})")
+        scenarios = args.scenarios.split(",")
+        for s in scenarios:
+            if s not in SCENARIOS:
+                raise ValueError(f"--scenarios: unknown scenario {s!r} "
+                                 f"(known: {', '.join(SCENARIOS)})")
+        bench_downtime(workers, not args.no_compile, args.event_step, args.out, args.json,
+                       strategies, scenarios=scenarios, name=args.name)
+        return 0
+    raise ValueError(f"unknown benchmark {args.bench!r}")

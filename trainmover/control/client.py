@@ -1,0 +1,44 @@
+"""Talking to a running job from another process (``trainmover migrate``): the job's store
+address is in ``<run dir>/control.json``; requests and answers go through the store."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainmover.core import protocol as P
+
+
+def connect(run_dir: str) -> dist.TCPStore:
+    path = os.path.join(run_dir, "control.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{run_dir!r} is not the run dir of a running job (no control.json)")
+    with open(path) as f:
+        host, _, port = json.load(f)["store"].rpartition(":")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"the job in {run_dir!r} is not reachable at {host}:{port} "
+                         f"(has it finished?): {exc}") from exc
+
+
+def request_migration(run_dir: str, workers: list[str], to: list[str] | None = None,
+                      wait: bool = True, timeout_s: float = 600.0) -> dict:
+    """Queue a migration request; with ``wait``, block until it is done, refused or aborted."""
+    store = connect(run_dir)
+    index = store.add(P.REQUEST_COUNT_KEY, 1)
+    store.set(P.request_key(index), P.encode({"workers": workers, "to": to}))
+    deadline = time.monotonic() + timeout_s
+    status = {"status": "queued"}
+    while time.monotonic() < deadline:
+        if store.check([P.request_key(index, "done")]):
+            return P.decode(store.get(P.request_key(index, "done")))
+        if store.check([P.request_key(index, "status")]):
+            status = P.decode(store.get(P.request_key(index, "status")))
+            if not wait:
+                return status
+        time.sleep(0.1)
+    return {**status, "status": "timeout", "reason": f"no answer within {timeout_s} s"}

@@ -1,0 +1,366 @@
+"""Controller decisions, as pure functions over the membership table (no processes, no
+tensors): which migrations are allowed, who takes part, which groups move to which
+generation, and how a migration advances through its states.
+
+The coordinator process owns one ``Membership`` and applies these functions to it; workers
+only ever see the resulting commands.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import Enum
+
+from trainmover.core.topology import Layout, Role
+
+
+class MigrationRefused(ValueError):
+    """A migration request that cannot be carried out; the job is left untouched."""
+
+
+class StandbyState(str, Enum):
+    STARTING = "starting"   # process launched, not registered yet
+    COLD = "cold"           # registered, nothing prepared
+    WARMING = "warming"
+    WARM = "warm"
+    RESERVED = "reserved"   # picked as a joiner by an in-flight migration
+    DEAD = "dead"
+
+
+@dataclass
+class Membership:
+    """Who holds which role, which standbys exist, and each group's current generation."""
+
+    layout: Layout
+    workers: dict[str, Role]                      # active workers only
+    standbys: dict[str, StandbyState] = field(default_factory=dict)
+    generations: dict[str, int] = field(default_factory=dict)   # group name -> live generation
+    next_generation: dict[str, int] = field(default_factory=dict)  # never reused, even on abort
+    departed: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def initial(layout: Layout, workers: list[str], standbys: list[str]) -> "Membership":
+        if len(workers) != layout.num_roles:
+            raise ValueError(f"{len(workers)} workers for {layout.num_roles} roles")
+        return Membership(
+            layout=layout, workers=dict(zip(workers, layout.roles())),
+            standbys={s: StandbyState.STARTING for s in standbys},
+            generations={n: 0 for n in layout.communicator_groups()},
+            next_generation={n: 1 for n in layout.communicator_groups()})
+
+    def free_standbys(self) -> list[str]:
+        """Standbys that may be picked, warm ones first, then by name."""
+        rank = {StandbyState.WARM: 0, StandbyState.WARMING: 1, StandbyState.COLD: 2,
+                StandbyState.STARTING: 3}
+        free = [s for s, st in self.standbys.items() if st in rank]
+        return sorted(free, key=lambda s: (rank[self.standbys[s]], _natural(s)))
+
+
+def _natural(name: str) -> tuple:
+    digits = "".join(c for c in name if c.isdigit())
+    return (name.rstrip("0123456789"), int(digits) if digits else -1)
+
+
+@dataclass(frozen=True)
+class Pair:
+    leaver: str
+    joiner: str
+    role: Role
+
+    @property
+    def transfer_group(self) -> str:
+        return f"xfer.{self.leaver}.{self.joiner}"
+
+
+@dataclass
+class MigrationPlan:
+    """Everything workers need for one migration (possibly several pairs at once)."""
+
+    migration_id: int
+    pairs: list[Pair]
+    generations: dict[str, int]            # affected group -> generation being built
+    stayers: dict[str, list[str]]          # affected stayer -> its affected groups
+    groups_total: int
+    rebuild_all: bool = False              # the naive baseline rebuilds every group
+
+    @property
+    def leavers(self) -> list[str]:
+        return [p.leaver for p in self.pairs]
+
+    @property
+    def joiners(self) -> list[str]:
+        return [p.joiner for p in self.pairs]
+
+    @property
+    def participants(self) -> list[str]:
+        return self.leavers + self.joiners + sorted(self.stayers)
+
+    def describe(self) -> dict:
+        return {"migration_id": self.migration_id,
+                "pairs": [{"leaver": p.leaver, "joiner": p.joiner, "role": p.role.name}
+                          for p in self.pairs],
+                "groups_rebuilt": len(self.generations), "groups_total": self.groups_total,
+                "affected_groups": sorted(self.generations),
+                "stayers": sorted(self.stayers)}
+
+
+def plan_migration(m: Membership, migration_id: int, leavers: list[str],
+                   targets: list[str] | None = None, busy: set[str] = frozenset(),
+                   rebuild_all: bool = False) -> MigrationPlan:
+    """Validate a request and decide who does what. Raises ``MigrationRefused`` naming the
+    offending worker; nothing is changed either way."""
+    if not leavers:
+        raise MigrationRefused("no worker to migrate was given")
+    seen = set()
+    for w in leavers:
+        if w in seen:
+            raise MigrationRefused(f"worker {w} is named twice in one migration")
+        seen.add(w)
+        if w in m.standbys:
+            raise MigrationRefused(f"worker {w} is a standby, not an active worker; only "
+                                   f"active workers can be migrated")
+        if w in m.departed:
+            raise MigrationRefused(f"worker {w} has already left the job")
+        if w not in m.workers:
+            raise MigrationRefused(f"unknown worker {w!r}; active workers: "
+                                   f"{', '.join(sorted(m.workers, key=_natural))}")
+        if w in busy:
+            raise MigrationRefused(f"worker {w} is already part of a migration in flight")
+    free = [s for s in m.free_standbys() if s not in busy]
+    if targets:
+        if len(targets) != len(leavers):
+            raise MigrationRefused(f"{len(leavers)} workers to migrate but {len(targets)} "
+                                   f"targets given (--to pairs one-to-one with --worker)")
+        for t in targets:
+            if t not in m.standbys:
+                raise MigrationRefused(f"target {t!r} is not a standby of this job")
+            if t not in free:
+                raise MigrationRefused(f"standby {t} is not free "
+                                       f"(state {m.standbys[t].value})")
+        if len(set(targets)) != len(targets):
+            raise MigrationRefused("the same standby is named twice as a target")
+        joiners = list(targets)
+    else:
+        if len(free) < len(leavers):
+            raise MigrationRefused(f"no free standby for {len(leavers)} worker(s): "
+                                   f"{len(free)} free of {len(m.standbys)}")
+        joiners = free[:len(leavers)]
+    pairs = [Pair(w, j, m.workers[w]) for w, j in zip(leavers, joiners)]
+    layout = m.layout
+    leaving_roles = [p.role for p in pairs]
+    affected = layout.communicator_groups() if rebuild_all else \
+        layout.affected_groups(*leaving_roles)
+    generations = {name: m.next_generation[name] for name in affected}
+    return MigrationPlan(migration_id, pairs, generations, _members(m, affected, seen),
+                         len(layout.communicator_groups()), rebuild_all)
+
+
+def _members(m: Membership, groups: dict, exclude: set[str]) -> dict[str, list[str]]:
+    """Each active worker (but ``exclude``) -> the names of ``groups`` it is a member of."""
+    out: dict[str, list[str]] = {}
+    for w, role in m.workers.items():
+        if w in exclude:
+            continue
+        mine = sorted(n for n, g in groups.items() if role in g.members)
+        if mine:
+            out[w] = mine
+    return out
+
+
+def reserve(m: Membership, plan: MigrationPlan) -> Membership:
+    """The membership while a plan is in flight: joiners reserved, generations burned (an
+    aborted attempt never reuses a store prefix a stuck builder may still be waiting on)."""
+    out = copy.deepcopy(m)
+    for j in plan.joiners:
+        out.standbys[j] = StandbyState.RESERVED
+    for name, gen in plan.generations.items():
+        out.next_generation[name] = gen + 1
+    return out
+
+
+def commit(m: Membership, plan: MigrationPlan) -> Membership:
+    """The membership after the switch: joiners hold the roles, leavers are gone."""
+    out = copy.deepcopy(m)
+    for p in plan.pairs:
+        del out.workers[p.leaver]
+        out.workers[p.joiner] = p.role
+        out.standbys.pop(p.joiner, None)
+        out.departed.append(p.leaver)
+    out.generations.update(plan.generations)
+    return out
+
+
+def abort(m: Membership, plan: MigrationPlan, dead: set[str]) -> Membership:
+    """The membership after an aborted migration: live joiners return to the pool, dead
+    ones are marked; roles and live generations are unchanged."""
+    out = copy.deepcopy(m)
+    for j in plan.joiners:
+        if j in out.standbys:
+            out.standbys[j] = StandbyState.DEAD if j in dead else StandbyState.COLD
+    return out
+
+
+def settle_on_failure(m: Membership, plan: MigrationPlan, handed_over: set[str]
+                      ) -> tuple[Membership, list[Pair], list[Pair]]:
+    """A failure while a migration is in flight. A pair whose leaver already handed its
+    state to the joiner (at the switch boundary) is past the point of no return: the joiner
+    holds the role, the leaver is gone, so the pair is committed. Every other pair is
+    abandoned (its leaver still holds role and state). Returns (membership, committed,
+    abandoned); groups whose members ended up on different generations are found dirty by
+    the recovery and rebuilt."""
+    done = [p for p in plan.pairs if p.leaver in handed_over]
+    rest = [p for p in plan.pairs if p.leaver not in handed_over]
+    out = m
+    if done:
+        out = commit(out, MigrationPlan(plan.migration_id, done, plan.generations, plan.stayers,
+                                        plan.groups_total, plan.rebuild_all))
+    if rest:
+        out = abort(out, MigrationPlan(plan.migration_id, rest, {}, {}, plan.groups_total),
+                    set())
+    return out, done, rest
+
+
+class MigrationState(str, Enum):
+    PREPARING = "preparing"   # phase 1: groups and joiner prepared while training continues
+    SWITCHING = "switching"   # phase 2 ordered: participants switch at an agreed boundary
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+def next_state(state: MigrationState, *, ready: set[str], switched: set[str],
+               participants: set[str], dead: set[str], joiners: set[str]
+               ) -> tuple[MigrationState, str]:
+    """One transition of the migration state machine, with the reason.
+
+    PREPARING -> ABORTED   a joiner died before the switch was ordered (nothing has changed
+                           for the job yet: it continues on the old generation)
+    PREPARING -> SWITCHING every participant finished phase 1
+    SWITCHING -> DONE      every participant reported its switch
+    A death after the switch was ordered is a failure during migration (failure handling).
+    """
+    if state is MigrationState.PREPARING:
+        if dead & joiners:
+            return MigrationState.ABORTED, f"joiner {sorted(dead & joiners)[0]} died in phase 1"
+        if participants <= ready:
+            return MigrationState.SWITCHING, "all participants prepared"
+    elif state is MigrationState.SWITCHING:
+        if participants <= switched:
+            return MigrationState.DONE, "all participants switched"
+    return state, ""
+
+
+# --- unexpected failures ---------------------------------------------------------------------
+
+class RecoveryImpossible(RuntimeError):
+    """No way to restore a failed role without losing committed progress."""
+
+
+@dataclass
+class RecoveryPlan:
+    """How the job comes back from the failure of ``failed`` workers.
+
+    ``sources`` maps each failed role to where its state comes from: ``replica:<worker>``
+    (a live data-parallel replica, which holds exactly the same state after a committed
+    step) or ``checkpoint``. If any role has no replica, every role rolls back to the
+    checkpoint (``rollback_step``), since the survivors are ahead of it."""
+
+    recovery_id: int
+    pairs: list[Pair]                       # failed worker -> joiner (a standby)
+    sources: dict[str, str]                 # role name -> "replica:<worker>" | "checkpoint"
+    rollback_step: int | None               # resume step of a checkpoint rollback, or None
+    generations: dict[str, int]             # groups rebuilt -> their new generation
+    stayers: dict[str, list[str]]           # live worker -> its groups being rebuilt
+    groups_total: int
+
+    @property
+    def failed(self) -> list[str]:
+        return [p.leaver for p in self.pairs]
+
+    @property
+    def joiners(self) -> list[str]:
+        return [p.joiner for p in self.pairs]
+
+    def describe(self) -> dict:
+        return {"recovery_id": self.recovery_id,
+                "pairs": [{"failed": p.leaver, "joiner": p.joiner, "role": p.role.name}
+                          for p in self.pairs],
+                "sources": self.sources, "rollback_step": self.rollback_step,
+                "groups_rebuilt": len(self.generations), "groups_total": self.groups_total,
+                "rebuilt_groups": sorted(self.generations)}
+
+
+def replica_of(m: Membership, role: Role, exclude: set[str]) -> str | None:
+    """A live worker holding the same (pp, tp) position in another data-parallel replica."""
+    for w, r in sorted(m.workers.items(), key=lambda kv: kv[1]):
+        if w not in exclude and r.pp == role.pp and r.tp == role.tp and r.dp != role.dp:
+            return w
+    return None
+
+
+def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set[str],
+                  checkpoint_step: int | None, busy: set[str] = frozenset()) -> RecoveryPlan:
+    """Decide joiners, state sources and the groups to rebuild after ``failed`` workers died.
+
+    Rebuilt: every group of a failed role, plus every *dirty* group (one on which some
+    survivor had an operation in flight when the step was aborted: its sequence of
+    operations no longer matches between members). Clean groups are kept."""
+    if not failed:
+        raise ValueError("no failed worker given")
+    unknown = [w for w in failed if w not in m.workers]
+    if unknown:
+        raise ValueError(f"failed worker(s) {unknown} hold no role")
+    free = [s for s in m.free_standbys() if s not in busy]
+    if len(free) < len(failed):
+        raise RecoveryImpossible(f"{len(failed)} failed worker(s) but {len(free)} free standby")
+    pairs = [Pair(w, j, m.workers[w]) for w, j in zip(failed, free)]
+    dead = set(failed)
+    sources = {}
+    for p in pairs:
+        replica = replica_of(m, p.role, dead)
+        sources[p.role.name] = f"replica:{replica}" if replica else "checkpoint"
+    rollback = None
+    if any(src == "checkpoint" for src in sources.values()):
+        if checkpoint_step is None:
+            raise RecoveryImpossible(
+                f"role(s) {[r for r, s in sources.items() if s == 'checkpoint']} have no live "
+                f"data-parallel replica and there is no complete checkpoint")
+        rollback = checkpoint_step
+        sources = {r: "checkpoint" for r in sources}  # everyone goes back together
+    layout = m.layout
+    rebuild = dict(layout.affected_groups(*[p.role for p in pairs]))
+    comm = layout.communicator_groups()
+    for name in sorted(dirty):
+        if name in comm:
+            rebuild[name] = comm[name]
+    generations = {name: m.next_generation[name] for name in rebuild}
+    return RecoveryPlan(recovery_id, pairs, sources, rollback, generations,
+                        _members(m, rebuild, dead), len(comm))
+
+
+
+def dirty_groups(layout: Layout, reports: dict[str, dict[str, dict]],
+                 holders: dict[str, Role]) -> set[str]:
+    """Groups whose members no longer agree on their sequence of operations after an
+    aborted step, from each survivor's accounting (``group -> {coll, sent, recv, pending}``).
+
+    A group is clean only if no member has an operation pending, every member issued the
+    same number of collectives, and in a pipeline pair each side received exactly what the
+    other sent (a message sent but never received would be read by the next step's receive).
+    Groups with a member that did not report (dead) are not judged here: they are rebuilt
+    as the failed role's groups."""
+    dirty = set()
+    comm = layout.communicator_groups()
+    role_holder = {r: w for w, r in holders.items()}
+    for name, spec in comm.items():
+        members = [role_holder.get(r) for r in spec.members]
+        if any(w is None or w not in reports or name not in reports[w] for w in members):
+            continue
+        acc = [reports[w][name] for w in members]
+        if any(a["pending"] for a in acc) or len({a["generation"] for a in acc}) > 1:
+            dirty.add(name)
+        elif len({a["coll"] for a in acc}) > 1:
+            dirty.add(name)
+        elif spec.kind == "p2p" and (acc[0]["sent"] != acc[1]["recv"] or
+                                     acc[1]["sent"] != acc[0]["recv"]):
+            dirty.add(name)
+    return dirty

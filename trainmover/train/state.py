@@ -1,0 +1,403 @@
+"""Training state: what a joiner receives and what a checkpoint holds, in one canonical form.
+
+``TrainState`` is the contract between a training script and the runtime. The script
+registers its model, optimizer and any extra state (``rt.register``); the runtime moves it to
+a joiner (``send``/``recv``), writes it to checkpoints (``local_state``) and restores it from
+either (``load``). Live transfer and checkpoints are two implementations over this one view.
+
+A worker's *local state* maps names to this rank's tensors:
+
+- ``model/<name>``: every entry of the model's ``state_dict`` (parameters and persistent
+  buffers) under its *canonical* name (a model whose local names differ from the global ones,
+  a pipeline stage numbering its blocks from 0, maps them with ``canonical_name(local)``);
+- ``optim/<key>/<name>``: each tensor of the optimizer's per-parameter state (AdamW:
+  ``exp_avg``, ``exp_avg_sq``, ``step``), for any optimizer;
+- ``extra/<key>``: tensors given as ``extra``;
+- ``meta/json``: the optimizer's param-group settings, the JSON values of ``extra`` and the
+  ``state_dict`` of ``extra`` objects that have one (an LR scheduler), as UTF-8 bytes;
+- ``rng/cpu`` (and ``rng/cuda``): the random generators' states.
+
+Tensor-parallel shards declare the dimension they are split on (``SHARD_ATTR`` on the
+parameter); everything else is replicated. Assembling the local states of the
+data-parallel-rank-0 roles gives the *canonical state* (model and optimizer only): full
+tensors, identical for any layout that trained the same model, which is what
+``weights_sha256`` hashes and what the final checkpoint stores.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import time
+
+import torch
+
+from trainmover.core.topology import Layout, Role
+
+# A parameter split over tensor-parallel ranks declares the dimension it is split on with this
+# attribute; everything without it is replicated. This is the whole contract between a model
+# and the runtime's state handling, so the runtime never imports a model.
+SHARD_ATTR = "_tm_shard_dim"
+
+# Entries smaller than this many elements travel packed together in one message.
+_SMALL = 1024
+
+
+def shard_dim(p: torch.Tensor) -> int | None:
+    return getattr(p, SHARD_ATTR, None)
+
+
+def _rename(model: torch.nn.Module):
+    rename = getattr(model, "canonical_name", None)
+    return rename if rename is not None else (lambda n: n)
+
+
+def canonical_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters under their canonical names."""
+    rename = _rename(model)
+    return [(rename(n), p) for n, p in model.named_parameters()]
+
+
+class StateError(ValueError):
+    """State that does not fit the registered model and optimizer (a checkpoint or transfer
+    made for another model, a missing entry)."""
+
+
+class TrainState:
+    """The registered state of one worker (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                 extra: dict | None = None, buckets=None):
+        self.model, self.optimizer = model, optimizer
+        self.extra = extra if extra is not None else {}
+        self.buckets = buckets   # GradBuckets over the model's parameters, or None
+        if not isinstance(self.extra, dict):
+            raise TypeError(f"extra must be a dict, got {type(self.extra).__name__}")
+        for key in self.extra:
+            if not isinstance(key, str) or "/" in key:
+                raise ValueError(f"extra keys must be strings without '/', got {key!r}")
+        self._param_names = {id(p): n for n, p in canonical_params(model)} if model else {}
+
+    # --- the named view ------------------------------------------------------------------
+    def entries(self) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
+        """The live tensors by name (no copies) and each entry's TP shard dimension."""
+        tensors: dict[str, torch.Tensor] = {}
+        dims: dict[str, int | None] = {}
+        if self.model is not None:
+            rename = _rename(self.model)
+            params = {id(p): p for p in self.model.parameters()}
+            sd = self.model.state_dict(keep_vars=True)
+            for local, t in sd.items():
+                name = f"model/{rename(local)}"
+                tensors[name] = t.detach()
+                dims[name] = shard_dim(t) if id(t) in params else None
+        if self.optimizer is not None:
+            for p, st in self.optimizer.state.items():
+                pname = self._param_names.get(id(p))
+                if pname is None:
+                    continue
+                for key in sorted(st):
+                    v = st[key]
+                    if isinstance(v, torch.Tensor):
+                        name = f"optim/{key}/{pname}"
+                        tensors[name] = v
+                        dims[name] = shard_dim(p) if v.shape == p.shape else None
+        for key, v in sorted(self.extra.items()):
+            if isinstance(v, torch.Tensor):
+                tensors[f"extra/{key}"] = v
+                dims[f"extra/{key}"] = None
+        return dict(sorted(tensors.items())), dims
+
+    def meta(self) -> dict:
+        """Everything of the state that is not a tensor, as JSON values."""
+        groups = []
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                groups.append({k: v for k, v in g.items() if k != "params" and _jsonable(v)})
+        extra = {}
+        for key, v in sorted(self.extra.items()):
+            if isinstance(v, torch.Tensor):
+                continue
+            if hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
+                extra[key] = {"state_dict": v.state_dict()}
+            else:
+                extra[key] = {"value": v}
+        out = {"param_groups": groups, "extra": extra, "optim_state": self._optim_layout()}
+        try:
+            json.dumps(out)
+        except TypeError as exc:
+            raise ValueError(f"registered extra state is not JSON-serializable: {exc}") from exc
+        return out
+
+    def _optim_layout(self) -> dict[str, dict[str, list]]:
+        """Per parameter, the optimizer state entries (shape, dtype): what a receiver that has
+        not stepped yet must allocate before it can receive into them."""
+        out: dict[str, dict[str, list]] = {}
+        if self.optimizer is None:
+            return out
+        for p, st in self.optimizer.state.items():
+            pname = self._param_names.get(id(p))
+            if pname is None:
+                continue
+            # where each entry lives: AdamW keeps its step count on the CPU even for CUDA
+            # parameters (unless capturable), and refuses it anywhere else
+            out[pname] = {k: [list(v.shape), str(v.dtype).removeprefix("torch."),
+                              "cpu" if v.device.type == "cpu" else "param"]
+                          for k, v in sorted(st.items()) if isinstance(v, torch.Tensor)}
+        return out
+
+    def _apply_meta(self, meta: dict) -> None:
+        if self.optimizer is not None and meta.get("param_groups"):
+            if len(meta["param_groups"]) != len(self.optimizer.param_groups):
+                raise StateError(f"state has {len(meta['param_groups'])} optimizer param "
+                                 f"groups, this optimizer {len(self.optimizer.param_groups)}")
+            for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
+                g.update(saved)
+        for key, saved in meta.get("extra", {}).items():
+            if key not in self.extra:
+                raise StateError(f"state has extra entry {key!r}, which was not registered")
+            target = self.extra[key]
+            if "state_dict" in saved:
+                target.load_state_dict(saved["state_dict"])
+            else:
+                self.extra[key] = saved["value"]
+        self._allocate_optim(meta.get("optim_state", {}))
+
+    def _allocate_optim(self, layout: dict[str, dict[str, list]]) -> None:
+        """Create the optimizer state a sender has and this optimizer has not (a fresh
+        optimizer creates its state lazily, at its first step)."""
+        if self.optimizer is None:
+            return
+        by_name = {n: p for n, p in canonical_params(self.model)}
+        for pname, entries in layout.items():
+            if pname not in by_name:
+                raise StateError(f"state has optimizer entries for {pname!r}, which is not a "
+                                 f"parameter of this model")
+            p = by_name[pname]
+            st = self.optimizer.state[p]
+            for key, (shape, dtype, where) in entries.items():
+                if key not in st:
+                    st[key] = torch.zeros(shape, dtype=getattr(torch, dtype),
+                                          device="cpu" if where == "cpu" else p.device)
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
+        """Named tensors for a checkpoint (live tensors: the caller copies them)."""
+        tensors, dims = self.entries()
+        tensors["meta/json"] = _json_tensor(self.meta())
+        dims["meta/json"] = None
+        for name, rng in _rng_states().items():
+            tensors[name] = rng
+            dims[name] = None
+        return tensors, dims
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite the live state from a local state (the inverse of ``local_state``)."""
+        if "meta/json" in tensors:
+            self._apply_meta(_from_json_tensor(tensors["meta/json"]))
+        live, _ = self.entries()
+        missing = sorted(set(live) - set(tensors))
+        if missing:
+            raise StateError(f"state lacks {len(missing)} entries of this model, e.g. "
+                             f"{missing[0]!r}")
+        with torch.no_grad():
+            for name, t in live.items():
+                src = tensors[name]
+                if src.shape != t.shape:
+                    raise StateError(f"state entry {name!r} has shape {tuple(src.shape)}, this "
+                                     f"model {tuple(t.shape)}")
+                t.copy_(src)
+        _set_rng_states({k: v for k, v in tensors.items() if k.startswith("rng/")})
+
+    # --- live transfer ---------------------------------------------------------------------
+    def send(self, group, peer: int, resume_step: int) -> dict:
+        """Leaver (or replica) side: the whole state and the step to resume at. Parameters and
+        moments go through the gradient buckets when there are any (at an iteration
+        boundary the gradients are zero: the buckets are zeroed again after use), so the
+        sender needs no extra memory; otherwise each tensor is sent in place. Small entries
+        travel packed."""
+        t0 = time.perf_counter()
+        meta = self.meta()
+        meta["resume_step"] = resume_step
+        rng = _rng_states()
+        meta["rng"] = {k: v.numel() for k, v in rng.items()}
+        blob = _json_tensor(meta).to(group.device)
+        head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
+        group.send(head, peer, tag=0).wait()
+        group.send(blob, peer, tag=1).wait()
+        tensors, _ = self.entries()
+        nbytes = self._move(group, peer, tensors, rng, sending=True)
+        return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def recv(self, group, peer: int) -> tuple[int, dict]:
+        """Joiner side: overwrites the whole state. Returns the step to resume at."""
+        t0 = time.perf_counter()
+        head = torch.zeros(1, dtype=torch.int64, device=group.device)
+        group.recv(head, peer, tag=0).wait()
+        blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
+        group.recv(blob, peer, tag=1).wait()
+        meta = _from_json_tensor(blob)
+        self._apply_meta(meta)
+        rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
+        tensors, _ = self.entries()
+        nbytes = self._move(group, peer, tensors, rng, sending=False)
+        _set_rng_states(rng)
+        return int(meta["resume_step"]), {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def _move(self, group, peer: int, tensors: dict[str, torch.Tensor],
+              rng: dict[str, torch.Tensor], sending: bool) -> int:
+        """Both sides walk the same entries in the same order (names sorted; the receiver
+        allocated what it lacked from the sender's layout first)."""
+        tag, nbytes = 2, 0
+        by_param = {id(p): n for n, p in canonical_params(self.model)} if self.model else {}
+        bucketed: set[str] = set()
+        with torch.no_grad():
+            if self.buckets is not None:
+                # kinds of per-parameter tensors: the parameter itself and each moment
+                kinds = ["model"] + sorted({k.split("/")[1] for k in tensors
+                                            if k.startswith("optim/")})
+                for kind in kinds:
+                    for buf, parts in self._bucket_parts(kind, tensors, by_param):
+                        if parts is None:
+                            continue
+                        if sending:
+                            offset = 0
+                            for name, t in parts:
+                                buf[offset:offset + t.numel()].copy_(t.reshape(-1))
+                                offset += t.numel()
+                            group.send(buf, peer, tag=tag).wait()
+                        else:
+                            group.recv(buf, peer, tag=tag).wait()
+                            offset = 0
+                            for name, t in parts:
+                                t.copy_(buf[offset:offset + t.numel()].view_as(t))
+                                offset += t.numel()
+                        tag += 1
+                        nbytes += buf.numel() * buf.element_size()
+                        bucketed.update(name for name, _ in parts)
+                for buf in self.buckets.buffers:
+                    # the gradients are zero at a step boundary (the step that follows
+                    # accumulates into them, with or without a zero_grad that sets them to None)
+                    buf.zero_()
+            small = [(n, t) for n, t in tensors.items()
+                     if n not in bucketed and t.numel() < _SMALL] + sorted(rng.items())
+            for name, t in tensors.items():
+                if name in bucketed or t.numel() < _SMALL:
+                    continue
+                if sending:
+                    group.send(t.contiguous(), peer, tag=tag).wait()
+                else:
+                    staged = t if t.is_contiguous() else torch.empty_like(t)
+                    group.recv(staged, peer, tag=tag).wait()
+                    if staged is not t:
+                        t.copy_(staged)
+                tag += 1
+                nbytes += t.numel() * t.element_size()
+            if small:
+                sizes = [t.numel() * t.element_size() for _, t in small]
+                packed = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+                if sending:
+                    offset = 0
+                    for (_, t), n in zip(small, sizes):
+                        packed[offset:offset + n].copy_(_as_bytes(t).to(group.device))
+                        offset += n
+                    group.send(packed, peer, tag=tag).wait()
+                else:
+                    group.recv(packed, peer, tag=tag).wait()
+                    offset = 0
+                    for (_, t), n in zip(small, sizes):
+                        _as_bytes(t).copy_(packed[offset:offset + n])
+                        offset += n
+                nbytes += packed.numel()
+        return nbytes
+
+    def _bucket_parts(self, kind: str, tensors: dict[str, torch.Tensor], by_param: dict):
+        """Per gradient bucket: the buffer and the (name, tensor) of ``kind`` of each of its
+        parameters, in bucket order; None where some parameter has no such tensor."""
+        for bucket, buf in zip(self.buckets.buckets, self.buckets.buffers):
+            parts = []
+            for p in bucket:
+                pname = by_param.get(id(p))
+                name = f"model/{pname}" if kind == "model" else f"optim/{kind}/{pname}"
+                t = tensors.get(name)
+                if pname is None or t is None or t.numel() != p.numel() or t.dtype != buf.dtype:
+                    parts = None
+                    break
+                parts.append((name, t))
+            yield buf, parts
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+def _json_tensor(obj) -> torch.Tensor:
+    raw = json.dumps(obj, sort_keys=True).encode()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+
+
+def _from_json_tensor(t: torch.Tensor) -> dict:
+    return json.loads(bytes(t.cpu().numpy().tobytes()).decode()) if t.numel() else {}
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (a 0-dim one is viewed as 1 element)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    out = {"rng/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["rng/cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    if "rng/cpu" in states:
+        torch.set_rng_state(states["rng/cpu"].cpu())
+    if "rng/cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["rng/cuda"].cpu())
+
+
+# --- the canonical state ---------------------------------------------------------------------
+
+CANONICAL_PREFIXES = ("model/", "optim/")
+
+
+def assemble(shards: dict[Role, tuple[dict[str, torch.Tensor], dict[str, int | None]]],
+             layout: Layout) -> dict[str, torch.Tensor]:
+    """Canonical full tensors (model and optimizer) from the local states of every (pp, tp)
+    of data-parallel rank 0. A name held by two pipeline stages is an error: stage models
+    must use globally unique (canonical) names."""
+    out: dict[str, torch.Tensor] = {}
+    owner: dict[str, int] = {}
+    for pp in range(layout.pp):
+        parts = [shards[Role(0, pp, tp)] for tp in range(layout.tp)]
+        for name, dim in parts[0][1].items():
+            if not name.startswith(CANONICAL_PREFIXES):
+                continue
+            if name in owner:
+                raise StateError(f"state entry {name!r} is held by pipeline stages "
+                                 f"{owner[name]} and {pp}: give each stage's parameters "
+                                 f"globally unique names (a canonical_name(local) method)")
+            owner[name] = pp
+            if dim is None:
+                out[name] = parts[0][0][name].detach().cpu().clone()
+            else:
+                out[name] = torch.cat([p[0][name].detach().cpu() for p in parts], dim=dim)
+    return dict(sorted(out.items()))
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over names, dtypes, shapes and raw bytes, in sorted name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return h.hexdigest()

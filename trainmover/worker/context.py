@@ -1,0 +1,113 @@
+"""A worker process's context: what it keeps for its whole life, across the runs of the
+training script it hosts (a standby runs the script once per warm-up structure, then for
+real), and what the next run is to be.
+
+Created once by the process entry point (``trainmover.worker.main``); ``trainmover.init()``
+finds it with ``current()``. It is the one process-level value of the runtime, like the
+interpreter's own ``sys.argv``: everything else is passed explicitly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trainmover.comm.groups import AbortSignal, GroupBuilder, StoreAddress, StoreClients
+from trainmover.core import faults
+from trainmover.core import protocol as P
+from trainmover.core.config import JobConfig
+from trainmover.core.events import EventLog
+from trainmover.core.topology import Role
+from trainmover.worker.liveness import Heartbeat
+from trainmover.worker.migration import CommandChannel
+
+
+# --- what the next run of the script is ------------------------------------------------------
+
+@dataclass
+class Start:
+    """An active worker from the job's start (or a restarted one: from a checkpoint)."""
+
+    resume_step: int = 0
+    generation: int = 0
+
+
+@dataclass
+class Shadow:
+    """A standby's warm-up: one representative role of a stage structure, in the sandbox.
+    The run starts before the job has recorded that role's step 0 (imports and the model
+    build need no recording); its steps wait for the recording at ``path``."""
+
+    structure: str
+    role: Role
+    path: str
+    manifest: dict
+
+
+@dataclass
+class Join:
+    """A standby promoted by a migration or a recovery (the controller's assign command)."""
+
+    command: P.AssignMigration | P.AssignRecovery
+
+
+Launch = Start | Shadow | Join
+
+
+class WorkerContext:
+    def __init__(self, run_dir: str, name: str, store_addr: StoreAddress, standby: bool,
+                 epoch: int = 0, t_start: float | None = None):
+        self.t_imported = time.perf_counter()
+        self.t_start = t_start if t_start is not None else self.t_imported
+        self.run_dir, self.name, self.standby = run_dir, name, standby
+        with open(os.path.join(run_dir, "job.json")) as f:
+            self.cfg = cfg = JobConfig.from_dict(json.load(f))
+        torch.set_num_threads(cfg.threads_per_worker())
+        self.stores = StoreClients(store_addr, timeout_s=cfg.runtime.group_timeout_s)
+        self.store = self.stores.get()
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name)
+        self.device = self._device()
+        self.abort = AbortSignal()
+        self.epoch = epoch
+        self.builder = GroupBuilder(self.stores, self.device, cfg.runtime.group_timeout_s,
+                                    abort_signal=self.abort if cfg.runtime.recover else None)
+        self.heartbeat = Heartbeat(self.stores, name, cfg.runtime.heartbeat_interval_s) \
+            if cfg.runtime.recover else None
+        self.commands = CommandChannel(self.stores, name)
+        self.launch: Launch | None = None
+        self.runtime = None          # the Runtime of the script run in progress
+        self.shadow_times: list[float] = []   # the current shadow run's step times
+        self.shadow_wait_s = 0.0                # how long it waited for its recording
+        self.events.emit("worker_started", pid=os.getpid(),
+                         import_s=round(self.t_imported - self.t_start, 4))
+
+    def _device(self) -> torch.device:
+        if self.cfg.runtime.device != "cuda":
+            return torch.device("cpu")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def fault(self, point: str, step: int | None = None, on_commerr=None) -> None:
+        """A named point where tests and chaos runs inject faults (``core.faults``)."""
+        faults.hit(self.cfg.runtime.faults, self.name, point, step, self.events,
+                   on_commerr=on_commerr, store=self.store)
+
+    def set_standby_state(self, state: str, warm_for: list[str] = ()) -> None:
+        self.store.set(P.standby_state_key(self.name), state)
+        self.store.set(P.standby_state_key(self.name) + "/warm_for", P.encode(list(warm_for)))
+
+
+_CURRENT: WorkerContext | None = None
+
+
+def current() -> WorkerContext | None:
+    return _CURRENT
+
+
+def install(ctx: WorkerContext) -> None:
+    global _CURRENT
+    _CURRENT = ctx

@@ -1,0 +1,153 @@
+"""A worker process: hosts one run (or several) of the job's training script.
+
+Started by the job's agent as ``python -m trainmover.worker --run-dir DIR --name w3 --store
+HOST:PORT [--standby]``. The script is the job's ``process.command`` (``SCRIPT ARGS`` or
+``-m MODULE ARGS``; the built-in GPT trainer by default); it runs in this interpreter, and
+its ``trainmover.init()`` finds this process's context.
+
+- An active worker runs the script once. Its role comes from the membership table in the
+  store, not from its name.
+- A standby runs the script once per stage structure in the sandbox (the warm-up: every
+  import, allocation and compilation happens now, against recorded communication), then
+  waits for an ``assign`` command and runs it for real in the role it was given. Imports,
+  compiled code and data stay warm in this process between runs.
+- A leaver's run ends at its switch boundary (``Departed``), a shadow run after its
+  iterations (``ShadowDone``).
+"""
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+import time
+import traceback
+
+T_START = time.perf_counter()
+
+from trainmover.comm.groups import StoreAddress  # noqa: E402  (import time is measured)
+from trainmover.comm.record import (RecordingInvalid, SandboxMismatch,  # noqa: E402
+                                    manifest_for, recording_dir, recording_path,
+                                    representative_roles, structure_depths)
+from trainmover.core import protocol as P  # noqa: E402
+from trainmover.worker import context as context_mod  # noqa: E402
+from trainmover.worker.context import Join, Shadow, Start, WorkerContext  # noqa: E402
+from trainmover.worker.runtime import (DataNotDeterministic, Departed,  # noqa: E402
+                                       ShadowDone, ShadowInterrupted, UsageError)
+
+EXIT_USAGE = P.EXIT_USAGE
+
+
+def run_script(ctx: WorkerContext) -> None:
+    """One run of the training script in this interpreter, as ``python SCRIPT ARGS`` would
+    run it (``sys.argv``, ``__main__``)."""
+    command = ctx.cfg.process.command
+    ctx.runtime = None
+    saved = sys.argv
+    try:
+        if command[0] == "-m":
+            sys.argv = [command[1], *command[2:]]
+            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(command)
+            runpy.run_path(command[0], run_name="__main__")
+    finally:
+        sys.argv = saved
+
+
+def run_active(ctx: WorkerContext, resume_step: int, generation: int) -> int:
+    ctx.launch = Start(resume_step, generation)
+    try:
+        run_script(ctx)
+    except Departed:
+        return 0
+    rt = ctx.runtime
+    if rt is None or not rt.finished:
+        print(f"trainmover: {ctx.name}: the training script returned before its rt.steps() "
+              f"loop finished (did it call trainmover.init() and run every step?)",
+              file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    return 0
+
+
+def run_standby(ctx: WorkerContext) -> int:
+    ctx.set_standby_state("cold")
+    ctx.events.emit("standby_registered", state="cold")
+    ctx.fault("standby")
+    if ctx.cfg.runtime.warmup:
+        warm_up(ctx)
+    cmd = ctx.commands.next()
+    if not isinstance(cmd, (P.AssignMigration, P.AssignRecovery)):
+        raise RuntimeError(f"standby {ctx.name}: expected an assign command, got {cmd}")
+    ctx.launch = Join(cmd)
+    try:
+        run_script(ctx)
+    except Departed:
+        return 0
+    return 0 if ctx.runtime is not None and ctx.runtime.finished else EXIT_USAGE
+
+
+def warm_up(ctx: WorkerContext) -> None:
+    """General standby: shadow runs of every stage structure (first, last, then middle).
+    Stops early when an assignment arrives; a missing, unreadable or stale recording leaves
+    that structure cold, with a warning, and nothing else. Data that is not a function of
+    the step is an error of the job's script: the standby refuses and exits."""
+    cfg = ctx.cfg
+    directory = recording_dir(cfg, ctx.run_dir)
+    warmed: list[str] = []
+    ctx.set_standby_state("warming")
+    for key, role in representative_roles(cfg.layout, structure_depths(cfg)).items():
+        t0 = time.perf_counter()
+        ctx.shadow_times = []
+        try:
+            ctx.launch = Shadow(key, role, recording_path(directory, key),
+                                manifest_for(cfg, key, role))
+            run_script(ctx)
+            raise UsageError("the training script returned from a shadow run without "
+                             "running rt.steps()")
+        except ShadowInterrupted:
+            ctx.events.emit("warmup_interrupted", structure=key, warmed=warmed)
+            break
+        except ShadowDone:
+            pass
+        except (RecordingInvalid, SandboxMismatch) as exc:
+            ctx.events.emit("warmup_skipped", structure=key, reason=str(exc), level="warning")
+            print(f"warning: {ctx.name} cannot warm {key} ({exc}); it stays cold for it",
+                  file=sys.stderr, flush=True)
+            continue
+        except DataNotDeterministic as exc:
+            ctx.events.emit("standby_refused", structure=key, reason=str(exc), level="error")
+            ctx.set_standby_state("refused")
+            ctx.store.set(P.standby_refused_key(ctx.name), str(exc)[:2000])
+            raise
+        warmed.append(key)
+        ctx.set_standby_state("warming", warmed)
+        ctx.events.emit("warmed", structure=key, role=role.name,
+                        duration_s=round(time.perf_counter() - t0, 4),
+                        recording_wait_s=round(ctx.shadow_wait_s, 4),
+                        shadow_step_s=[round(t, 4) for t in ctx.shadow_times])
+        if not ctx.commands.queue.empty():
+            break
+    ctx.set_standby_state("warm" if warmed else "cold", warmed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trainmover.worker")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--store", required=True, type=StoreAddress.parse)
+    p.add_argument("--standby", action="store_true")
+    p.add_argument("--resume-step", type=int, default=0)
+    p.add_argument("--generation", type=int, default=0)
+    p.add_argument("--epoch", type=int, default=0)
+    args = p.parse_args(argv)
+    ctx = WorkerContext(args.run_dir, args.name, args.store, args.standby, args.epoch, T_START)
+    context_mod.install(ctx)
+    try:
+        if args.standby:
+            return run_standby(ctx)
+        return run_active(ctx, args.resume_step, args.generation)
+    except UsageError as exc:
+        ctx.events.emit("usage_error", error=str(exc), level="error")
+        print(f"trainmover: {ctx.name}: {exc}", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        return EXIT_USAGE

@@ -1,0 +1,321 @@
+"""A worker's whole side of a planned migration: stayer, leaver and joiner.
+
+Phase 1 (``prepare``): a stayer's background thread, with its own store client, builds the
+next generation of its affected groups while the main thread keeps training on the current
+ones; the leaver builds its channel to the joiner the same way; the joiner (a standby) builds
+the role's groups and the channel, then the training script builds its model and registers
+its state. Phase 2 (the switch): at the agreed boundary the stayers install the new groups,
+the leaver hands its state to the joiner and leaves, and the joiner trains from the step the
+state belongs to. Nothing here runs inside a step.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from trainmover.core import protocol as P
+from trainmover.core.proc import rss_mb
+from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
+from trainmover.core.events import EventLog
+from trainmover.core.topology import GroupSpec, Layout, Role
+
+
+
+class CommandChannel:
+    """Waits for this worker's commands in a daemon thread; the training loop polls a queue."""
+
+    def __init__(self, stores: StoreClients, worker: str):
+        self.worker = worker
+        self.queue: queue.Queue = queue.Queue()
+        self._stores = stores
+        threading.Thread(target=self._loop, name=f"commands-{worker}", daemon=True).start()
+
+    def _loop(self) -> None:
+        store = self._stores.get()  # this thread's own client
+        index = 1
+        while True:
+            key = P.command_key(self.worker, index)
+            try:
+                store.wait([key], timedelta(hours=24))
+            except Exception:  # noqa: BLE001 - store gone (job over) or a long idle wait
+                if not self._store_alive(store):
+                    return
+                continue
+            index += 1
+            try:
+                self.queue.put(P.decode_command(store.get(key)))
+            except P.MessageError as exc:
+                # never half-obey: a message the protocol does not define is dropped, loudly
+                print(f"trainmover: {self.worker}: refused command {key}: {exc}", flush=True)
+
+    @staticmethod
+    def _store_alive(store) -> bool:
+        try:
+            store.check(["_"])
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def poll(self) -> list[dict]:
+        out = []
+        while True:
+            try:
+                out.append(self.queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def next(self) -> dict:
+        """Block until a command arrives; raise if the job's store has gone away."""
+        while True:
+            try:
+                return self.queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._store_alive(self._stores.get()):
+                    raise RuntimeError(f"{self.worker}: the job's store is gone; exiting")
+
+
+def transfer_spec(name: str, role: Role) -> GroupSpec:
+    """The leaver/joiner channel: both hold the same role; the leaver is rank 0."""
+    return GroupSpec(name, "xfer", (role, role))
+
+
+@dataclass
+class Participation:
+    """One migration as seen by one worker."""
+
+    migration_id: int
+    kind: str                          # "stayer" | "leaver"
+    command: P.Prepare | P.Leave
+    built: dict[str, Group] = field(default_factory=dict)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    reported_ready: bool = False
+    dropped: bool = False
+    switch_at: int | None = None
+    t_go: float | None = None
+    build_s: float = 0.0
+    rss_before: dict = field(default_factory=dict)
+
+
+LEAVE = "leave"
+
+
+class Migrations:
+    """A stayer's or leaver's migrations; ``at_boundary`` is called before each step."""
+
+    def __init__(self, name: str, role: Role, layout: Layout, groups: CommGroups,
+                 builder: GroupBuilder, stores: StoreClients, commands: CommandChannel,
+                 events: EventLog):
+        self.name, self.role, self.layout, self.groups = name, role, layout, groups
+        self.builder, self.stores, self.commands, self.events = builder, stores, commands, events
+        self.store = stores.get()
+        self.active: dict[int, Participation] = {}
+        self.retired: list[Group] = []
+        self.state = None   # the registered TrainState (what a leaver hands over)
+        self.on_point = lambda point, step: None   # fault injection (faults.hit)
+
+    # --- the per-step hook ---------------------------------------------------------------
+    def at_boundary(self, step: int) -> str | None:
+        if self.retired:
+            # closing a gloo group joins its threads (tens of ms): do it beside training
+            retired, self.retired = self.retired, []
+            threading.Thread(target=lambda: [g.shutdown() for g in retired], daemon=True,
+                             name="retire-groups").start()
+        for cmd in self.commands.poll():
+            self._accept(cmd, step)
+        if not self.active:
+            return None  # the common case: one queue look-up, nothing else
+        for mid in list(self.active):
+            part = self.active[mid]
+            outcome = self._advance(part, step)
+            if outcome == LEAVE:
+                return LEAVE
+        return None
+
+    # --- commands ------------------------------------------------------------------------
+    def _accept(self, cmd: P.Command, step: int) -> None:
+        if not isinstance(cmd, (P.Prepare, P.Leave)):
+            self.events.emit("command_dropped", command=type(cmd).__name__,
+                             reason="not a command for an active worker", level="warning")
+            return
+        mid = cmd.migration_id
+        part = Participation(mid, "stayer" if isinstance(cmd, P.Prepare) else "leaver", cmd,
+                             rss_before=rss_mb())
+        self.active[mid] = part
+        self.events.emit("migration_prepare", migration_id=mid, part=part.kind,
+                         groups=cmd.groups if isinstance(cmd, P.Prepare) else {},
+                         naive=cmd.naive)
+        self.on_point("prepare", step)
+        if cmd.naive:
+            part.done.set()  # the naive baseline prepares nothing ahead: all of it at the switch
+            return
+        threading.Thread(target=self._build, args=(part,), daemon=True,
+                         name=f"prepare-{mid}").start()
+
+    def _specs(self, part: Participation) -> list[tuple[GroupSpec, int, Role]]:
+        """(spec, generation, my role in it) of every group this worker builds."""
+        cmd = part.command
+        if part.kind == "leaver":
+            return [(transfer_spec(cmd.transfer_group, self.role), cmd.transfer_generation,
+                     self.role)]
+        all_specs = self.layout.all_groups()
+        return [(all_specs[n], g, self.role) for n, g in sorted(cmd.groups.items())]
+
+    def _build(self, part: Participation) -> None:
+        """Phase 1 in a background thread; the builder gives this thread its own store client."""
+        t0 = time.perf_counter()
+        try:
+            for spec, gen, role in self._specs(part):
+                group = self._build_one(spec, role, gen, part)
+                if part.dropped:  # abandoned while we waited: close what we made
+                    group.shutdown()
+                    continue
+                part.built[spec.name] = group
+        except BaseException as exc:  # noqa: BLE001 - reported at the next boundary
+            part.error = exc
+        part.build_s = time.perf_counter() - t0
+        part.done.set()
+
+    def _build_one(self, spec: GroupSpec, role: Role, gen: int, part: Participation) -> Group:
+        if spec.kind == "xfer":
+            return self.builder.build_ranked(spec, 0 if part.kind == "leaver" else 1, gen)
+        return self.builder.build(spec, role, gen)
+
+    # --- progress of one migration ---------------------------------------------------------
+    def _advance(self, part: Participation, step: int) -> str | None:
+        mid = part.migration_id
+        store = self.store
+        if store.check([P.mig_key(mid, "abort")]):
+            self._drop(part, store.get(P.mig_key(mid, "abort")).decode())
+            return None
+        if not part.done.is_set():
+            return None
+        if part.error is not None:
+            err = part.error
+            self._drop(part, f"phase 1 failed: {err}")
+            raise RuntimeError(f"migration {mid}: preparing groups failed on {self.name}: {err}")
+        if not part.reported_ready:
+            part.reported_ready = True
+            store.set(P.mig_key(mid, "ready", self.name),
+                      P.encode({"build_s": part.build_s, "step": step}))
+            store.add(P.mig_key(mid, "ready_count"), 1)
+        if part.switch_at is None:
+            if not store.check([P.mig_key(mid, "go")]):
+                return None
+            part.t_go = part.t_go or time.perf_counter()
+            proposal = str(step + P.SWITCH_MARGIN_STEPS)
+            part.switch_at = int(store.compare_set(P.mig_key(mid, "switch_at"), "", proposal))
+        if step < part.switch_at:
+            return None
+        if step > part.switch_at:
+            raise RuntimeError(f"migration {mid}: {self.name} is at step {step}, past the switch "
+                               f"step {part.switch_at}")
+        return self._switch(part, step)
+
+    def _switch(self, part: Participation, step: int) -> str | None:
+        """Phase 2, at the agreed boundary: every collective of the previous step has
+        completed (train_step waits for all its work), so the old groups are quiet."""
+        mid, cmd = part.migration_id, part.command
+        self.on_point("switch", step)
+        t0 = time.perf_counter()
+        report = {"wait_boundary_s": t0 - (part.t_go or t0), "build_s": part.build_s,
+                  "rss_before": part.rss_before}
+        if part.kind == "leaver":
+            # the point of no return, decided once: the controller claims "abort" the same
+            # way when a failure interrupts the migration, and only one of us can win
+            outcome = self.store.compare_set(P.mig_key(mid, "outcome", self.name), "",
+                                             "handover").decode()
+            if outcome != "handover":
+                self._drop(part, "a failure interrupted the migration before the handover")
+                return None   # still this role's holder: recovery treats us as a survivor
+            self.store.set(P.mig_key(mid, "at_switch", self.name), str(step))
+            if cmd.naive:
+                spec, gen, role = self._specs(part)[0]
+                part.built[spec.name] = self._build_one(spec, role, gen, part)
+            channel = part.built[cmd.transfer_group]
+            sent = self.state.send(channel, 1, step)
+            report.update(transfer_s=sent["seconds"], transfer_bytes=sent["bytes"])
+            channel.shutdown()
+            self.groups.shutdown()
+        else:
+            if cmd.naive:
+                tb = time.perf_counter()
+                for spec, gen, role in self._specs(part):
+                    part.built[spec.name] = self._build_one(spec, role, gen, part)
+                report["build_s"] = time.perf_counter() - tb
+            ti = time.perf_counter()
+            # the replaced groups are closed at the next boundary, off the critical path;
+            # nothing can use them any more: every holder reads the new slots
+            self.retired.extend(self.groups.install(part.built))
+            report["install_s"] = time.perf_counter() - ti
+        report["switch_s"] = time.perf_counter() - t0
+        report["rss_after"] = rss_mb()
+        self.store.set(P.mig_key(mid, "switched", self.name), P.encode(report))
+        self.store.add(P.mig_key(mid, "switched_count"), 1)
+        self.events.emit("migration_switched", migration_id=mid, step=step, part=part.kind,
+                         **{k: v for k, v in report.items() if k.endswith("_s")})
+        del self.active[mid]
+        return LEAVE if part.kind == "leaver" else None
+
+    def _drop(self, part: Participation, reason: str) -> None:
+        """Abandon a migration: the live groups were never touched; prepared ones are closed
+        (a builder still waiting for a dead joiner closes its group when it gives up)."""
+        part.dropped = True
+        for g in list(part.built.values()):
+            g.shutdown()
+        self.events.emit("migration_dropped", migration_id=part.migration_id, reason=reason)
+        del self.active[part.migration_id]
+
+
+# --- the joiner ----------------------------------------------------------------------------------
+
+def joiner_build(builder: GroupBuilder, layout: Layout, role: Role, command: P.AssignMigration
+                 ) -> tuple[CommGroups, Group, float]:
+    """Phase 1 of a joiner: build the role's groups at the generations the migration gives
+    and the channel from the leaver, in the one global name order every participant uses.
+    Returns the groups, the channel and the seconds taken."""
+    t0 = time.perf_counter()
+    gens = command.groups
+    specs = layout.groups_of(role)
+    built = {}
+    todo = sorted([(s.name, s) for s in specs.values()] +
+                  [(command.transfer_group, transfer_spec(command.transfer_group, role))])
+    for name, spec in todo:
+        if spec.kind == "xfer":
+            built[name] = builder.build_ranked(spec, 1, command.transfer_generation)
+        else:
+            built[name] = builder.build(spec, role, gens.get(name, 0))
+    channel = built.pop(command.transfer_group)
+    return CommGroups.from_groups(role, layout, built), channel, time.perf_counter() - t0
+
+
+def joiner_ready(store, events: EventLog, name: str, migration_id: int, build_s: float,
+                 prepare_s: float) -> None:
+    """Phase 1 is done once the script registered its state: the role's groups exist and its
+    model and optimizer are built; the switch can be ordered."""
+    store.set(P.mig_key(migration_id, "ready", name),
+              P.encode({"build_s": build_s, "prepare_s": prepare_s}))
+    store.add(P.mig_key(migration_id, "ready_count"), 1)
+    events.emit("joiner_ready", migration_id=migration_id, build_s=round(build_s, 4),
+                prepare_s=round(prepare_s, 4))
+
+
+def joiner_receive(state, channel: Group) -> tuple[int, dict]:
+    """Phase 2: the leaver sends its state at the switch boundary; that step is ours next."""
+    t0 = time.perf_counter()
+    start_step, got = state.recv(channel, 0)
+    channel.shutdown()
+    return start_step, {"recv_s": time.perf_counter() - t0, "transfer_s": got["seconds"],
+                        "transfer_bytes": got["bytes"]}
+
+
+def joiner_started(store, events: EventLog, name: str, migration_id: int, report: dict,
+                   start_step: int, first_step_s: float) -> None:
+    report = {**report, "first_step_s": first_step_s, "rss_after": rss_mb()}
+    store.set(P.mig_key(migration_id, "switched", name), P.encode(report))
+    store.add(P.mig_key(migration_id, "switched_count"), 1)
+    events.emit("joiner_started", migration_id=migration_id, step=start_step,
+                first_step_s=round(first_step_s, 4), recv_s=round(report["recv_s"], 4))

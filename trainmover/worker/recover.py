@@ -1,0 +1,146 @@
+"""A worker's side of a recovery from an unexpected failure: the survivor's and the joiner's.
+
+A survivor's step was doomed (a peer died or hung, or the job aborted the step): the
+optimizer did not run, so it still holds the state after the last committed step. It reports
+what it saw (the error, whether its own communicator failed, each group's operation
+accounting, from which the controller tells clean groups from dirty ones), waits for the
+plan, rebuilds the groups the plan names, rolls back to a checkpoint if told to, sends its
+state to a joiner if it is the replica of a failed role, and resumes at the plan's step.
+
+A joiner (a standby the plan promotes) builds the failed role's groups, then takes the
+role's state from a live data-parallel replica or from the checkpoint.
+
+Every wait here is abortable: if the controller abandons the plan (a joiner or another
+survivor failed meanwhile), it aborts the plan's epoch and every wait raises ``StepAborted``;
+the survivor then reports again and waits for the next plan.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from trainmover.comm.groups import AbortSignal, CommGroups, Group, StepAborted
+from trainmover.core import protocol as P
+from trainmover.core.topology import Role
+from trainmover.train.checkpoint import load_local
+from trainmover.worker.liveness import AbortWatcher, is_step_failure
+from trainmover.worker.migration import transfer_spec
+
+
+def report_failure(ctx, step: int, error: str, groups: CommGroups) -> None:
+    """Tell the controller what this worker saw: the error, whether its own communicator
+    failed, and each group's operation accounting (which groups are still consistent)."""
+    own = [g.name for g in groups.slots().values()
+           if g.error is not None and g.error.op == "abort"]
+    accounting = {g.name: g.accounting() for g in groups.slots().values() if g.size > 1}
+    ctx.store.set(P.failure_key(ctx.epoch, ctx.name), P.encode({
+        "step": step, "error": error[:400], "self": bool(own), "accounting": accounting}))
+    ctx.events.emit("step_failed", step=step, epoch=ctx.epoch, error=error[:300])
+
+
+def abortably(signal: AbortSignal, build):
+    """Run ``build`` (a group rendezvous: a blocking call gloo cannot cancel) in a helper
+    thread and wait for it, or raise ``StepAborted`` as soon as the epoch is aborted. An
+    abandoned build times out on its own; its generation is never used again."""
+    box: dict = {}
+    done = threading.Event()
+
+    def target():
+        try:
+            box["value"] = build()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["error"] = exc
+        done.set()
+
+    threading.Thread(target=target, daemon=True, name="recovery-build").start()
+    while not done.wait(0.001):
+        if signal.is_set():
+            raise StepAborted(f"group build abandoned: {signal.reason}")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
+            error: str) -> tuple[int, P.Recover]:
+    """Carry out this survivor's part of the recovery of ``step``; returns the step to resume
+    at and the plan's command. The caller starts voting in the plan's epoch."""
+    t0 = time.perf_counter()
+    report_failure(ctx, step, error, groups)
+    specs = ctx.cfg.layout.all_groups()
+    while True:
+        cmd = ctx.commands.next()
+        if not isinstance(cmd, P.Recover):
+            ctx.events.emit("command_dropped", command=type(cmd).__name__, reason="recovering")
+            continue
+        ctx.fault("recover", cmd.resume_step)
+        migrations.active.clear()  # a migration in flight was settled by the controller
+        # the recovery's own epoch: if the controller abandons this plan (a joiner or
+        # another survivor failed meanwhile), every wait below is woken up
+        ctx.abort.clear()
+        AbortWatcher(ctx.stores, ctx.abort, cmd.epoch)
+        try:
+            built = abortably(ctx.abort, lambda: {
+                name: ctx.builder.build(specs[name], role, gen)
+                for name, gen in sorted(cmd.groups.items())})
+            migrations.retired.extend(groups.install(built))
+            if cmd.rollback_step is not None:
+                state.load(load_local(ctx.run_dir, cmd.rollback_step, role.name))
+            sent = None
+            if cmd.send_state:
+                s = cmd.send_state
+                channel = abortably(ctx.abort, lambda: ctx.builder.build_ranked(
+                    transfer_spec(s.transfer_group, role), 0, s.transfer_generation))
+                sent = state.send(channel, 1, cmd.resume_step)
+                channel.shutdown()
+        except Exception as err:  # noqa: BLE001 - sorted by is_step_failure
+            if not is_step_failure(err, ctx.abort):
+                raise
+            ctx.epoch = cmd.epoch
+            report_failure(ctx, cmd.resume_step, f"{type(err).__name__}: {err}", groups)
+            continue
+        break
+    ctx.epoch = cmd.epoch
+    ctx.store.add(P.recovery_key(cmd.recovery_id, "recovered_count"), 1)
+    ctx.events.emit("recovered", recovery_id=cmd.recovery_id, epoch=ctx.epoch,
+                    resume_step=cmd.resume_step, rebuilt=sorted(built),
+                    rollback_step=cmd.rollback_step,
+                    sent_bytes=None if sent is None else sent["bytes"],
+                    duration_s=round(time.perf_counter() - t0, 4))
+    return cmd.resume_step, cmd
+
+
+# --- the joiner ----------------------------------------------------------------------------------
+
+def joiner_build(ctx, role: Role, command: P.AssignRecovery) -> tuple[CommGroups, Group | None]:
+    """Build the failed role's groups (at the generations the plan gives) and, when the state
+    comes from a live replica, the channel from it."""
+    source = command.source
+    specs = {s.name: s for s in ctx.cfg.layout.groups_of(role).values()}
+    if source.kind == "replica":
+        specs[source.transfer_group] = transfer_spec(source.transfer_group, role)
+    built = {}
+    for name, spec in sorted(specs.items()):
+        if spec.kind == "xfer":
+            built[name] = ctx.builder.build_ranked(spec, 1, source.transfer_generation)
+        else:
+            built[name] = ctx.builder.build(spec, role, command.groups.get(name, 0))
+    channel = built.pop(source.transfer_group, None)
+    return CommGroups.from_groups(role, ctx.cfg.layout, built), channel
+
+
+def joiner_restore(ctx, role: Role, command: P.AssignRecovery, state, channel: Group | None) -> int:
+    """Take the role's state from the replica (over ``channel``) or the checkpoint; returns
+    the step to resume at, checked against the plan's."""
+    source = command.source
+    if channel is not None:
+        start_step, _ = state.recv(channel, 0)
+        channel.shutdown()
+    else:
+        start_step = source.step
+        state.load(load_local(ctx.run_dir, start_step, role.name))
+    if start_step != command.resume_step:
+        raise RuntimeError(f"{ctx.name}: state for step {start_step}, expected "
+                           f"{command.resume_step}")
+    ctx.epoch = command.epoch
+    return start_step

@@ -1,0 +1,596 @@
+"""The API a training script calls: ``trainmover.init()`` and the ``Runtime`` it returns.
+
+    rt = trainmover.init()                   # role, groups, device of this worker
+    model = rt.data_parallel(model)          # instead of DistributedDataParallel
+    rt.register(model=model, optimizer=opt)  # what moves to a joiner and into checkpoints
+    for step in rt.steps(max_steps):         # the step index is the data position
+        ...forward, backward...
+        if rt.commit(loss=loss.item()):      # no step is ever half-applied
+            opt.step()
+
+Everything else is the runtime's: planned migrations (this worker may stay, leave or join),
+the standby's sandboxed warm-up (the same script runs against recorded communication),
+failure detection and recovery, the commit vote, checkpoints, metrics and the final state.
+
+How a step ends. ``commit`` is the step's commit point: every collective of the step comes
+before it, the optimizer after it. It votes on the job's store; when every worker voted the
+step is committed and ``commit`` returns True. If anything failed during the step (a peer
+crashed or hung, an operation failed, the controller aborted the step), the step is
+*doomed*: the rest of its communication returns at once without touching the network (so
+the script's code runs on, on values that will be thrown away), ``commit`` returns False,
+and the next turn of ``steps()`` recovers: it reports, carries out the controller's plan,
+and yields the step to redo (the same step, or an earlier one after a checkpoint rollback).
+A leaver's ``steps()`` hands its state over at the switch boundary and ends the script run
+(``Departed``, a ``BaseException``); a standby's shadow run ends with ``ShadowDone``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+
+from trainmover.comm.groups import CommGroups, Group, build_comm_groups
+from trainmover.comm.record import (Recorder, load_into, load_recording, manifest_for,
+                                    recording_dir, recording_path, rewind, sandbox_groups,
+                                    save_recording)
+from trainmover.core import protocol as P
+from trainmover.core.config import JobConfig
+from trainmover.core.events import JsonlWriter
+from trainmover.core.topology import Layout, Role
+from trainmover.train.checkpoint import AsyncCheckpointer, load_local
+from trainmover.train.ddp import DataParallel
+from trainmover.train.final import write_final_shard
+from trainmover.train.state import TrainState
+from trainmover.worker import context as context_mod
+from trainmover.worker import migration as M
+from trainmover.worker import recover as R
+from trainmover.worker.context import Join, Shadow, Start, WorkerContext
+from trainmover.worker.liveness import AbortWatcher, CommitVote
+
+
+class UsageError(RuntimeError):
+    """The training script uses the runtime in a way that would lose or corrupt state."""
+
+
+class DataNotDeterministic(UsageError):
+    """A step's batch differs from the batch recorded for that step: the script's data is not
+    a pure function of the step, so a joiner would train on other samples."""
+
+
+class Departed(BaseException):
+    """Ends a leaver's script run: its role now belongs to the joiner (not an error).
+    A BaseException, so a script's ``except Exception`` does not swallow it."""
+
+
+class ShadowDone(BaseException):
+    """Ends a standby's shadow run once its warm-up iterations are done (not an error)."""
+
+
+class ShadowInterrupted(ShadowDone):
+    """Ends a shadow run early: the standby was assigned a role before the structure it was
+    warming had been recorded."""
+
+
+def reporter_role(layout: Layout) -> Role:
+    """The role that writes metrics.jsonl: it holds the loss (last stage) and is unique."""
+    return Role(0, layout.pp - 1, 0)
+
+
+_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+        "min": torch.distributed.ReduceOp.MIN}
+
+
+class LiveGroup:
+    """A handle on one of this worker's groups that always reaches its current generation:
+    it reads the slot at every call, so a handle kept across a migration's group switch
+    stays valid. Not a ``torch.distributed.ProcessGroup``: call its methods
+    (``dp.allreduce(t)``), not ``dist.all_reduce(t, group=...)``."""
+
+    def __init__(self, holder: CommGroups, slot: str, peer: int | None = None):
+        self._holder, self._slot = holder, slot
+        self.peer = peer   # for a pipeline pair: the other side's rank in it
+
+    @property
+    def group(self) -> Group:
+        return getattr(self._holder, self._slot)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """In place over the group; ``op``: sum, max, min or avg."""
+        if op == "avg":
+            work = self.group.allreduce(tensor)
+            tensor.div_(self.size)
+            return work
+        return self.group.allreduce(tensor, _OPS[op], async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        return self.group.broadcast(tensor, src, async_op=async_op)
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.group.allgather(tensor)
+
+    def send(self, tensor: torch.Tensor, peer: int | None = None, tag: int = 0):
+        """Asynchronous: returns a work to ``wait()`` on."""
+        return self.group.send(tensor, self.peer if peer is None else peer, tag)
+
+    def recv(self, tensor: torch.Tensor, peer: int | None = None, tag: int = 0):
+        return self.group.recv(tensor, self.peer if peer is None else peer, tag)
+
+    def barrier(self) -> None:
+        self.group.barrier()
+
+
+class GroupView:
+    """``rt.groups``: ``dp``, ``tp``, ``pp`` (the pipeline column: loss and norm reductions)
+    and ``prev`` / ``next`` (the pipeline neighbours; None at the ends)."""
+
+    def __init__(self, holder: CommGroups):
+        self.dp = LiveGroup(holder, "dp")
+        self.tp = LiveGroup(holder, "tp")
+        self.pp = LiveGroup(holder, "pp")
+        self.prev = LiveGroup(holder, "p2p_prev", peer=0) if holder.p2p_prev else None
+        self.next = LiveGroup(holder, "p2p_next", peer=1) if holder.p2p_next else None
+
+
+def init() -> "Runtime":
+    """This worker's runtime. Call once per run of the script, before building the model."""
+    ctx = context_mod.current()
+    if ctx is None:
+        raise UsageError("trainmover.init() must run in a process started by `trainmover "
+                         "launch ... -- python SCRIPT` (or `trainmover run`)")
+    if ctx.runtime is not None:
+        raise UsageError("trainmover.init() was called twice in one run of the script")
+    rt = Runtime(ctx)
+    ctx.runtime = rt
+    return rt
+
+
+class Runtime:
+    """One worker's view of the job for one run of the training script (see module doc)."""
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.config: JobConfig = ctx.cfg
+        self.layout: Layout = ctx.cfg.layout
+        self.name, self.device, self.run_dir = ctx.name, ctx.device, ctx.run_dir
+        launch = ctx.launch
+        self.sandbox = isinstance(launch, Shadow)
+        self.state: TrainState | None = None
+        self.tokens_per_step: int | None = None   # set by the script for tokens/s in metrics
+        self.finished = False
+        self._wrappers: list[DataParallel] = []
+        self._t_init = time.perf_counter()
+        self._channel: Group | None = None
+        self._build_s = 0.0
+        self._batch_digest: str | None = None
+        if isinstance(launch, Shadow):
+            self.role = launch.role
+            self.comm_groups = sandbox_groups(self.layout, self.role, None, self.device)
+        elif isinstance(launch, Start):
+            self.role = Role.parse(ctx.store.get(P.membership_key(ctx.name)).decode())
+            t0 = time.perf_counter()
+            gens = {name: launch.generation for name in self.layout.communicator_groups()}
+            self.comm_groups, times = build_comm_groups(ctx.builder, self.layout, self.role,
+                                                        gens)
+            ctx.events.emit("groups_built", generation=launch.generation,
+                            duration_s=round(time.perf_counter() - t0, 4),
+                            groups={k: round(v, 4) for k, v in times.items()})
+        else:
+            cmd = launch.command
+            self.role = Role.parse(cmd.role)
+            ctx.fault("joiner_prepare")
+            t0 = time.perf_counter()
+            if isinstance(cmd, P.AssignRecovery):
+                self.comm_groups, self._channel = R.joiner_build(ctx, self.role, cmd)
+            else:
+                # the job's current failure epoch (each recovery starts one): the joiner
+                # votes and watches for aborts in it, never in an epoch aborted before it
+                ctx.epoch = cmd.epoch
+                self.comm_groups, self._channel, _ = M.joiner_build(
+                    ctx.builder, self.layout, self.role, cmd)
+            self._build_s = time.perf_counter() - t0
+        ctx.events.fixed["role"] = self.role.name
+        self.groups = GroupView(self.comm_groups)
+        self.is_reporter = self.role == reporter_role(self.layout) and not self.sandbox
+
+    # --- where this worker is --------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.role.dp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.role.pp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.role.tp
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.role.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.role.pp == self.layout.pp - 1
+
+    # --- the model and its state -------------------------------------------------------------
+    def data_parallel(self, module: torch.nn.Module, bucket_mb: float = 25.0) -> DataParallel:
+        """Wrap ``module`` for data-parallel training over this worker's replicas (the
+        runtime's ``DistributedDataParallel``; see ``train/ddp.py``)."""
+        # the first stage's model input is the step's data (a later stage's is activations,
+        # which in a shadow run are the recording's): fingerprint it there
+        on_forward = (lambda args, kwargs: self.fingerprint(args)) \
+            if self.is_first_stage else None
+        wrapper = DataParallel(module, self.comm_groups, bucket_mb, on_forward=on_forward,
+                               on_point=lambda point: self.fault_point(point))
+        self._wrappers.append(wrapper)
+        return wrapper
+
+    def register(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
+                 buckets=None) -> None:
+        """Declare the training state: the model's parameters and buffers, the optimizer's
+        state and settings, and ``extra`` (tensors, JSON values, or objects with
+        ``state_dict``; a dict updated in place when state arrives). It is what a joiner
+        receives and what checkpoints hold; RNG states and the step come with it."""
+        if self.state is not None:
+            raise UsageError("rt.register() was called twice")
+        if model is None and optimizer is None and not extra:
+            raise UsageError("rt.register() needs a model, an optimizer or extra state")
+        if buckets is None:
+            for w in self._wrappers:
+                if model is w or model is w.module:
+                    buckets = w.buckets
+        self.state = TrainState(model, optimizer, extra, buckets)
+        launch = self.ctx.launch
+        if isinstance(launch, Join) and isinstance(launch.command, P.AssignMigration):
+            M.joiner_ready(self.ctx.store, self.ctx.events, self.name,
+                           launch.command.migration_id, self._build_s,
+                           time.perf_counter() - self._t_init)
+
+    def fingerprint(self, batch) -> None:
+        """Declare the step's data (tensors, or lists/dicts of them): kept to check that the
+        data is a pure function of the step. ``data_parallel`` wrappers call it with the
+        first stage's model input, the built-in engine with its tokens; a script whose data
+        reaches the model otherwise can call it itself. The first call of a step counts."""
+        if self._batch_digest is not None or not self._in_step:
+            return
+        h = hashlib.sha256()
+        for t in _tensors_in(batch):
+            t = t.detach().cpu().contiguous()
+            h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else
+                     t.view(torch.int16).numpy().tobytes())
+        self._batch_digest = h.hexdigest()[:16]
+
+    def fault_point(self, point: str, step: int | None = None) -> None:
+        """A named point of a step where tests and chaos runs inject faults."""
+        if self.sandbox:
+            return
+        self.ctx.fault(point, self._step if step is None else step, on_commerr=self._commerr)
+
+    def _commerr(self) -> None:
+        for g in self.comm_groups.slots().values():
+            if g.size > 1:
+                g.abort()
+
+    # --- the step loop ---------------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Yields the steps to run, from where this worker's role is (0, a restart's or a
+        joiner's step), to ``total``; may yield a step again after a failure. The step is
+        the data position: the script's batch must be a pure function of it."""
+        if self.state is None:
+            raise UsageError("register the training state (rt.register(model=..., "
+                             "optimizer=...)) before the first step")
+        if not isinstance(total, int) or total < 1:
+            raise UsageError(f"rt.steps(total): total must be a positive integer, got "
+                             f"{total!r}")
+        if self.sandbox:
+            yield from self._shadow_steps()
+            return
+        yield from _Loop(self, total).run()
+
+    def commit(self, loss: float | None = None, **metrics) -> bool:
+        """The step's commit point, after its last collective and before the optimizer:
+        True once every worker voted to commit the step (apply it); False if the step failed
+        anywhere (do not apply it; the next turn of ``steps()`` recovers). ``loss`` and other
+        numbers given are recorded in metrics.jsonl by the worker holding the loss."""
+        if not self._in_step:
+            raise UsageError("rt.commit() called outside a step of rt.steps()")
+        if self._commit_result is not None:
+            raise UsageError(f"rt.commit() called twice in step {self._step}")
+        self._commit_metrics = {"loss": loss, **metrics}
+        self._commit_result = self._vote(self._step) if self._loop else True
+        if self._commit_result:
+            self.fault_point("optimizer")
+        return self._commit_result
+
+    # state of the step in flight, managed by the loop
+    _in_step = False
+    _step = -1
+    _commit_result: bool | None = None
+    _commit_metrics: dict = {}
+    _loop = None
+
+    def _vote(self, step: int) -> bool:
+        loop = self._loop
+        if loop.vote is None:
+            return True
+        if self.ctx.abort.is_set():
+            return False   # doomed: no vote; the controller aborts the step everywhere
+        info = {k: v for k, v in self._commit_metrics.items() if v is not None}
+        info["step_time_s"] = time.perf_counter() - loop.t_step
+        return loop.vote(step, info)
+
+    def _shadow_steps(self) -> Iterator[int]:
+        """A standby's warm-up: real steps of this structure's role against the recording
+        (step 0's communication, replayed: shapes and realistic values, which is all the
+        warm-up needs), the same code as a real step; then the run ends. It runs steps 1, 2,
+        ... as a joiner starts at a step after 0, and checks their batches against the ones
+        the job's worker of that role fed (``FINGERPRINT_STEPS``)."""
+        launch, ctx = self.ctx.launch, self.ctx
+        t_wait = time.perf_counter()
+        while not os.path.exists(launch.path):
+            if not ctx.commands.queue.empty():
+                raise ShadowInterrupted(f"assigned before {launch.structure} was recorded")
+            time.sleep(ctx.cfg.runtime.recording_poll_s)
+        ctx.shadow_wait_s = time.perf_counter() - t_wait
+        load_into(self.comm_groups, load_recording(launch.path, launch.manifest))
+        for i in range(ctx.cfg.runtime.warmup_iterations):
+            step = i + 1
+            rewind(self.comm_groups)
+            self._begin(step)
+            t0 = time.perf_counter()
+            yield step
+            self._in_step = False
+            ctx.shadow_times.append(time.perf_counter() - t0)
+            if self._commit_result is None:
+                raise UsageError("the step loop skipped the commit point: call "
+                                 "rt.commit() once per step, before optimizer.step()")
+            self._check_fingerprint(launch.structure, step)
+            if not ctx.commands.queue.empty():
+                break
+        raise ShadowDone()
+
+    def _check_fingerprint(self, structure: str, step: int) -> None:
+        if step not in P.FINGERPRINT_STEPS or self._batch_digest is None:
+            return
+        key = P.batch_fingerprint_key(structure, step)
+        try:
+            self.ctx.store.wait([key], timedelta(seconds=self.config.runtime.fingerprint_wait_s))
+        except Exception:  # noqa: BLE001 - the job has not run that step yet (or ended)
+            self.ctx.events.emit("fingerprint_skipped", step=step, structure=structure)
+            return
+        expected = self.ctx.store.get(key).decode()
+        if expected != self._batch_digest:
+            raise DataNotDeterministic(
+                f"step {step}'s batch on role {self.role} differs between the job (digest "
+                f"{expected}) and this standby's run of that step (digest "
+                f"{self._batch_digest}): the script's data must be a pure function of the "
+                f"step (e.g. sample positions from a generator seeded by the step, not an "
+                f"iterator's state), or a joiner would train on other samples")
+
+    def _begin(self, step: int) -> None:
+        self._step = step
+        self._in_step = True
+        self._commit_result = None
+        self._commit_metrics = {}
+        self._batch_digest = None
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors_in(o)
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            yield from _tensors_in(obj[k])
+
+
+class _Loop:
+    """The real step loop of one script run (active worker or joiner)."""
+
+    def __init__(self, rt: Runtime, total: int):
+        self.rt, self.ctx, self.total = rt, rt.ctx, total
+        rt._loop = self
+        cfg = self.ctx.cfg
+        self.cfg = cfg
+        self.vote: CommitVote | None = None
+        self.t_step = 0.0
+        self.migrations = M.Migrations(rt.name, rt.role, rt.layout, rt.comm_groups,
+                                       self.ctx.builder, self.ctx.stores, self.ctx.commands,
+                                       self.ctx.events)
+        self.migrations.state = rt.state
+        self.migrations.on_point = lambda point, step: rt.fault_point(point, step)
+        every = cfg.runtime.checkpoint_every
+        self.checkpointer = AsyncCheckpointer(rt.run_dir, rt.role.name, rt.layout.num_roles,
+                                              self.ctx.stores.get()) if every else None
+        if self.checkpointer is not None:
+            self.checkpointer.on_write = lambda path: self.ctx.fault(
+                "checkpoint", self.checkpointer.step)
+        self.metrics = JsonlWriter(os.path.join(rt.run_dir, "metrics.jsonl")) \
+            if rt.is_reporter else None
+        self.on_first_step = None
+
+    # --- where the run starts -----------------------------------------------------------------
+    def _start(self) -> int:
+        rt, ctx, launch = self.rt, self.ctx, self.ctx.launch
+        if isinstance(launch, Start):
+            if launch.resume_step:
+                t1 = time.perf_counter()
+                rt.state.load(load_local(rt.run_dir, launch.resume_step, rt.role.name))
+                ctx.events.emit("checkpoint_loaded", step=launch.resume_step,
+                                duration_s=round(time.perf_counter() - t1, 4))
+            ctx.events.emit("engine_ready",
+                            setup_s=round(time.perf_counter() - ctx.t_imported, 4))
+            return launch.resume_step
+        cmd = launch.command
+        if isinstance(cmd, P.AssignRecovery):
+            t0 = rt._t_init
+            start = R.joiner_restore(ctx, rt.role, cmd, rt.state, rt._channel)
+            prepare_s = time.perf_counter() - t0
+
+            def first(step_time_s: float) -> None:
+                ctx.store.add(P.recovery_key(cmd.recovery_id, "recovered_count"), 1)
+                ctx.events.emit("joiner_started", recovery_id=cmd.recovery_id, step=start,
+                                prepare_s=round(prepare_s, 4), source=cmd.source.kind,
+                                first_step_s=round(step_time_s, 4))
+        else:
+            mid = cmd.migration_id
+            start, report = M.joiner_receive(rt.state, rt._channel)
+            report.update(build_s=rt._build_s, prepare_s=time.perf_counter() - rt._t_init)
+
+            def first(step_time_s: float) -> None:
+                M.joiner_started(ctx.store, ctx.events, rt.name, mid, report, start,
+                                 step_time_s)
+        self.on_first_step = first
+        return start
+
+    def _start_epoch(self, watching: bool = False) -> None:
+        """Arm this epoch's abort watcher (unless ``watching`` already) and commit vote."""
+        ctx = self.ctx
+        if not self.cfg.runtime.recover:
+            self.vote = None
+            return
+        if not watching:
+            ctx.abort.clear()
+            AbortWatcher(ctx.stores, ctx.abort, ctx.epoch)
+        self.vote = CommitVote(ctx.stores, self.rt.layout.num_roles, ctx.epoch,
+                               self.rt.name if self.rt.is_reporter else None)
+
+    def _record_key(self, start: int) -> str | None:
+        """The structure this worker records step 0 of, if it is that structure's
+        representative role and the job has standbys to warm."""
+        from trainmover.comm.record import representative_roles, structure_depths
+
+        cfg = self.cfg
+        if not (cfg.runtime.record and cfg.runtime.standbys > 0 and start == 0):
+            return None
+        for key, role in representative_roles(cfg.layout, structure_depths(cfg)).items():
+            if role == self.rt.role:
+                return key
+        return None
+
+    # --- the loop --------------------------------------------------------------------------
+    def run(self) -> Iterator[int]:
+        rt, ctx, cfg = self.rt, self.ctx, self.cfg
+        step = start_step = self._start()
+        # the stage structure this worker is the representative of (it records step 0 and
+        # publishes batch fingerprints for the standbys' warm-up), if any
+        self.structure = self._record_key(step)
+        record_key = self.structure
+        self._start_epoch()
+        tolerant = self.vote is not None
+        while step < self.total:
+            if self.migrations.at_boundary(step) == M.LEAVE:
+                ctx.events.emit("worker_left", step=step)
+                raise Departed()
+            if step == cfg.runtime.restart_at_step and step != start_step:
+                if self.checkpointer is not None:
+                    self.checkpointer.wait()  # the checkpoint the restart loads
+                ctx.events.emit("worker_stopped_for_restart", step=step)
+                rt.comm_groups.shutdown()
+                raise Departed()
+            recorder = Recorder(rt.comm_groups).__enter__() \
+                if step == 0 and record_key is not None else None
+            rt._begin(step)
+            rt.fault_point("forward", step)
+            self.t_step = time.perf_counter()
+            ctx.abort.in_step = tolerant
+            try:
+                yield step
+            finally:
+                ctx.abort.in_step = False
+                rt._in_step = False
+                if recorder is not None:
+                    recorder.__exit__(None, None, None)
+            step_time = time.perf_counter() - self.t_step
+            if rt._commit_result is None:
+                raise UsageError(f"the step loop skipped the commit point in step {step}: "
+                                 f"call rt.commit() once per step, before optimizer.step()")
+            if not rt._commit_result:
+                step = self._recover(step)
+                continue
+            if recorder is not None:
+                self._save_recording(recorder, record_key)
+            if self.structure is not None and step in P.FINGERPRINT_STEPS and \
+                    rt._batch_digest is not None:
+                ctx.store.set(P.batch_fingerprint_key(self.structure, step), rt._batch_digest)
+            if self.on_first_step is not None:
+                self.on_first_step(step_time)
+                self.on_first_step = None
+            if self.checkpointer is not None and (step + 1) % cfg.runtime.checkpoint_every == 0:
+                tensors, _ = rt.state.local_state()
+                self.checkpointer.step = step  # the step just completed (fault points key on it)
+                self.checkpointer.epoch = ctx.epoch
+                self.checkpointer.save(step + 1, tensors)
+            if self.metrics is not None:
+                self._write_metrics(step, step_time)
+            step += 1
+        self._finish()
+
+    def _write_metrics(self, step: int, step_time: float) -> None:
+        record = {"step": step, **{k: v for k, v in self.rt._commit_metrics.items()},
+                  "step_time_s": round(step_time, 6)}
+        if self.rt.tokens_per_step:
+            record["tokens_per_s"] = round(self.rt.tokens_per_step / step_time, 1)
+        record["worker"] = self.rt.name
+        self.metrics.write(record)
+
+    def _save_recording(self, recorder: Recorder, key: str) -> None:
+        rt, ctx = self.rt, self.ctx
+        t0 = time.perf_counter()
+        rec = recorder.recording(manifest_for(self.cfg, key, rt.role))
+        rec.manifest.update(record_step=0, bytes=rec.nbytes,
+                            loss=rt._commit_metrics.get("loss"))
+        path = recording_path(recording_dir(self.cfg, rt.run_dir), key)
+        save_s = save_recording(rec, path)
+        ctx.events.emit("recorded", structure=key, path=path, bytes=rec.nbytes,
+                        ops=sum(len(v) for v in rec.ops.values()),
+                        record_s=round(time.perf_counter() - t0, 4), save_s=round(save_s, 4))
+
+    def _recover(self, step: int) -> int:
+        rt, ctx = self.rt, self.ctx
+        error = ctx.abort.reason or f"step {step} was aborted by the job"
+        resume, _ = R.survive(ctx, rt.role, rt.comm_groups, rt.state, self.migrations, step,
+                              error)
+        self._start_epoch(watching=True)
+        return resume
+
+    def _finish(self) -> None:
+        rt, ctx = self.rt, self.ctx
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        if rt.role.dp == 0:
+            write_final_shard(rt.run_dir, rt.role, rt.state, ctx.stores.get(), rt.layout,
+                              self.cfg.runtime.final_timeout_s)
+        ctx.events.emit("worker_done", steps=self.total)
+        ctx.store.set(P.finished_key(rt.name), "1")  # not a hang from here on
+        rt.comm_groups.shutdown()
+        rt.finished = True
