@@ -31,7 +31,7 @@ def run_cell(tree: str, scenario: str, workers: int, compile_: bool, scratch: st
     if res.returncode != 0:
         raise RuntimeError(f"{tree} {scenario}: {res.stderr[-2000:]}")
     with open(out) as f:
-        rows = json.load(f)["rows"]
+        rows = json.load(f)["results"]
     (row,) = [r for r in rows if r["scenario"] == scenario and r["strategy"] == "trainmover"]
     return row
 

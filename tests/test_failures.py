@@ -17,16 +17,17 @@ from trainmover.core.topology import Layout
 CHAOS_SEEDS = [int(s) for s in os.environ.get("TRAINMOVER_CHAOS_SEEDS", "1,2,3").split(",")]
 
 
-def job(dp=2, pp=2, tp=1, steps=16, standbys=2, **runtime):
+def job(dp=2, pp=2, tp=1, steps=16, standbys=2, **settings):
+    """``settings``: ``JobConfig.override`` names (``checkpoint_every=2``)."""
     cfg = get_recipe("tiny")
     cfg.layout = Layout(dp, pp, tp)
     cfg.train.steps = steps
     cfg.train.threads_per_worker = 1
-    cfg.runtime.standbys = standbys
-    cfg.runtime.heartbeat_timeout_s = 2.0
-    for k, v in runtime.items():
-        setattr(cfg.runtime, k, v)
-    return cfg.validate()
+    # a shorter heartbeat timeout than the default, and the survivors' report timeout at
+    # twice it
+    cfg.override(standby_count=standbys, health_heartbeat_timeout_s=2.0,
+                 recovery_report_timeout_s=4.0)
+    return cfg.override(**settings).validate()
 
 
 def with_faults(cfg, *injects):
@@ -67,12 +68,12 @@ def test_crash_recovers_from_a_replica_bit_identical(tmp_path, baseline, point):
 def test_hang_is_detected_within_the_bound_and_fenced(tmp_path, baseline, watchdog):
     cfg = with_faults(job(), Inject("hang", 5, "w2", "backward"))
     if not watchdog:
-        cfg.runtime.stall_floor_s = 1000.0   # only the heartbeat timeout is left
+        cfg.health.stall_floor_s = 1000.0   # only the heartbeat timeout is left
     summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
     rec = check_recovered(summary, "hang", "replica:")
     assert summary["weights_sha256"] == baseline
     latency = rec["detection_latency_s"]["w2"]
-    bound = cfg.runtime.heartbeat_timeout_s
+    bound = cfg.health.heartbeat_timeout_s
     (detected,) = [e for e in read_jsonl(str(tmp_path / "run" / "events.jsonl"))
                    if e["event"] == "failure_detected"]
     rule = detected["failures"][0]["detail"]
@@ -163,7 +164,7 @@ def test_without_a_standby_a_replacement_is_started(tmp_path, baseline):
 
 @pytest.mark.timeout(300)
 def test_without_a_standby_the_job_can_stop_cleanly_instead(tmp_path):
-    cfg = with_faults(job(standbys=0, checkpoint_every=2, replace_without_standby=False),
+    cfg = with_faults(job(standbys=0, checkpoint_every=2, recovery_replace_without_standby=False),
                       Inject("crash", 5, "w2", "forward"))
     with pytest.raises(JobFailed, match="cannot recover.*0 free standby") as err:
         run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=200)
@@ -179,7 +180,7 @@ def test_restart_baseline_after_a_crash_is_bit_identical(tmp_path):
     base_cfg = job(standbys=0, checkpoint_every=1)
     base = run_job(base_cfg, str(tmp_path / "base"), quiet=True, timeout_s=200)
     cfg = with_faults(base_cfg, Inject("crash", 6, "w2", "backward"))
-    cfg.runtime.restart_on_failure = True
+    cfg.baseline.restart_on_failure = True
     summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
     (restart,) = summary["restarts"]
     # Checkpoints are written asynchronously: when the crash hits step 6 the write of the

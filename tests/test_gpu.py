@@ -18,7 +18,7 @@ def test_nccl_job_matches_cpu(tmp_path):
     cfg.layout = Layout(dp, 1, 1)
     cfg.train.steps = 4
     cpu = run_job(cfg.validate(), str(tmp_path / "cpu"), quiet=True, timeout_s=300)
-    cfg.runtime.device = "cuda"
+    cfg.process.device = "cuda"
     gpu = run_job(cfg.validate(), str(tmp_path / "gpu"), quiet=True, timeout_s=300)
     a = read_jsonl(str(tmp_path / "cpu" / "metrics.jsonl"))
     b = read_jsonl(str(tmp_path / "gpu" / "metrics.jsonl"))

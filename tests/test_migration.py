@@ -18,15 +18,13 @@ from trainmover.core.topology import Layout
 SEED = int(os.environ.get("TRAINMOVER_TEST_SEED", "7"))
 
 
-def job(dp, pp, tp, steps, standbys, **runtime):
+def job(dp, pp, tp, steps, standbys, **settings):
+    """``settings``: ``JobConfig.override`` names (``faults=[...]``)."""
     cfg = get_recipe("tiny")
     cfg.layout = Layout(dp, pp, tp)
     cfg.train.steps = steps
     cfg.train.threads_per_worker = 1  # equal in both runs, whatever the process count
-    cfg.runtime.standbys = standbys
-    for k, v in runtime.items():
-        setattr(cfg.runtime, k, v)
-    return cfg.validate()
+    return cfg.override(standby_count=standbys, **settings).validate()
 
 
 def events_of(run_dir, name):

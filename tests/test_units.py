@@ -123,6 +123,13 @@ def test_gradients_accumulate_in_the_bucket_buffers():
 def test_config_round_trip():
     cfg = get_recipe("demo")
     assert JobConfig.from_dict(cfg.to_dict()) == cfg
+    cfg.override(standby_count=2, checkpoint_every=3, controller_restart="manual",
+                 health_heartbeat_timeout_s=2.0, faults=[{"worker": "w1", "point": "backward"}])
+    assert JobConfig.from_dict(cfg.to_dict()) == cfg
+    assert (cfg.standby.count, cfg.checkpoint.every, cfg.health.heartbeat_timeout_s) == \
+        (2, 3, 2.0)
+    with pytest.raises(ValueError, match="unknown setting 'checkpoint_often'"):
+        cfg.override(checkpoint_often=3)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -132,9 +139,13 @@ def test_config_round_trip():
     (lambda c: setattr(c.train, "global_batch", 10), "global_batch=10 is not divisible by dp=2"),
     (lambda c: setattr(c.data, "source", "/nonexistent/file.txt"), "'/nonexistent/file.txt' does not exist"),
     (lambda c: setattr(c.train, "lr", -1.0), "lr=-1.0"),
-    (lambda c: setattr(c.runtime, "controller_restart", "sometimes"),
-     "controller_restart must be 'auto' or 'manual', got 'sometimes'"),
-    (lambda c: setattr(c.runtime, "stall_factor", 0.5), "stall_factor must be >= 1"),
+    (lambda c: setattr(c.controller, "restart", "sometimes"),
+     "controller.restart must be 'auto' or 'manual', got 'sometimes'"),
+    (lambda c: setattr(c.health, "stall_factor", 0.5), "stall_factor must be >= 1"),
+    (lambda c: setattr(c.comm, "store_timeout_s", 0),
+     "comm.store_timeout_s must be > 0, got 0"),
+    (lambda c: setattr(c.baseline, "restart_at_step", 5),
+     "baseline.restart_at_step needs checkpoint.every=1"),
 ])
 def test_config_errors_name_the_bad_value(change, message):
     cfg = get_recipe("demo")

@@ -17,15 +17,13 @@ from trainmover.recipes import get_recipe
 from trainmover.core.topology import Layout, Role
 
 
-def job(dp, pp, tp, steps, standbys, **runtime):
+def job(dp, pp, tp, steps, standbys, **settings):
+    """``settings``: ``JobConfig.override`` names (``standby_record=False``)."""
     cfg = get_recipe("tiny")
     cfg.layout = Layout(dp, pp, tp)
     cfg.train.steps = steps
     cfg.train.threads_per_worker = 1
-    cfg.runtime.standbys = standbys
-    for k, v in runtime.items():
-        setattr(cfg.runtime, k, v)
-    return cfg.validate()
+    return cfg.override(standby_count=standbys, **settings).validate()
 
 
 def test_representative_roles_cover_every_stage_structure():
@@ -143,10 +141,10 @@ def test_corrupt_and_stale_recordings_fall_back_to_a_cold_standby(recorded, tmp_
     os.replace(bad / "middle-1.pt", bad / "middle-2.pt")
     os.replace(bad / "last-1.pt", bad / "last-2.pt")
     # a different job: 6 layers instead of 4 makes every other recording stale
-    cfg = job(2, 3, 2, 24, 1, record=False, recording_dir=str(bad))
+    cfg = job(2, 3, 2, 24, 1, standby_record=False, standby_recording_dir=str(bad))
     cfg.model.n_layers = 6
     cfg.validate()
-    ref = job(2, 3, 2, 24, 1, record=False)
+    ref = job(2, 3, 2, 24, 1, standby_record=False)
     ref.model.n_layers = 6
     base = run_job(ref.validate(), str(tmp_path / "base"), quiet=True, timeout_s=300)
     moved = run_job(cfg, str(tmp_path / "moved"), quiet=True, timeout_s=300,

@@ -12,6 +12,16 @@ from trainmover.recipes import RECIPES, get_recipe
 from trainmover.core.topology import Layout
 
 
+# the runtime flags of run, demo and launch -> the setting each overrides (JobConfig.override)
+RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
+                 "checkpoint_every": "checkpoint_every", "controller_restart": "controller_restart"}
+
+
+def apply_runtime_args(cfg: JobConfig, args: argparse.Namespace) -> None:
+    cfg.override(**{setting: getattr(args, flag) for flag, setting in RUNTIME_FLAGS.items()
+                    if getattr(args, flag, None) is not None})
+
+
 def build_config(args: argparse.Namespace) -> JobConfig:
     """Recipe + command-line overrides, fully validated (raises ValueError naming the value)."""
     cfg = get_recipe(args.recipe)
@@ -29,14 +39,7 @@ def build_config(args: argparse.Namespace) -> JobConfig:
         cfg.data.source = args.data
     if args.data_format is not None:
         cfg.data.format = args.data_format
-    if args.device is not None:
-        cfg.runtime.device = args.device
-    if getattr(args, "standbys", None) is not None:
-        cfg.runtime.standbys = args.standbys
-    if getattr(args, "checkpoint_every", None) is not None:
-        cfg.runtime.checkpoint_every = args.checkpoint_every
-    if getattr(args, "controller_restart", None) is not None:
-        cfg.runtime.controller_restart = args.controller_restart
+    apply_runtime_args(cfg, args)
     cfg.validate()
     if args.workers is not None and args.workers != cfg.layout.num_roles:
         raise ValueError(f"--workers={args.workers} does not match layout {cfg.layout} "
@@ -50,7 +53,7 @@ def build_injects(args: argparse.Namespace, cfg: JobConfig) -> list:
 
     injects = [parse_inject(text) for text in (args.inject or [])]
     validate_injects(injects, cfg.train.steps, worker_names(cfg.layout.num_roles),
-                     worker_names(cfg.runtime.standbys, "s"))
+                     worker_names(cfg.standby.count, "s"))
     return apply_worker_faults(cfg, injects)
 
 
@@ -60,10 +63,10 @@ def apply_worker_faults(cfg: JobConfig, injects: list) -> list:
     from trainmover.core.faults import worker_faults
 
     faults = worker_faults(injects)
-    if any(f["point"] == "checkpoint" for f in faults) and not cfg.runtime.checkpoint_every:
+    if any(f["point"] == "checkpoint" for f in faults) and not cfg.checkpoint.every:
         raise ValueError("a fault at point 'checkpoint' needs checkpoints: add "
                          "--checkpoint-every N")
-    cfg.runtime.faults = list(cfg.runtime.faults) + faults
+    cfg.faults = list(cfg.faults) + faults
     return [i for i in injects if i.kind == "migrate" or i.target == "controller"]
 
 
@@ -131,10 +134,7 @@ def build_launch_config(args: argparse.Namespace, command: list[str]) -> JobConf
     cfg.train.steps = args.steps or 0
     if args.threads is not None:
         cfg.train.threads_per_worker = args.threads
-    for name in ("device", "standbys", "checkpoint_every", "controller_restart"):
-        value = getattr(args, name, None)
-        if value is not None:
-            setattr(cfg.runtime, name, value)
+    apply_runtime_args(cfg, args)
     return cfg.validate()
 
 

@@ -13,9 +13,9 @@ def demo_injects(cfg: JobConfig) -> list[Inject]:
     """A planned migration of w1 a third of the way in, then an unexpected crash of w2 (killed
     in the middle of its backward pass) two thirds of the way in."""
     out = []
-    if cfg.runtime.standbys >= 1:
+    if cfg.standby.count >= 1:
         out.append(Inject("migrate", cfg.train.steps // 3, "w1"))
-    if cfg.runtime.standbys >= 2 and cfg.layout.num_roles > 2:
+    if cfg.standby.count >= 2 and cfg.layout.num_roles > 2:
         out.append(Inject("crash", 2 * cfg.train.steps // 3, "w2", "backward"))
     return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from trainmover.core.config import JobConfig, ModelConfig, RuntimeConfig, TrainConfig
+from trainmover.core.config import JobConfig, ModelConfig, ProcessConfig, TrainConfig
 from trainmover.core.topology import Layout
 
 
@@ -23,8 +23,7 @@ def demo() -> JobConfig:
         name="demo", layout=Layout(2, 2, 1),
         model=ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64),
         train=TrainConfig(steps=40, global_batch=16, num_microbatches=4, lr=3e-3, min_lr=3e-4,
-                          warmup_steps=5),
-        runtime=RuntimeConfig())
+                          warmup_steps=5))
 
 
 def small() -> JobConfig:
@@ -53,7 +52,7 @@ def bench_downtime() -> JobConfig:
         model=ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64),
         train=TrainConfig(steps=24, global_batch=16, num_microbatches=2, lr=1e-3, min_lr=1e-4,
                           warmup_steps=4, compile=True, threads_per_worker=1),
-        runtime=RuntimeConfig(isolate_caches=True))
+        process=ProcessConfig(isolate_caches=True))
 
 
 RECIPES: dict[str, Callable[[], JobConfig]] = {

@@ -13,9 +13,11 @@ store and reads back what happened:
 
 Workers are the agent's children and die with it (``PR_SET_PDEATHSIG``); the agent is in its
 own session, so it outlives the controller. When the controller's process disappears without
-having shut the job down, the agent restarts it (``controller_restart="auto"``: ``trainmover
-controller --resume``, at most ``MAX_CONTROLLER_RESTARTS`` times) or waits ``controller_grace_s``
-for an operator to run that command, then stops the job. Training continues meanwhile.
+having shut the job down, the agent restarts it (``controller.restart="auto"``: ``trainmover
+controller --resume``, at most ``controller.max_restarts`` times) or waits
+``controller.grace_s`` for an operator to run that command, then stops the job. Training
+continues meanwhile. The agent reads these settings, and its own (``AgentConfig``), from the
+run dir's ``job.json``.
 
 Processes are started before the agent imports torch, so the agent adds no start-up latency:
 the store's listening socket is created by the controller and inherited (``--listen-fd``);
@@ -33,11 +35,9 @@ import time
 from dataclasses import dataclass
 
 from trainmover.core import protocol as P
+from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
 from trainmover.core.proc import pid_alive
-
-MAX_CONTROLLER_RESTARTS = 3
-POLL_S = 0.005
 
 
 def _die_with_parent() -> None:
@@ -63,12 +63,10 @@ class Child:
 
 
 class Agent:
-    def __init__(self, run_dir: str, host: str, listen_fd: int, port: int,
-                 controller_restart: str, controller_grace_s: float):
+    def __init__(self, run_dir: str, host: str, listen_fd: int, port: int, cfg: JobConfig):
         self.run_dir = run_dir
         self.host, self.listen_fd, self.port = host, listen_fd, port
-        self.controller_restart = controller_restart
-        self.controller_grace_s = controller_grace_s
+        self.cfg = cfg
         self.children: dict[str, Child] = {}
         self.controllers: list[subprocess.Popen] = []   # the ones this agent restarted
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="agent")
@@ -116,7 +114,7 @@ class Agent:
         elif child.proc.poll() is None:
             if sig == "TERM":
                 child.proc.send_signal(signal.SIGTERM)
-                child.kill_at = time.monotonic() + float(req.get("grace_s", 3.0))
+                child.kill_at = time.monotonic() + float(req["grace_s"])
             else:
                 child.proc.send_signal(getattr(signal, f"SIG{sig}"))
 
@@ -148,7 +146,7 @@ class Agent:
     # --- the controller ----------------------------------------------------------------------
     def _watch_controller(self, now: float) -> bool:
         """False once the job must end because no controller came back."""
-        if now - self._controller_read_at < 0.1:
+        if now - self._controller_read_at < self.cfg.agent.controller_check_s:
             return True
         self._controller_read_at = now
         if self.store.check([P.CONTROLLER_KEY]):
@@ -161,20 +159,21 @@ class Agent:
                 self._controller, self._controller_lost_at = current, None
         if self._controller is None or pid_alive(self._controller["pid"]):
             return True
+        policy = self.cfg.controller
         if self._controller_lost_at is None:
             self._controller_lost_at = time.time()
             self.events.emit("controller_lost", pid=self._controller["pid"],
                              incarnation=self._controller["incarnation"],
-                             action=self.controller_restart)
-            if self.controller_restart == "auto":
-                if len(self.controllers) >= MAX_CONTROLLER_RESTARTS:
+                             action=policy.restart)
+            if policy.restart == "auto":
+                if len(self.controllers) >= policy.max_restarts:
                     self.events.emit("job_abandoned", reason=f"the controller died "
                                      f"{len(self.controllers) + 1} times")
                     return False
                 self._restart_controller()
-        elif time.time() - self._controller_lost_at > self.controller_grace_s:
+        elif time.time() - self._controller_lost_at > policy.grace_s:
             self.events.emit("job_abandoned", reason=f"no controller for "
-                             f"{self.controller_grace_s} s (controller_grace_s)")
+                             f"{policy.grace_s} s (controller.grace_s)")
             return False
         return True
 
@@ -198,7 +197,8 @@ class Agent:
         import torch.distributed as dist
 
         self.store = dist.TCPStore(self.host, self.port, is_master=True,
-                                   wait_for_workers=False, timeout=timedelta(seconds=60),
+                                   wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.cfg.comm.store_timeout_s),
                                    master_listen_fd=self.listen_fd)
         for c in self.children.values():
             self.store.set(P.agent_proc_key(c.name),
@@ -213,24 +213,24 @@ class Agent:
                 elif req["op"] == "signal":
                     self.signal(req)
                 elif req["op"] == "shutdown":
-                    return self._shutdown(float(req.get("grace_s", 3.0)), "requested")
+                    return self._shutdown(float(req["grace_s"]), "requested")
             now = time.monotonic()
             for c in list(self.children.values()):
                 if c.kill_at is not None and now > c.kill_at and c.proc.poll() is None:
                     c.proc.kill()
                 self._reap(c)
             if not self._watch_controller(time.time()):
-                return self._shutdown(3.0, "no controller")
-            time.sleep(POLL_S)
+                return self._shutdown(self.cfg.controller.stop_grace_s, "no controller")
+            time.sleep(self.cfg.agent.poll_s)
 
     def _shutdown(self, grace_s: float, why: str) -> int:
         self.stop_all(grace_s)
         self.events.emit("agent_stopped", reason=why)
         self.store.set(P.AGENT_DONE_KEY, why)
         # the controller reads AGENT_DONE_KEY before the store goes away with this process
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + self.cfg.agent.shutdown_ack_s
         while time.monotonic() < deadline and not self.store.check([P.AGENT_DONE_ACK_KEY]):
-            time.sleep(0.01)
+            time.sleep(self.cfg.agent.poll_s)
         return 0
 
 
@@ -241,13 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--listen-fd", type=int, required=True)
     p.add_argument("--initial", required=True, help="JSON file of the first spawn requests")
-    p.add_argument("--controller-restart", choices=["auto", "manual"], default="auto")
-    p.add_argument("--controller-grace-s", type=float, default=300.0)
     p.add_argument("--controller-pid", type=int, required=True)
     args = p.parse_args(argv)
     with open(args.initial) as f:
         initial = json.load(f)
-    agent = Agent(args.run_dir, args.host, args.listen_fd, args.port,
-                  args.controller_restart, args.controller_grace_s)
+    with open(os.path.join(args.run_dir, "job.json")) as f:
+        cfg = JobConfig.from_dict(json.load(f))
+    agent = Agent(args.run_dir, args.host, args.listen_fd, args.port, cfg)
     agent._controller = {"pid": args.controller_pid, "incarnation": 0}
     return agent.serve(initial)

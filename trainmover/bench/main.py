@@ -42,7 +42,7 @@ def _engine_steps(cfg: JobConfig, rank: int, address: StoreAddress,
 
     role = cfg.layout.role_of(rank)
     stores = StoreClients(address)
-    builder = GroupBuilder(stores, torch.device("cpu"), 120,
+    builder = GroupBuilder(stores, torch.device("cpu"), cfg.comm.group_timeout_s,
                            abort_signal=AbortSignal() if commit else None)
     groups, _ = build_comm_groups(builder, cfg.layout, role)
     data = load_tokens(cfg.data)
@@ -82,7 +82,8 @@ def _ddp_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
     dist.init_process_group("gloo", store=dist.PrefixStore("ddp/", store), rank=rank,
                             world_size=cfg.layout.dp)
     local = Layout()
-    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 120)
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"),
+                           cfg.comm.group_timeout_s)
     groups, _ = build_comm_groups(builder, local, Role(0, 0, 0))  # trivial: no TP traffic
     model = GPTStage(cfg.model, local, 0, 0, groups)
     model.init_weights(cfg.train.seed)
@@ -321,10 +322,10 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
     cfg = JobConfig.from_dict(cfg.to_dict())
     cfg.train.steps = 100_000
     if strategy == "trainmover":
-        cfg.runtime.standbys = 1
+        cfg.standby.count = 1
     elif strategy == "restart":
-        cfg.runtime.checkpoint_every = 1
-        cfg.runtime.restart_on_failure = True
+        cfg.checkpoint.every = 1
+        cfg.baseline.restart_on_failure = True
     else:
         raise ValueError(f"strategy {strategy!r} has no {scenario} scenario")
     job = Job(cfg, run_dir, timeout_s=3600).start()
@@ -367,11 +368,11 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
     cfg = JobConfig.from_dict(cfg.to_dict())
     cfg.train.steps = 100_000  # stopped once the event is measured
     if strategy in ("trainmover", "trainmover_cold"):
-        cfg.runtime.standbys = 1
-        cfg.runtime.warmup = cfg.runtime.record = strategy == "trainmover"
+        cfg.standby.count = 1
+        cfg.standby.warmup = cfg.standby.record = strategy == "trainmover"
     if strategy == "restart":
-        cfg.runtime.checkpoint_every = 1
-        cfg.runtime.restart_at_step = event_step
+        cfg.checkpoint.every = 1
+        cfg.baseline.restart_at_step = event_step
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}")
     job = Job(cfg, run_dir, timeout_s=3600).start()
@@ -443,7 +444,7 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
         cfg.train.compile = compile
         # the benchmark's jobs run "forever" until it stops them: if the benchmark process
         # itself dies, their agents must not restart a controller for them
-        cfg.runtime.controller_restart, cfg.runtime.controller_grace_s = "manual", 30.0
+        cfg.controller.restart, cfg.controller.grace_s = "manual", 30.0
         cfg.validate()
         leaver = "w1"
         for scenario in scenarios:

@@ -32,10 +32,20 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from trainmover.core.config import CommConfig
 from trainmover.core.topology import GroupSpec, Layout, Role
 
 SUM = dist.ReduceOp.SUM
 MAX = dist.ReduceOp.MAX
+
+# How a wait on an operation watches the abort signal (``Work``, ``_Waiter``). Constants, not
+# settings: they only bound how late an aborted wait notices the abort (a completed operation
+# returns at once), and they sit on the training hot path, in objects that carry no config.
+SPIN_POLLS = 32            # checks without sleeping: most operations complete within them
+SHORT_SLEEP_S = 5e-5       # then sleeps of ~50 us ...
+SHORT_SLEEP_POLLS = 232    # ... up to this many checks (about 10 ms), then
+LONG_SLEEP_S = 1e-3        # sleeps of 1 ms for long waits
+WAITER_POLL_S = 0.002      # a point-to-point wait (a helper thread blocks in it)
 
 
 class StepAborted(RuntimeError):
@@ -109,18 +119,20 @@ class StoreAddress:
         return StoreAddress(host, int(port))
 
 
-def start_store_server(host: str = "127.0.0.1", port: int = 0) -> dist.TCPStore:
+def start_store_server(host: str = "127.0.0.1", port: int = 0,
+                       timeout_s: float = CommConfig.store_timeout_s) -> dist.TCPStore:
     """A store server in this process (tests and benchmarks; a job's store is hosted by
     its agent); port 0 picks a free port."""
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=60))
+                         timeout=timedelta(seconds=timeout_s))
 
 
 class StoreClients:
     """Hands each thread its own long-lived TCPStore client (one client per thread: a client
     shared between threads serialises a blocking ``get`` in front of other threads' work)."""
 
-    def __init__(self, address: StoreAddress, timeout_s: float = 60.0):
+    def __init__(self, address: StoreAddress,
+                 timeout_s: float = CommConfig.store_timeout_s):
         self.address = address
         self.timeout = timedelta(seconds=timeout_s)
         self._local = threading.local()
@@ -176,8 +188,9 @@ class Work:
                     while not work.is_completed():
                         self._check_abort(signal)
                         polls += 1
-                        if polls > 32:
-                            time.sleep(5e-5 if polls < 232 else 1e-3)
+                        if polls > SPIN_POLLS:
+                            time.sleep(SHORT_SLEEP_S if polls < SHORT_SLEEP_POLLS
+                                       else LONG_SLEEP_S)
                 try:
                     work.wait()
                 except Exception as exc:  # noqa: BLE001 - backend errors have no common type
@@ -219,7 +232,7 @@ class _Waiter:
     def wait(self, work, op: str, signal: "AbortSignal", group: "Group") -> None:
         done, box = threading.Event(), []
         self._queue.put((work, done, box))
-        while not done.wait(0.002):
+        while not done.wait(WAITER_POLL_S):
             if signal.is_set():
                 raise StepAborted(f"{op} on {group.name} gen{group.generation} abandoned: "
                                   f"{signal.reason}")

@@ -82,7 +82,7 @@ def manifest_for(cfg: JobConfig, key: str, role: Role) -> dict:
     """Everything a replay must agree with; a recording with any other value is stale."""
     tc = cfg.train
     out = {"format": FORMAT, "code_version": code_version(), "structure": key,
-           "role": role.name, "layout": cfg.layout.as_dict(), "device": cfg.runtime.device,
+           "role": role.name, "layout": cfg.layout.as_dict(), "device": cfg.process.device,
            "command": list(cfg.process.command)}
     if cfg.process.builtin:
         out.update(model=cfg.model.__dict__ | {},
@@ -104,7 +104,7 @@ def script_digest(command: list[str]) -> str | None:
 
 
 def recording_dir(cfg: JobConfig, run_dir: str) -> str:
-    return cfg.runtime.recording_dir or os.path.join(run_dir, "recordings")
+    return cfg.standby.recording_dir or os.path.join(run_dir, "recordings")
 
 
 def recording_path(directory: str, key: str) -> str:

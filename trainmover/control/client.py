@@ -10,6 +10,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover.core import protocol as P
+from trainmover.core.config import JobConfig
+
+# How often a waiting `trainmover migrate` looks for the answer: a person is waiting, and a
+# store read ten times a second costs the job nothing.
+ANSWER_POLL_S = 0.1
 
 
 def connect(run_dir: str) -> dist.TCPStore:
@@ -18,8 +23,11 @@ def connect(run_dir: str) -> dist.TCPStore:
         raise ValueError(f"{run_dir!r} is not the run dir of a running job (no control.json)")
     with open(path) as f:
         host, _, port = json.load(f)["store"].rpartition(":")
+    with open(os.path.join(run_dir, "job.json")) as f:   # written before control.json
+        timeout_s = JobConfig.from_dict(json.load(f)).comm.client_connect_timeout_s
     try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        return dist.TCPStore(host, int(port), is_master=False,
+                             timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"the job in {run_dir!r} is not reachable at {host}:{port} "
                          f"(has it finished?): {exc}") from exc
@@ -40,5 +48,5 @@ def request_migration(run_dir: str, workers: list[str], to: list[str] | None = N
             status = P.decode(store.get(P.request_key(index, "status")))
             if not wait:
                 return status
-        time.sleep(0.1)
+        time.sleep(ANSWER_POLL_S)
     return {**status, "status": "timeout", "reason": f"no answer within {timeout_s} s"}

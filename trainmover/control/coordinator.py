@@ -145,7 +145,7 @@ class Coordinator:
         self.finished_migrations: list[dict] = []
         self.awaiting_downtime: list[ActiveMigration] = []
         self.started = threading.Event()
-        self._next_standby = cfg.runtime.standbys
+        self._next_standby = cfg.standby.count
         self._store_requests_seen = 0
         self.restarts: list[dict] = []
         self.warm_for: dict[str, list[str]] = {}
@@ -170,13 +170,13 @@ class Coordinator:
         with open(os.path.join(self.run_dir, "job.json"), "w") as f:
             json.dump(self.cfg.to_dict(), f, indent=2)
         self.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), worker="coordinator")
-        rt = self.cfg.runtime
+        host = self.cfg.process.store_host
         # the store's socket is opened here and inherited by the agent, which starts the
         # first processes before it even imports torch: no start-up latency is added
-        listener = socket.create_server((rt.store_host, 0), backlog=1024)
-        self.store_addr = f"{rt.store_host}:{listener.getsockname()[1]}"
+        listener = socket.create_server((host, 0), backlog=1024)
+        self.store_addr = f"{host}:{listener.getsockname()[1]}"
         workers = worker_names(self.cfg.layout.num_roles)
-        standbys = worker_names(rt.standbys, "s")
+        standbys = worker_names(self.cfg.standby.count, "s")
         self.membership = C.Membership.initial(self.cfg.layout, workers, standbys)
         self.procs = AgentClient(None)
         initial = [self._spawn_request(n, standby=False) for n in workers] + \
@@ -184,13 +184,12 @@ class Coordinator:
         init_path = os.path.join(self.run_dir, "agent_initial.json")
         with open(init_path, "w") as f:
             json.dump(initial, f)
+        # the agent reads its settings from job.json, written above
         with open(os.path.join(self.run_dir, "logs", "agent.log"), "ab") as log:
             self._agent_proc = subprocess.Popen(
                 [sys.executable, "-m", "trainmover.agent", "--run-dir", self.run_dir,
-                 "--host", rt.store_host, "--port", str(listener.getsockname()[1]),
+                 "--host", host, "--port", str(listener.getsockname()[1]),
                  "--listen-fd", str(listener.fileno()), "--initial", init_path,
-                 "--controller-restart", rt.controller_restart,
-                 "--controller-grace-s", str(rt.controller_grace_s),
                  "--controller-pid", str(os.getpid())],
                 pass_fds=[listener.fileno()], stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # outlives this process, and the terminal's Ctrl-C
@@ -209,8 +208,9 @@ class Coordinator:
         import torch.distributed as dist
 
         host, _, port = self.store_addr.rpartition(":")
-        self.store = store or dist.TCPStore(host, int(port), is_master=False,
-                                            timeout=timedelta(seconds=60))
+        self.store = store or dist.TCPStore(
+            host, int(port), is_master=False,
+            timeout=timedelta(seconds=self.cfg.comm.store_timeout_s))
         self.incarnation = self.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
         self.store.set(P.CONTROLLER_KEY, P.encode({"pid": os.getpid(),
                                                    "incarnation": self.incarnation}))
@@ -219,7 +219,7 @@ class Coordinator:
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
                                                  str(self.cfg.threads_per_worker())),
                "PYTHONUNBUFFERED": "1"}
-        if self.cfg.runtime.isolate_caches:
+        if self.cfg.process.isolate_caches:
             # one "machine" per process: its own compiler caches, kept across its restarts
             root = os.path.join(self.run_dir, "cache", name)
             env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
@@ -284,7 +284,8 @@ class Coordinator:
         import torch.distributed as dist
 
         host, _, port = self.store_addr.rpartition(":")
-        probe = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        probe = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=timedelta(seconds=cfg.comm.store_timeout_s))
         if probe.check([P.CONTROLLER_KEY]):
             current = P.decode(probe.get(P.CONTROLLER_KEY))
             if pid_alive(current["pid"]) and current["pid"] != os.getpid() and not force:
@@ -344,7 +345,7 @@ class Coordinator:
                 self._flush()
                 if self.timeout_s is not None and time.perf_counter() - t0 > self.timeout_s:
                     raise JobFailed(f"job exceeded its timeout of {self.timeout_s} s")
-                time.sleep(0.02)
+                time.sleep(cfg.controller.poll_s)
             self._flush()
         except Superseded:
             self.started.set()
@@ -385,7 +386,7 @@ class Coordinator:
 
     def _check_incarnation(self) -> None:
         now = time.monotonic()
-        if now - self._incarnation_checked_at < 0.25:
+        if now - self._incarnation_checked_at < self.cfg.controller.incarnation_check_s:
             return
         self._incarnation_checked_at = now
         latest = self.store.add(P.CONTROLLER_INCARNATION_KEY, 0)
@@ -400,7 +401,7 @@ class Coordinator:
         self.progress.poll()
         self._check_processes()
         self._update_standbys()
-        if self.cfg.runtime.recover:
+        if self.cfg.health.recover:
             self.recovery.poll()
         self._collect_requests()
         self._fire_injects()
@@ -435,7 +436,7 @@ class Coordinator:
 
     # --- the restart baseline ------------------------------------------------------------------
     def _restart_due(self) -> bool:
-        k = self.cfg.runtime.restart_at_step
+        k = self.cfg.baseline.restart_at_step
         self.progress.poll()
         planned_done = any(r["cause"] == "planned" for r in self.restarts)
         return k is not None and not planned_done and self.progress.last_step == k - 1
@@ -444,7 +445,7 @@ class Coordinator:
         """What torchrun/Megatron users do: every process is gone; start fresh ones that
         rebuild every group (under a new generation) and reload the last checkpoint. They
         vote in a new epoch, so no decision of the steps they redo is taken as made."""
-        k = self.cfg.runtime.restart_at_step if step is None else step
+        k = self.cfg.baseline.restart_at_step if step is None else step
         t = time.time()
         generation = max(self.membership.next_generation.values(), default=1)
         for name in self.membership.next_generation:
@@ -511,7 +512,7 @@ class Coordinator:
                     self.events.emit("standby_died", name=name, code=code)
                     self.progress.say(f"standby {name} exited with code {code}")
                 continue
-            if self.cfg.runtime.recover and name in self.membership.workers:
+            if self.cfg.health.recover and name in self.membership.workers:
                 continue  # the recovery path detects, fences and replaces it
             if name in self.membership.departed or name in self.recovery.failed_workers:
                 continue
@@ -521,7 +522,7 @@ class Coordinator:
     def _update_standbys(self) -> None:
         """Follow each free standby's readiness (cold, warming, warm) as it reports it."""
         now = time.monotonic()
-        if now - self._standbys_read_at < 0.25:
+        if now - self._standbys_read_at < self.cfg.controller.standby_poll_s:
             return
         self._standbys_read_at = now
         for name, st in self.membership.standbys.items():
@@ -708,7 +709,7 @@ class Coordinator:
             if j not in dead and self.procs.running(j):
                 # a joiner that prepared for an abandoned migration holds stale groups: retire
                 # it rather than reuse it
-                self.procs.stop(j)
+                self.procs.stop(j, self.cfg.controller.stop_grace_s)
                 self.membership.standbys[j] = C.StandbyState.DEAD
         self.events.emit("migration_aborted", migration_id=mid, reason=reason)
         self.progress.say(f"migration {mid} aborted: {reason}; the job continues unchanged")
@@ -734,7 +735,7 @@ class Coordinator:
             self.put(P.membership_key(p.joiner), p.role.name)
         for p in rest:
             if self.procs.running(p.joiner):
-                self.procs.stop(p.joiner)
+                self.procs.stop(p.joiner, self.cfg.controller.stop_grace_s)
                 self.membership.standbys[p.joiner] = C.StandbyState.DEAD
         self.put(P.mig_key(mid, "abort"), reason)   # participants still preparing drop it
         result = {"status": "interrupted", "reason": reason, **plan.describe(),
@@ -825,12 +826,13 @@ class Coordinator:
         self._answer(mig.request, result)
 
     # --- stopping and the end ------------------------------------------------------------------
-    def _stop_all(self, grace_s: float = 3.0) -> None:
+    def _stop_all(self) -> None:
         """Every process and the agent stop (the job is over or failed)."""
-        self.procs.shutdown(grace_s)
+        ctl = self.cfg.controller
+        self.procs.shutdown(ctl.stop_grace_s, ctl.agent_exit_timeout_s)
         if self._agent_proc is not None:
             try:
-                self._agent_proc.wait(timeout=30)
+                self._agent_proc.wait(timeout=ctl.agent_exit_timeout_s)
             except subprocess.TimeoutExpired:
                 self._agent_proc.kill()
                 self._agent_proc.wait()
@@ -854,7 +856,7 @@ class Coordinator:
             "final_loss": metrics[-1]["loss"] if metrics else None,
             "layout": cfg.layout.as_dict(),
             "workers": cfg.layout.num_roles,
-            "standbys": cfg.runtime.standbys,
+            "standbys": cfg.standby.count,
             "membership": {w: r.name for w, r in sorted(self.membership.workers.items())},
             "weights_sha256": digest,
             "checkpoint": ckpt_dir,

@@ -71,13 +71,14 @@ class AgentClient:
         self.send({"op": "signal", "name": name, "signal": "KILL",
                    "incarnation": self.procs[name].incarnation})
 
-    def stop(self, name: str, grace_s: float = 3.0) -> None:
+    def stop(self, name: str, grace_s: float) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``."""
         self.send({"op": "signal", "name": name, "signal": "TERM", "grace_s": grace_s,
                    "incarnation": self.procs[name].incarnation})
 
-    def shutdown(self, grace_s: float = 3.0, timeout_s: float = 30.0) -> None:
-        """Stop every process and the agent; returns once they are stopped."""
+    def shutdown(self, grace_s: float, timeout_s: float) -> None:
+        """Stop every process (SIGKILL after ``grace_s``) and the agent; returns once they
+        are stopped, or after ``timeout_s``."""
         from datetime import timedelta
 
         try:

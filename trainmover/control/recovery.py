@@ -5,16 +5,19 @@ Detection, bounded:
 - a crashed worker: its process exit is seen at the next poll (tens of milliseconds);
 - a hung worker (stopped, wedged): its heartbeat counter stops moving. The step watchdog
   localizes it early: once no step was committed for ``stall_factor`` x the recent step time
-  (at least ``stall_floor_s``), the workers silent for 4 heartbeat intervals while the
-  others beat are the hung ones; judged only in steady state (``disrupted``). Otherwise, after ``heartbeat_timeout_s``, a silent worker
-  is hung regardless. A hung worker is *fenced*: killed with SIGKILL. gloo cannot cancel an
-  operation and a stopped peer keeps its sockets open, so without fencing the survivors would
-  wait for the group timeout; with it, a hang costs at most the heartbeat timeout;
+  (at least ``stall_floor_s``), the workers silent for ``silence_beats`` heartbeat intervals
+  (at least ``silence_floor_s``) while the others beat are the hung ones; judged only in
+  steady state (``disrupted``). Otherwise, after ``heartbeat_timeout_s``, a silent worker
+  is hung regardless (settings: ``HealthConfig``). A hung worker is *fenced*: killed with
+  SIGKILL. gloo cannot cancel an operation and a stopped peer keeps its sockets open, so
+  without fencing the survivors would wait for the group timeout; with it, a hang costs at
+  most the heartbeat timeout;
 - a failed collective (peer reset, a worker's own communicator aborted): the survivors
   report it; a worker whose own communicator failed is fenced and replaced.
 Then the step in flight is aborted everywhere (``abort/<epoch>`` wakes every survivor out of
 any wait, and the step's commit decision is set to ``abort`` unless it was already
-``commit``), so no survivor is ever stuck past the bound.
+``commit``), so no survivor is ever stuck past the bound. A survivor that still beats but
+sends no report within ``recovery.report_timeout_s`` is fenced as hung.
 """
 from __future__ import annotations
 
@@ -87,8 +90,8 @@ class Recovery:
         coord, now = self.coord, time.time()
         handled = set(self.active.failures) if self.active else set()
         out = []
-        # process exits every round; store look-ups (heartbeats, reports) at most every 50 ms
-        look = now - self._looked_at >= 0.05
+        # process exits every round; store look-ups (heartbeats, reports) less often
+        look = now - self._looked_at >= self.cfg.health.check_interval_s
         if look:
             self._looked_at = now
         stalled = self.stalled_for(now) if look else None
@@ -109,7 +112,7 @@ class Recovery:
             if beat is not None and now - beat > timeout:
                 out.append(Failure(w, "hang", now, f"no heartbeat for {now - beat:.2f} s"))
                 continue
-            if beat is not None and now - beat > self._silence_s():
+            if beat is not None and now - beat > self.cfg.health.silence_s():
                 silent.append((w, now - beat))
             elif beat is not None:
                 beating += 1
@@ -127,21 +130,17 @@ class Recovery:
     def _heartbeat_timeout_s(self) -> float:
         """The liveness timeout once the job committed a step since it last changed; the
         longer start-up timeout before that."""
-        rt = self.cfg.runtime
+        health = self.cfg.health
         records = self.coord.progress.records
         if records and records[-1]["time"] > self._steady_since:
-            return rt.heartbeat_timeout_s
-        return rt.startup_timeout_s
-
-    def _silence_s(self) -> float:
-        """How long a heartbeat may pause before the step watchdog may call it silent."""
-        return max(1.0, 4 * self.cfg.runtime.heartbeat_interval_s)
+            return health.heartbeat_timeout_s
+        return health.startup_timeout_s
 
     def stalled_for(self, now: float) -> float | None:
-        rt = self.cfg.runtime
+        health = self.cfg.health
         times = [r["time"] for r in self.coord.progress.records[-11:]]
         return stalled_for([t for t in times if t > self._steady_since], now,
-                           rt.stall_factor, rt.stall_floor_s)
+                           health.stall_factor, health.stall_floor_s)
 
     def _beat(self, worker: str) -> float | None:
         """Time the worker's heartbeat counter last moved (None before its first beat)."""
@@ -205,7 +204,7 @@ class Recovery:
 
     def _start(self, failures: list[Failure]) -> None:
         coord = self.coord
-        if self.cfg.runtime.restart_on_failure:
+        if self.cfg.baseline.restart_on_failure:
             return self._restart_everything(failures)
         self._count += 1
         t = time.time()
@@ -256,7 +255,7 @@ class Recovery:
                         missing.append(w)
             if missing:
                 since = rec.t_collect or rec.t_detected
-                if time.time() - since > self.cfg.runtime.heartbeat_timeout_s * 2:
+                if time.time() - since > self.cfg.recovery.report_timeout_s:
                     # alive (beating) yet silent: treat as failed too
                     for w in missing:
                         self.fence(w, "no report after abort")
@@ -305,7 +304,7 @@ class Recovery:
                                holders)
         ckpt = latest_complete(coord.run_dir)
         short = len(rec.failures) - len(m.free_standbys())
-        if short > 0 and self.cfg.runtime.replace_without_standby:
+        if short > 0 and self.cfg.recovery.replace_without_standby:
             self._start_replacements(rec, short)
         try:
             plan = C.plan_recovery(m, rec.recovery_id, sorted(rec.failures), dirty, ckpt)

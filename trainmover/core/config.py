@@ -15,6 +15,18 @@ def _positive(owner: str, **values) -> None:
             raise ValueError(f"{owner}.{name} must be a positive integer, got {v!r}")
 
 
+def _seconds(owner: str, **values) -> None:
+    for name, v in values.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ValueError(f"{owner}.{name} must be > 0, got {v!r}")
+
+
+def _non_negative(owner: str, **values) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{owner}.{name} must be an integer >= 0, got {v!r}")
+
+
 @dataclass
 class ModelConfig:
     """A decoder-only GPT (pre-norm blocks, learned positions, untied head)."""
@@ -135,17 +147,24 @@ BUILTIN_TRAINER = ["-m", "trainmover.gpt_trainer"]
 
 @dataclass
 class ProcessConfig:
-    """What each worker and standby process runs: a Python training script that uses the
-    runtime's API, as ``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]`` (what follows
-    ``python`` on its command line). The default is the built-in GPT trainer."""
+    """What each worker and standby process runs, and where: a Python training script that
+    uses the runtime's API, as ``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]`` (what
+    follows ``python`` on its command line). The default is the built-in GPT trainer."""
 
     command: list = field(default_factory=lambda: list(BUILTIN_TRAINER))
+    device: str = "cpu"                # "cpu" (gloo) or "cuda" (NCCL)
+    store_host: str = "127.0.0.1"      # the address the job's store listens on
+    # Give every process its own compiler cache directories, as if each ran on its own
+    # machine (benchmarks: a joiner on a new machine starts with no cache).
+    isolate_caches: bool = False
 
     @property
     def builtin(self) -> bool:
         return list(self.command) == BUILTIN_TRAINER
 
     def validate(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"process.device must be 'cpu' or 'cuda', got {self.device!r}")
         cmd = self.command
         if not cmd or not all(isinstance(a, str) for a in cmd):
             raise ValueError(f"process.command must be a non-empty list of strings, got "
@@ -163,26 +182,33 @@ class ProcessConfig:
 
 
 @dataclass
-class RuntimeConfig:
-    """Process-level settings of a job (not of the model)."""
+class CommConfig:
+    """Timeouts of the job's communication: last resorts, since failures are detected
+    (``HealthConfig``) and every wait aborted long before they expire."""
 
-    device: str = "cpu"
+    # A collective, point-to-point operation or group rendezvous gives up after this. A
+    # worker's store clients wait as long: its commit vote and group rendezvous block on them.
     group_timeout_s: float = 120.0
-    store_host: str = "127.0.0.1"
-    standbys: int = 0
-    faults: list = field(default_factory=list)  # faults.WorkerFault as dicts (tests, chaos)
-    # Asynchronous per-role checkpoint every N steps (0: off): a copy to host memory at the
-    # step boundary, written in the background. The restart baseline saves every step, the
-    # most favourable case for restart.
-    checkpoint_every: int = 0
-    # The restart baseline: at this step every worker stops, fresh processes start, rebuild
-    # every group and reload the checkpoint. Known in advance, again in restart's favour.
-    restart_at_step: int | None = None
-    # Give every process its own compiler cache directories, as if each ran on its own
-    # machine (benchmarks: a joiner on a new machine starts with no cache).
-    isolate_caches: bool = False
-    # Sandboxed warm-up: representative roles record their first step (when the job has
-    # standbys); standbys replay it for ``warmup_iterations`` shadow steps per stage kind.
+    # Store operations of the store's host (the agent), of the controller and of benchmark
+    # and test harnesses.
+    store_timeout_s: float = 60.0
+    # `trainmover migrate` connecting to a job's store: short, since a job that ended leaves
+    # nobody listening and the command should say so promptly.
+    client_connect_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        _seconds("comm", group_timeout_s=self.group_timeout_s,
+                 store_timeout_s=self.store_timeout_s,
+                 client_connect_timeout_s=self.client_connect_timeout_s)
+
+
+@dataclass
+class StandbyConfig:
+    """Standby processes and their sandboxed warm-up: representative roles record their
+    first step (when the job has standbys); standbys replay it for ``warmup_iterations``
+    shadow steps per stage structure."""
+
+    count: int = 0                     # standby processes started with the job
     record: bool = True
     warmup: bool = True
     warmup_iterations: int = 2
@@ -193,81 +219,192 @@ class RuntimeConfig:
     # batch (published by the job's worker of that role when it runs the step) before it
     # skips the check, with an event.
     fingerprint_wait_s: float = 30.0
-    # At the end, the holder of role dp0.pp0.tp0 waits this long for every other
-    # data-parallel-rank-0 role's final state before assembling the canonical checkpoint.
-    final_timeout_s: float = 300.0
-    # Failure handling: workers beat every interval; one silent for the timeout is fenced.
-    # A step is applied only after every worker voted (commit protocol).
+
+    def validate(self) -> None:
+        _non_negative("standby", count=self.count)
+        _positive("standby", warmup_iterations=self.warmup_iterations)
+        _seconds("standby", recording_poll_s=self.recording_poll_s,
+                 fingerprint_wait_s=self.fingerprint_wait_s)
+
+
+@dataclass
+class HealthConfig:
+    """Failure detection: workers beat every interval; one silent for the timeout is hung
+    and fenced. A step is applied only after every worker voted (commit protocol)."""
+
+    # Failure handling on: heartbeats, the commit vote, abortable waits, detection and
+    # recovery. Off: any worker failure ends the job.
     recover: bool = True
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 3.0
-    # Step watchdog: once no step was committed for max(stall_floor_s, stall_factor x the
-    # recent step time), a worker whose heartbeat has been silent for 4 intervals (>= 1 s) while
-    # the others beat is the hung one, fenced without waiting for heartbeat_timeout_s.
-    stall_factor: float = 3.0
-    stall_floor_s: float = 0.5
     # Until the job commits its first step after a start, restart, promotion or switch, a
     # heartbeat may pause this long (many processes compiling at once starve each other of
     # CPU for seconds): the start-up probe, to the heartbeat timeout's liveness probe.
     startup_timeout_s: float = 30.0
-    # The restart baseline for failures: on a failure, restart every process from the newest
-    # complete checkpoint instead of recovering into a standby.
-    restart_on_failure: bool = False
+    # Step watchdog: once no step was committed for max(stall_floor_s, stall_factor x the
+    # recent step time), a worker whose heartbeat is silent (``silence_s``) while the others
+    # beat is the hung one, fenced without waiting for heartbeat_timeout_s.
+    stall_factor: float = 3.0
+    stall_floor_s: float = 0.5
+    silence_beats: int = 4
+    silence_floor_s: float = 1.0
+    # How often the controller reads heartbeats and failure reports from the store (process
+    # exits are seen every supervision round): detection latency against store load.
+    check_interval_s: float = 0.05
+
+    def silence_s(self) -> float:
+        """How long a heartbeat may pause before the step watchdog may call it silent: a few
+        missed beats, never under the floor (one late beat is scheduling noise)."""
+        return max(self.silence_floor_s, self.silence_beats * self.heartbeat_interval_s)
+
+    def validate(self) -> None:
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(f"health.heartbeat_interval_s={self.heartbeat_interval_s!r} must "
+                             f"be > 0 and below heartbeat_timeout_s={self.heartbeat_timeout_s!r}")
+        if self.startup_timeout_s < self.heartbeat_timeout_s:
+            raise ValueError(f"health.startup_timeout_s={self.startup_timeout_s!r} must be >= "
+                             f"heartbeat_timeout_s={self.heartbeat_timeout_s!r}")
+        if self.stall_factor < 1 or self.stall_floor_s <= 0:
+            raise ValueError(f"health.stall_factor must be >= 1 and stall_floor_s > 0, got "
+                             f"{self.stall_factor!r} and {self.stall_floor_s!r}")
+        _positive("health", silence_beats=self.silence_beats)
+        _seconds("health", silence_floor_s=self.silence_floor_s,
+                 check_interval_s=self.check_interval_s)
+
+
+@dataclass
+class RecoveryConfig:
+    """What the controller does once a failure is detected."""
+
+    # After aborting the step in flight, how long the controller waits for each survivor's
+    # report; a survivor that beats but does not report by then is fenced as hung.
+    report_timeout_s: float = 6.0
     # A failure with no free standby: start a replacement process (a new standby, promoted
     # as soon as it runs; the job waits for it, "degraded") instead of stopping the job.
     replace_without_standby: bool = True
-    # The controller may die without stopping training (the agent hosts the store and the
-    # processes). "auto": the agent starts a new one, which resumes from the store; "manual":
-    # it waits ``controller_grace_s`` for `trainmover controller --resume`, then stops the job.
-    controller_restart: str = "auto"
-    controller_grace_s: float = 300.0
 
     def validate(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"runtime.device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.group_timeout_s <= 0:
-            raise ValueError(f"runtime.group_timeout_s must be > 0, got {self.group_timeout_s!r}")
-        if not isinstance(self.standbys, int) or self.standbys < 0:
-            raise ValueError(f"runtime.standbys must be >= 0, got {self.standbys!r}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"runtime.checkpoint_every must be >= 0, got "
-                             f"{self.checkpoint_every!r}")
-        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
-            raise ValueError(f"runtime.heartbeat_interval_s={self.heartbeat_interval_s!r} must "
-                             f"be > 0 and below heartbeat_timeout_s={self.heartbeat_timeout_s!r}")
-        if self.startup_timeout_s < self.heartbeat_timeout_s:
-            raise ValueError(f"runtime.startup_timeout_s={self.startup_timeout_s!r} must be >= "
-                             f"heartbeat_timeout_s={self.heartbeat_timeout_s!r}")
-        if self.stall_factor < 1 or self.stall_floor_s <= 0:
-            raise ValueError(f"runtime.stall_factor must be >= 1 and stall_floor_s > 0, got "
-                             f"{self.stall_factor!r} and {self.stall_floor_s!r}")
-        if self.warmup_iterations < 1:
-            raise ValueError(f"runtime.warmup_iterations must be >= 1, got "
-                             f"{self.warmup_iterations!r}")
-        if self.controller_restart not in ("auto", "manual"):
-            raise ValueError(f"runtime.controller_restart must be 'auto' or 'manual', got "
-                             f"{self.controller_restart!r}")
-        if self.controller_grace_s <= 0:
-            raise ValueError(f"runtime.controller_grace_s must be > 0, got "
-                             f"{self.controller_grace_s!r}")
-        if self.restart_at_step is not None and self.checkpoint_every != 1:
-            raise ValueError("runtime.restart_at_step needs runtime.checkpoint_every=1 "
-                             f"(got {self.checkpoint_every!r})")
+        _seconds("recovery", report_timeout_s=self.report_timeout_s)
+
+
+@dataclass
+class CheckpointConfig:
+    """Asynchronous per-role checkpoints every ``every`` steps (0: off): a copy to host
+    memory at the step boundary, written in the background. And the final checkpoint."""
+
+    every: int = 0
+    keep: int = 2      # complete checkpoints kept on disk (older ones are deleted)
+    # At the end, the holder of role dp0.pp0.tp0 waits this long for every other
+    # data-parallel-rank-0 role's final state before assembling the canonical checkpoint.
+    final_timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        _non_negative("checkpoint", every=self.every)
+        _positive("checkpoint", keep=self.keep)
+        _seconds("checkpoint", final_timeout_s=self.final_timeout_s)
+
+
+@dataclass
+class ControllerConfig:
+    """The controller process: its supervision rounds, how it stops processes, and what
+    happens when it dies. It may die without stopping training (the agent hosts the store and
+    the processes)."""
+
+    # "auto": the agent starts a new controller, which resumes from the store, at most
+    # ``max_restarts`` times per job (one that keeps dying has a cause a restart will not
+    # fix); "manual": the agent waits ``grace_s`` for `trainmover controller --resume`, then
+    # stops the job.
+    restart: str = "auto"
+    grace_s: float = 300.0
+    max_restarts: int = 3
+    # The supervision round: steps, exits and requests are seen within this.
+    poll_s: float = 0.02
+    # How often the standbys' readiness (cold, warming, warm) is read: it changes in seconds.
+    standby_poll_s: float = 0.25
+    # How often the controller checks that no newer controller took over (it then steps
+    # down): two controllers act at once for at most this long.
+    incarnation_check_s: float = 0.25
+    # A process told to stop gets SIGTERM, then SIGKILL after this (also at the job's end).
+    stop_grace_s: float = 3.0
+    # At the job's end, how long the controller waits for the agent to stop every process
+    # and exit before killing it.
+    agent_exit_timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        if self.restart not in ("auto", "manual"):
+            raise ValueError(f"controller.restart must be 'auto' or 'manual', got "
+                             f"{self.restart!r}")
+        _non_negative("controller", max_restarts=self.max_restarts)
+        _seconds("controller", grace_s=self.grace_s, poll_s=self.poll_s,
+                 standby_poll_s=self.standby_poll_s,
+                 incarnation_check_s=self.incarnation_check_s, stop_grace_s=self.stop_grace_s,
+                 agent_exit_timeout_s=self.agent_exit_timeout_s)
+
+
+@dataclass
+class AgentConfig:
+    """The agent: the job's store host and process supervisor (``agent/main.py``). It reads
+    these, and ``ControllerConfig``'s restart policy, from the run dir's ``job.json``."""
+
+    # Its loop: how soon a spawn or signal request, or a process exit, is handled.
+    poll_s: float = 0.005
+    # How often it checks that the controller's process is alive.
+    controller_check_s: float = 0.1
+    # After stopping every process, how long it keeps the store up for the controller to
+    # read that it did (then it exits regardless).
+    shutdown_ack_s: float = 5.0
+
+    def validate(self) -> None:
+        _seconds("agent", poll_s=self.poll_s, controller_check_s=self.controller_check_s,
+                 shutdown_ack_s=self.shutdown_ack_s)
+
+
+@dataclass
+class BaselineConfig:
+    """The restart baselines that benchmarks compare against, each set in restart's favour."""
+
+    # At this step every worker stops, fresh processes start, rebuild every group and reload
+    # the checkpoint. Known in advance, and checkpoints every step (``checkpoint.every=1``).
+    restart_at_step: int | None = None
+    # On a failure, restart every process from the newest complete checkpoint instead of
+    # recovering into a standby.
+    restart_on_failure: bool = False
+
+    def validate(self, checkpoint: CheckpointConfig) -> None:
+        if self.restart_at_step is not None and checkpoint.every != 1:
+            raise ValueError("baseline.restart_at_step needs checkpoint.every=1 "
+                             f"(got {checkpoint.every!r})")
 
 
 @dataclass
 class JobConfig:
+    """A whole job: the model and its training, then one section per part of the runtime.
+    Every timeout, supervision interval and retry count of the runtime is a field of a
+    section. Left as named constants in code: poll intervals of waits inside one process
+    (they cost only milliseconds of latency when a wait is cut short) and the re-arm period
+    of idle store waits (not timeouts: those waits loop)."""
+
     name: str = "job"
     layout: Layout = field(default_factory=Layout)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     process: ProcessConfig = field(default_factory=ProcessConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    standby: StandbyConfig = field(default_factory=StandbyConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
+    faults: list = field(default_factory=list)  # faults.WorkerFault as dicts (tests, chaos)
 
     def validate(self) -> "JobConfig":
-        self.runtime.validate()
-        self.process.validate()
+        for section in (self.process, self.comm, self.standby, self.health, self.recovery,
+                        self.checkpoint, self.controller, self.agent):
+            section.validate()
+        self.baseline.validate(self.checkpoint)
         if not self.process.builtin:
             # a script of the user's: the model, data and optimizer are its own; train.steps
             # is the step count if the launcher was told it (progress and injects), else 0
@@ -284,19 +421,35 @@ class JobConfig:
                              f"data uses byte tokens 0..255")
         return self
 
+    def override(self, **settings) -> "JobConfig":
+        """Set fields by name: a top-level field (``faults=[...]``) or ``<section>_<field>``
+        (``checkpoint_every=2``, ``health_heartbeat_timeout_s=2.0``). An unknown name raises
+        ``ValueError``; values are checked by ``validate``."""
+        for key, value in settings.items():
+            if key in self.__dataclass_fields__:
+                setattr(self, key, value)
+                continue
+            section, _, name = key.partition("_")
+            target = getattr(self, section) if section in self.__dataclass_fields__ else None
+            if not (dataclasses.is_dataclass(target) and name in target.__dataclass_fields__):
+                raise ValueError(f"unknown setting {key!r}: expected a field of JobConfig or "
+                                 f"<section>_<field>, e.g. 'checkpoint_every'")
+            setattr(target, name, value)
+        return self
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    @staticmethod
-    def from_dict(d: dict) -> "JobConfig":
-        return JobConfig(
-            name=d["name"], layout=Layout(**d["layout"]), model=ModelConfig(**d["model"]),
-            train=TrainConfig(**d["train"]), data=DataConfig(**d["data"]),
-            runtime=RuntimeConfig(**d["runtime"]),
-            process=ProcessConfig(**d.get("process", {})))
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobConfig":
+        """The inverse of ``to_dict`` (a run dir's ``job.json``); absent sections take their
+        defaults."""
+        sections = {f.name: f.default_factory for f in dataclasses.fields(cls)
+                    if dataclasses.is_dataclass(f.default_factory)}
+        return cls(**{k: sections[k](**v) if k in sections else v for k, v in d.items()})
 
     def threads_per_worker(self) -> int:
         if self.train.threads_per_worker:
             return self.train.threads_per_worker
-        workers = self.layout.num_roles + self.runtime.standbys
+        workers = self.layout.num_roles + self.standby.count
         return max(1, (os.cpu_count() or 1) // workers)

@@ -20,6 +20,11 @@ participant shares a group with the leaver that runs a blocking collective each 
 two participants are more than two boundaries apart; three is the smallest margin that no
 participant can already have passed."""
 
+IDLE_WAIT_S = 24 * 3600
+"""How long one store wait for a key that may come arbitrarily late (a worker's next
+command, an epoch's abort) lasts before it is re-armed. Not a timeout: the waiter loops,
+checking only that the store is still there (the store's API has no unbounded wait)."""
+
 
 def membership_key(worker: str) -> str:
     return f"membership/worker/{worker}"

@@ -69,7 +69,7 @@ class AsyncCheckpointer:
     point leaves either a complete checkpoint or one that ``latest_complete`` ignores; the
     previous complete one is kept until a newer one is complete."""
 
-    def __init__(self, run_dir: str, role_name: str, num_roles: int, store, keep: int = 2):
+    def __init__(self, run_dir: str, role_name: str, num_roles: int, store, keep: int):
         self.run_dir, self.role_name, self.num_roles = run_dir, role_name, num_roles
         self.store, self.keep = store, keep
         self._thread = None

@@ -20,6 +20,11 @@ from trainmover.core.topology import Layout, Role
 from trainmover.train.checkpoint import save_canonical
 from trainmover.train.state import TrainState, assemble, state_digest
 
+# How often the assembler counts the final shards written (a wait of about a step, once per
+# job: polling it costs nothing).
+SHARD_POLL_S = 0.01
+
+
 def save_atomic(obj, path: str) -> None:
     """Write then rename, so a reader never sees a partial file."""
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -43,7 +48,7 @@ def write_final_shard(run_dir: str, role: Role, state: TrainState, store, layout
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {store.add(P.final_shards_key(), 0)}/{expected} final "
                                f"shards were written within {timeout_s} s")
-        time.sleep(0.01)
+        time.sleep(SHARD_POLL_S)
     assemble_final(run_dir, layout)
 
 

@@ -66,16 +66,18 @@ class WorkerContext:
         with open(os.path.join(run_dir, "job.json")) as f:
             self.cfg = cfg = JobConfig.from_dict(json.load(f))
         torch.set_num_threads(cfg.threads_per_worker())
-        self.stores = StoreClients(store_addr, timeout_s=cfg.runtime.group_timeout_s)
+        # the group timeout, not the store's: the commit vote and every group rendezvous
+        # block on these clients, and wait as long as a collective may
+        self.stores = StoreClients(store_addr, timeout_s=cfg.comm.group_timeout_s)
         self.store = self.stores.get()
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name)
         self.device = self._device()
         self.abort = AbortSignal()
         self.epoch = epoch
-        self.builder = GroupBuilder(self.stores, self.device, cfg.runtime.group_timeout_s,
-                                    abort_signal=self.abort if cfg.runtime.recover else None)
-        self.heartbeat = Heartbeat(self.stores, name, cfg.runtime.heartbeat_interval_s) \
-            if cfg.runtime.recover else None
+        self.builder = GroupBuilder(self.stores, self.device, cfg.comm.group_timeout_s,
+                                    abort_signal=self.abort if cfg.health.recover else None)
+        self.heartbeat = Heartbeat(self.stores, name, cfg.health.heartbeat_interval_s) \
+            if cfg.health.recover else None
         self.commands = CommandChannel(self.stores, name)
         self.launch: Launch | None = None
         self.runtime = None          # the Runtime of the script run in progress
@@ -85,7 +87,7 @@ class WorkerContext:
                          import_s=round(self.t_imported - self.t_start, 4))
 
     def _device(self) -> torch.device:
-        if self.cfg.runtime.device != "cuda":
+        if self.cfg.process.device != "cuda":
             return torch.device("cpu")
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local % torch.cuda.device_count())
@@ -93,7 +95,7 @@ class WorkerContext:
 
     def fault(self, point: str, step: int | None = None, on_commerr=None) -> None:
         """A named point where tests and chaos runs inject faults (``core.faults``)."""
-        faults.hit(self.cfg.runtime.faults, self.name, point, step, self.events,
+        faults.hit(self.cfg.faults, self.name, point, step, self.events,
                    on_commerr=on_commerr, store=self.store)
 
     def set_standby_state(self, state: str, warm_for: list[str] = ()) -> None:

@@ -54,7 +54,7 @@ class AbortWatcher:
         key = P.abort_key(epoch)
         while True:
             try:
-                store.wait([key], timedelta(hours=24))
+                store.wait([key], timedelta(seconds=P.IDLE_WAIT_S))
                 reason = store.get(key).decode()
             except Exception:  # noqa: BLE001 - long idle wait, or the store is gone
                 try:

@@ -73,7 +73,7 @@ def run_standby(ctx: WorkerContext) -> int:
     ctx.set_standby_state("cold")
     ctx.events.emit("standby_registered", state="cold")
     ctx.fault("standby")
-    if ctx.cfg.runtime.warmup:
+    if ctx.cfg.standby.warmup:
         warm_up(ctx)
     cmd = ctx.commands.next()
     if not isinstance(cmd, (P.AssignMigration, P.AssignRecovery)):

@@ -22,6 +22,9 @@ from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
 from trainmover.core.topology import GroupSpec, Layout, Role
 
+# How often ``CommandChannel.next``, while it blocks, checks that the job's store is still
+# there (one store round trip): a waiting worker notices within this that its job is gone.
+STORE_CHECK_S = 1.0
 
 
 class CommandChannel:
@@ -39,7 +42,7 @@ class CommandChannel:
         while True:
             key = P.command_key(self.worker, index)
             try:
-                store.wait([key], timedelta(hours=24))
+                store.wait([key], timedelta(seconds=P.IDLE_WAIT_S))
             except Exception:  # noqa: BLE001 - store gone (job over) or a long idle wait
                 if not self._store_alive(store):
                     return
@@ -71,7 +74,7 @@ class CommandChannel:
         """Block until a command arrives; raise if the job's store has gone away."""
         while True:
             try:
-                return self.queue.get(timeout=1.0)
+                return self.queue.get(timeout=STORE_CHECK_S)
             except queue.Empty:
                 if not self._store_alive(self._stores.get()):
                     raise RuntimeError(f"{self.worker}: the job's store is gone; exiting")

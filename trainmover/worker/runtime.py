@@ -357,10 +357,10 @@ class Runtime:
         while not os.path.exists(launch.path):
             if not ctx.commands.queue.empty():
                 raise ShadowInterrupted(f"assigned before {launch.structure} was recorded")
-            time.sleep(ctx.cfg.runtime.recording_poll_s)
+            time.sleep(ctx.cfg.standby.recording_poll_s)
         ctx.shadow_wait_s = time.perf_counter() - t_wait
         load_into(self.comm_groups, load_recording(launch.path, launch.manifest))
-        for i in range(ctx.cfg.runtime.warmup_iterations):
+        for i in range(ctx.cfg.standby.warmup_iterations):
             step = i + 1
             rewind(self.comm_groups)
             self._begin(step)
@@ -381,7 +381,7 @@ class Runtime:
             return
         key = P.batch_fingerprint_key(structure, step)
         try:
-            self.ctx.store.wait([key], timedelta(seconds=self.config.runtime.fingerprint_wait_s))
+            self.ctx.store.wait([key], timedelta(seconds=self.config.standby.fingerprint_wait_s))
         except Exception:  # noqa: BLE001 - the job has not run that step yet (or ended)
             self.ctx.events.emit("fingerprint_skipped", step=step, structure=structure)
             return
@@ -428,9 +428,9 @@ class _Loop:
                                        self.ctx.events)
         self.migrations.state = rt.state
         self.migrations.on_point = lambda point, step: rt.fault_point(point, step)
-        every = cfg.runtime.checkpoint_every
-        self.checkpointer = AsyncCheckpointer(rt.run_dir, rt.role.name, rt.layout.num_roles,
-                                              self.ctx.stores.get()) if every else None
+        self.checkpointer = AsyncCheckpointer(
+            rt.run_dir, rt.role.name, rt.layout.num_roles, self.ctx.stores.get(),
+            cfg.checkpoint.keep) if cfg.checkpoint.every else None
         if self.checkpointer is not None:
             self.checkpointer.on_write = lambda path: self.ctx.fault(
                 "checkpoint", self.checkpointer.step)
@@ -475,7 +475,7 @@ class _Loop:
     def _start_epoch(self, watching: bool = False) -> None:
         """Arm this epoch's abort watcher (unless ``watching`` already) and commit vote."""
         ctx = self.ctx
-        if not self.cfg.runtime.recover:
+        if not self.cfg.health.recover:
             self.vote = None
             return
         if not watching:
@@ -490,7 +490,7 @@ class _Loop:
         from trainmover.comm.record import representative_roles, structure_depths
 
         cfg = self.cfg
-        if not (cfg.runtime.record and cfg.runtime.standbys > 0 and start == 0):
+        if not (cfg.standby.record and cfg.standby.count > 0 and start == 0):
             return None
         for key, role in representative_roles(cfg.layout, structure_depths(cfg)).items():
             if role == self.rt.role:
@@ -511,7 +511,7 @@ class _Loop:
             if self.migrations.at_boundary(step) == M.LEAVE:
                 ctx.events.emit("worker_left", step=step)
                 raise Departed()
-            if step == cfg.runtime.restart_at_step and step != start_step:
+            if step == cfg.baseline.restart_at_step and step != start_step:
                 if self.checkpointer is not None:
                     self.checkpointer.wait()  # the checkpoint the restart loads
                 ctx.events.emit("worker_stopped_for_restart", step=step)
@@ -545,7 +545,7 @@ class _Loop:
             if self.on_first_step is not None:
                 self.on_first_step(step_time)
                 self.on_first_step = None
-            if self.checkpointer is not None and (step + 1) % cfg.runtime.checkpoint_every == 0:
+            if self.checkpointer is not None and (step + 1) % cfg.checkpoint.every == 0:
                 tensors, _ = rt.state.local_state()
                 self.checkpointer.step = step  # the step just completed (fault points key on it)
                 self.checkpointer.epoch = ctx.epoch
@@ -589,7 +589,7 @@ class _Loop:
             self.checkpointer.wait()
         if rt.role.dp == 0:
             write_final_shard(rt.run_dir, rt.role, rt.state, ctx.stores.get(), rt.layout,
-                              self.cfg.runtime.final_timeout_s)
+                              self.cfg.checkpoint.final_timeout_s)
         ctx.events.emit("worker_done", steps=self.total)
         ctx.store.set(P.finished_key(rt.name), "1")  # not a hang from here on
         rt.comm_groups.shutdown()
