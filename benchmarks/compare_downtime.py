@@ -96,9 +96,10 @@ def _describe(tree: str) -> str:
     try:
         rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain"],
+        # the code only: benchmark results written into the tree are not a change of it
+        dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain", "--", "trainmover"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        return f"commit {rev}" + (" + working changes" if dirty else "")
+        return f"commit {rev}" + (" + uncommitted code changes" if dirty else "")
     except OSError:
         return tree
 

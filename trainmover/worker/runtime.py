@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterator
 
@@ -156,6 +157,27 @@ def init() -> "Runtime":
     return rt
 
 
+@dataclass
+class StepInFlight:
+    """The step the script is running: what the runtime's loop and the script's calls
+    (``commit``, ``fingerprint``) share."""
+
+    index: int
+    t_start: float
+    commit: bool | None = None          # the commit point's answer; None until it is called
+    metrics: dict = field(default_factory=dict)
+    batch_digest: str | None = None     # the step's data, as the script first fed it
+
+
+@dataclass
+class Joining:
+    """A joiner's run: the channel its state arrives on, and when its preparation began."""
+
+    channel: Group | None
+    t_start: float
+    build_s: float = 0.0
+
+
 class Runtime:
     """One worker's view of the job for one run of the training script (see module doc)."""
 
@@ -169,11 +191,11 @@ class Runtime:
         self.state: TrainState | None = None
         self.tokens_per_step: int | None = None   # set by the script for tokens/s in metrics
         self.finished = False
+        self.current: StepInFlight | None = None   # None between steps
+        self.joining: Joining | None = None
+        self.loop: _Loop | None = None             # a real (not shadow) run's step loop
         self._wrappers: list[DataParallel] = []
-        self._t_init = time.perf_counter()
-        self._channel: Group | None = None
-        self._build_s = 0.0
-        self._batch_digest: str | None = None
+        t_init = time.perf_counter()
         if isinstance(launch, Shadow):
             self.role = launch.role
             self.comm_groups = sandbox_groups(self.layout, self.role, None, self.device)
@@ -190,16 +212,15 @@ class Runtime:
             cmd = launch.command
             self.role = Role.parse(cmd.role)
             ctx.fault("joiner_prepare")
-            t0 = time.perf_counter()
             if isinstance(cmd, P.AssignRecovery):
-                self.comm_groups, self._channel = R.joiner_build(ctx, self.role, cmd)
+                self.comm_groups, channel = R.joiner_build(ctx, self.role, cmd)
             else:
                 # the job's current failure epoch (each recovery starts one): the joiner
                 # votes and watches for aborts in it, never in an epoch aborted before it
                 ctx.epoch = cmd.epoch
-                self.comm_groups, self._channel, _ = M.joiner_build(
+                self.comm_groups, channel, _ = M.joiner_build(
                     ctx.builder, self.layout, self.role, cmd)
-            self._build_s = time.perf_counter() - t0
+            self.joining = Joining(channel, t_init, time.perf_counter() - t_init)
         ctx.events.fixed["role"] = self.role.name
         self.groups = GroupView(self.comm_groups)
         self.is_reporter = self.role == reporter_role(self.layout) and not self.sandbox
@@ -269,15 +290,16 @@ class Runtime:
         launch = self.ctx.launch
         if isinstance(launch, Join) and isinstance(launch.command, P.AssignMigration):
             M.joiner_ready(self.ctx.store, self.ctx.events, self.name,
-                           launch.command.migration_id, self._build_s,
-                           time.perf_counter() - self._t_init)
+                           launch.command.migration_id, self.joining.build_s,
+                           time.perf_counter() - self.joining.t_start)
 
     def fingerprint(self, batch) -> None:
         """Declare the step's data (tensors, or lists/dicts of them): kept to check that the
         data is a pure function of the step. ``data_parallel`` wrappers call it with the
         first stage's model input, the built-in engine with its tokens; a script whose data
         reaches the model otherwise can call it itself. The first call of a step counts."""
-        if self._batch_digest is not None or not self._in_step:
+        cur = self.current
+        if cur is None or cur.batch_digest is not None:
             return
         h = hashlib.sha256()
         for t in _tensors_in(batch):
@@ -285,13 +307,15 @@ class Runtime:
             h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else
                      t.view(torch.int16).numpy().tobytes())
-        self._batch_digest = h.hexdigest()[:16]
+        cur.batch_digest = h.hexdigest()[:16]
 
     def fault_point(self, point: str, step: int | None = None) -> None:
         """A named point of a step where tests and chaos runs inject faults."""
         if self.sandbox:
             return
-        self.ctx.fault(point, self._step if step is None else step, on_commerr=self._commerr)
+        if step is None and self.current is not None:
+            step = self.current.index
+        self.ctx.fault(point, step, on_commerr=self._commerr)
 
     def _commerr(self) -> None:
         for g in self.comm_groups.slots().values():
@@ -319,32 +343,16 @@ class Runtime:
         True once every worker voted to commit the step (apply it); False if the step failed
         anywhere (do not apply it; the next turn of ``steps()`` recovers). ``loss`` and other
         numbers given are recorded in metrics.jsonl by the worker holding the loss."""
-        if not self._in_step:
+        cur = self.current
+        if cur is None:
             raise UsageError("rt.commit() called outside a step of rt.steps()")
-        if self._commit_result is not None:
-            raise UsageError(f"rt.commit() called twice in step {self._step}")
-        self._commit_metrics = {"loss": loss, **metrics}
-        self._commit_result = self._vote(self._step) if self._loop else True
-        if self._commit_result:
+        if cur.commit is not None:
+            raise UsageError(f"rt.commit() called twice in step {cur.index}")
+        cur.metrics = {"loss": loss, **metrics}
+        cur.commit = self.loop.vote_on(cur) if self.loop is not None else True
+        if cur.commit:
             self.fault_point("optimizer")
-        return self._commit_result
-
-    # state of the step in flight, managed by the loop
-    _in_step = False
-    _step = -1
-    _commit_result: bool | None = None
-    _commit_metrics: dict = {}
-    _loop = None
-
-    def _vote(self, step: int) -> bool:
-        loop = self._loop
-        if loop.vote is None:
-            return True
-        if self.ctx.abort.is_set():
-            return False   # doomed: no vote; the controller aborts the step everywhere
-        info = {k: v for k, v in self._commit_metrics.items() if v is not None}
-        info["step_time_s"] = time.perf_counter() - loop.t_step
-        return loop.vote(step, info)
+        return cur.commit
 
     def _shadow_steps(self) -> Iterator[int]:
         """A standby's warm-up: real steps of this structure's role against the recording
@@ -363,21 +371,23 @@ class Runtime:
         for i in range(ctx.cfg.standby.warmup_iterations):
             step = i + 1
             rewind(self.comm_groups)
-            self._begin(step)
-            t0 = time.perf_counter()
-            yield step
-            self._in_step = False
-            ctx.shadow_times.append(time.perf_counter() - t0)
-            if self._commit_result is None:
+            cur = self.current = StepInFlight(step, time.perf_counter())
+            try:
+                yield step
+            finally:
+                self.current = None
+            ctx.shadow_times.append(time.perf_counter() - cur.t_start)
+            if cur.commit is None:
                 raise UsageError("the step loop skipped the commit point: call "
                                  "rt.commit() once per step, before optimizer.step()")
-            self._check_fingerprint(launch.structure, step)
+            self._check_fingerprint(launch.structure, cur)
             if not ctx.commands.queue.empty():
                 break
         raise ShadowDone()
 
-    def _check_fingerprint(self, structure: str, step: int) -> None:
-        if step not in P.FINGERPRINT_STEPS or self._batch_digest is None:
+    def _check_fingerprint(self, structure: str, cur: StepInFlight) -> None:
+        step = cur.index
+        if step not in P.FINGERPRINT_STEPS or cur.batch_digest is None:
             return
         key = P.batch_fingerprint_key(structure, step)
         try:
@@ -386,20 +396,13 @@ class Runtime:
             self.ctx.events.emit("fingerprint_skipped", step=step, structure=structure)
             return
         expected = self.ctx.store.get(key).decode()
-        if expected != self._batch_digest:
+        if expected != cur.batch_digest:
             raise DataNotDeterministic(
                 f"step {step}'s batch on role {self.role} differs between the job (digest "
                 f"{expected}) and this standby's run of that step (digest "
-                f"{self._batch_digest}): the script's data must be a pure function of the "
+                f"{cur.batch_digest}): the script's data must be a pure function of the "
                 f"step (e.g. sample positions from a generator seeded by the step, not an "
                 f"iterator's state), or a joiner would train on other samples")
-
-    def _begin(self, step: int) -> None:
-        self._step = step
-        self._in_step = True
-        self._commit_result = None
-        self._commit_metrics = {}
-        self._batch_digest = None
 
 
 def _tensors_in(obj):
@@ -418,11 +421,10 @@ class _Loop:
 
     def __init__(self, rt: Runtime, total: int):
         self.rt, self.ctx, self.total = rt, rt.ctx, total
-        rt._loop = self
+        rt.loop = self
         cfg = self.ctx.cfg
         self.cfg = cfg
         self.vote: CommitVote | None = None
-        self.t_step = 0.0
         self.migrations = M.Migrations(rt.name, rt.role, rt.layout, rt.comm_groups,
                                        self.ctx.builder, self.ctx.stores, self.ctx.commands,
                                        self.ctx.events)
@@ -452,8 +454,8 @@ class _Loop:
             return launch.resume_step
         cmd = launch.command
         if isinstance(cmd, P.AssignRecovery):
-            t0 = rt._t_init
-            start = R.joiner_restore(ctx, rt.role, cmd, rt.state, rt._channel)
+            t0 = rt.joining.t_start
+            start = R.joiner_restore(ctx, rt.role, cmd, rt.state, rt.joining.channel)
             prepare_s = time.perf_counter() - t0
 
             def first(step_time_s: float) -> None:
@@ -463,8 +465,9 @@ class _Loop:
                                 first_step_s=round(step_time_s, 4))
         else:
             mid = cmd.migration_id
-            start, report = M.joiner_receive(rt.state, rt._channel)
-            report.update(build_s=rt._build_s, prepare_s=time.perf_counter() - rt._t_init)
+            start, report = M.joiner_receive(rt.state, rt.joining.channel)
+            report.update(build_s=rt.joining.build_s,
+                          prepare_s=time.perf_counter() - rt.joining.t_start)
 
             def first(step_time_s: float) -> None:
                 M.joiner_started(ctx.store, ctx.events, rt.name, mid, report, start,
@@ -519,29 +522,28 @@ class _Loop:
                 raise Departed()
             recorder = Recorder(rt.comm_groups).__enter__() \
                 if step == 0 and record_key is not None else None
-            rt._begin(step)
+            cur = rt.current = StepInFlight(step, time.perf_counter())
             rt.fault_point("forward", step)
-            self.t_step = time.perf_counter()
             ctx.abort.in_step = tolerant
             try:
                 yield step
             finally:
                 ctx.abort.in_step = False
-                rt._in_step = False
+                rt.current = None
                 if recorder is not None:
                     recorder.__exit__(None, None, None)
-            step_time = time.perf_counter() - self.t_step
-            if rt._commit_result is None:
+            step_time = time.perf_counter() - cur.t_start
+            if cur.commit is None:
                 raise UsageError(f"the step loop skipped the commit point in step {step}: "
                                  f"call rt.commit() once per step, before optimizer.step()")
-            if not rt._commit_result:
+            if not cur.commit:
                 step = self._recover(step)
                 continue
             if recorder is not None:
-                self._save_recording(recorder, record_key)
+                self._save_recording(recorder, record_key, cur.metrics.get("loss"))
             if self.structure is not None and step in P.FINGERPRINT_STEPS and \
-                    rt._batch_digest is not None:
-                ctx.store.set(P.batch_fingerprint_key(self.structure, step), rt._batch_digest)
+                    cur.batch_digest is not None:
+                ctx.store.set(P.batch_fingerprint_key(self.structure, step), cur.batch_digest)
             if self.on_first_step is not None:
                 self.on_first_step(step_time)
                 self.on_first_step = None
@@ -551,24 +553,32 @@ class _Loop:
                 self.checkpointer.epoch = ctx.epoch
                 self.checkpointer.save(step + 1, tensors)
             if self.metrics is not None:
-                self._write_metrics(step, step_time)
+                self._write_metrics(step, step_time, cur.metrics)
             step += 1
         self._finish()
 
-    def _write_metrics(self, step: int, step_time: float) -> None:
-        record = {"step": step, **{k: v for k, v in self.rt._commit_metrics.items()},
-                  "step_time_s": round(step_time, 6)}
+    def vote_on(self, cur: StepInFlight) -> bool:
+        """The commit point's decision for the step in flight (see ``Runtime.commit``)."""
+        if self.vote is None:
+            return True
+        if self.ctx.abort.is_set():
+            return False   # doomed: no vote; the controller aborts the step everywhere
+        info = {k: v for k, v in cur.metrics.items() if v is not None}
+        info["step_time_s"] = time.perf_counter() - cur.t_start
+        return self.vote(cur.index, info)
+
+    def _write_metrics(self, step: int, step_time: float, metrics: dict) -> None:
+        record = {"step": step, **metrics, "step_time_s": round(step_time, 6)}
         if self.rt.tokens_per_step:
             record["tokens_per_s"] = round(self.rt.tokens_per_step / step_time, 1)
         record["worker"] = self.rt.name
         self.metrics.write(record)
 
-    def _save_recording(self, recorder: Recorder, key: str) -> None:
+    def _save_recording(self, recorder: Recorder, key: str, loss: float | None) -> None:
         rt, ctx = self.rt, self.ctx
         t0 = time.perf_counter()
         rec = recorder.recording(manifest_for(self.cfg, key, rt.role))
-        rec.manifest.update(record_step=0, bytes=rec.nbytes,
-                            loss=rt._commit_metrics.get("loss"))
+        rec.manifest.update(record_step=0, bytes=rec.nbytes, loss=loss)
         path = recording_path(recording_dir(self.cfg, rt.run_dir), key)
         save_s = save_recording(rec, path)
         ctx.events.emit("recorded", structure=key, path=path, bytes=rec.nbytes,
