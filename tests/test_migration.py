@@ -61,7 +61,9 @@ def test_migrations_of_every_stage_kind_are_bit_identical(tmp_path):
         assert built == set(affected)
         members = {r.name for spec in affected.values() for r in spec.members}
         assert {e["role"] for e in mine} <= members
-        assert m["downtime_s"] is not None and m["downtime_s"] >= 0
+        # a real bound, far from what a restart of these 12 processes costs (importing torch
+        # alone takes seconds each) yet generous for a loaded 2-core machine
+        assert m["downtime_s"] is not None and m["downtime_s"] < 3.0, m
     assert set(moved["membership"]) == {f"w{i}" for i in range(12)} - set(targets) | {"s0", "s1", "s2"}
 
 
