@@ -36,8 +36,8 @@ import torch
 
 from trainmover.comm.groups import CommGroups, Group, build_comm_groups
 from trainmover.comm.record import (Recorder, load_into, load_recording, manifest_for,
-                                    recording_dir, recording_path, rewind, sandbox_groups,
-                                    save_recording)
+                                    recording_dir, recording_path, representative_roles,
+                                    rewind, sandbox_groups, save_recording, structure_depths)
 from trainmover.core import protocol as P
 from trainmover.core.config import JobConfig
 from trainmover.core.events import JsonlWriter
@@ -166,6 +166,9 @@ class StepInFlight:
     t_start: float
     commit: bool | None = None          # the commit point's answer; None until it is called
     metrics: dict = field(default_factory=dict)
+    # whether this step's data is checked (only the steps a standby compares: hashing every
+    # batch would put a host copy and a hash on every step's path), and its digest
+    fingerprinted: bool = False
     batch_digest: str | None = None     # the step's data, as the script first fed it
 
 
@@ -299,7 +302,7 @@ class Runtime:
         first stage's model input, the built-in engine with its tokens; a script whose data
         reaches the model otherwise can call it itself. The first call of a step counts."""
         cur = self.current
-        if cur is None or cur.batch_digest is not None:
+        if cur is None or not cur.fingerprinted or cur.batch_digest is not None:
             return
         h = hashlib.sha256()
         for t in _tensors_in(batch):
@@ -371,7 +374,8 @@ class Runtime:
         for i in range(ctx.cfg.standby.warmup_iterations):
             step = i + 1
             rewind(self.comm_groups)
-            cur = self.current = StepInFlight(step, time.perf_counter())
+            cur = self.current = StepInFlight(step, time.perf_counter(),
+                                              fingerprinted=step in P.FINGERPRINT_STEPS)
             try:
                 yield step
             finally:
@@ -490,8 +494,6 @@ class _Loop:
     def _record_key(self, start: int) -> str | None:
         """The structure this worker records step 0 of, if it is that structure's
         representative role and the job has standbys to warm."""
-        from trainmover.comm.record import representative_roles, structure_depths
-
         cfg = self.cfg
         if not (cfg.standby.record and cfg.standby.count > 0 and start == 0):
             return None
@@ -522,7 +524,9 @@ class _Loop:
                 raise Departed()
             recorder = Recorder(rt.comm_groups).__enter__() \
                 if step == 0 and record_key is not None else None
-            cur = rt.current = StepInFlight(step, time.perf_counter())
+            cur = rt.current = StepInFlight(
+                step, time.perf_counter(),
+                fingerprinted=self.structure is not None and step in P.FINGERPRINT_STEPS)
             rt.fault_point("forward", step)
             ctx.abort.in_step = tolerant
             try:
@@ -541,8 +545,7 @@ class _Loop:
                 continue
             if recorder is not None:
                 self._save_recording(recorder, record_key, cur.metrics.get("loss"))
-            if self.structure is not None and step in P.FINGERPRINT_STEPS and \
-                    cur.batch_digest is not None:
+            if cur.batch_digest is not None:   # a fingerprinted step (see StepInFlight)
                 ctx.store.set(P.batch_fingerprint_key(self.structure, step), cur.batch_digest)
             if self.on_first_step is not None:
                 self.on_first_step(step_time)
