@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow bench-step clean
+.PHONY: install demo test test-slow test-gpu bench-step clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# On a GPU machine whose python already has a CUDA build of torch (no venv, no network):
+# each worker on its own GPU over NCCL where there are enough, else GPUs shared over gloo.
+test-gpu:
+	PYTHONPATH=. $(PYTHON) -m pytest -q -s -m gpu tests/test_gpu.py
 
 bench-step: install
 	$(BIN)/trainmover bench step

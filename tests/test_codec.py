@@ -5,12 +5,15 @@ import pickle
 
 import pytest
 
-from trainmover.control.coordinator import SNAPSHOT_CODEC, ActiveMigration, MigrationRequest
+from trainmover.control.coordinator import SNAPSHOT_CODEC
+from trainmover.control.health import Failure
+from trainmover.control.migrations import ActiveMigration, MigrationRequest
 from trainmover.control.processes import AgentClient, ProcView
-from trainmover.control.recovery import ActiveRecovery, Failure
+from trainmover.control.recovery import ActiveRecovery
 from trainmover.core import decisions as C
 from trainmover.core.codec import Codec, SnapshotError
 from trainmover.core.faults import Inject
+from trainmover.core import protocol as P
 from trainmover.core.topology import Layout
 
 
@@ -21,11 +24,13 @@ def snapshot_like():
     plan = C.plan_migration(m, 1, ["w1"])
     req = MigrationRequest(["w1"], None, "cli", store_index=3)
     rec = ActiveRecovery(2, 0, {"w2": Failure("w2", "crash", 12.5, "exit code -9")}, 12.6, 7,
-                         reports={"w0": {"accounting": {"dp.pp0.tp0": {"coll": 3}}}})
+                         reports={"w0": P.FailureReport(7, "reset", False,
+                                                        {"dp.pp0.tp0": {"coll": 3}})})
     rec.plan = C.plan_recovery(m, 2, ["w2"], {"dp.pp0.tp0"}, None)
-    procs = AgentClient(None, {"w0": ProcView(False, 1, "/x/w0.log", 123)}, 4)
+    procs = AgentClient(None, "/x/logs", {"w0": ProcView(False, 1, 123)}, 4)
     return {"membership": m, "pending": [req], "active": ActiveMigration(plan, req),
-            "injects": [Inject("migrate", 5, "w3", "s1")], "outbox": [("set", "k", "v")],
+            "injects": [Inject("migrate", 5, "w3", "s1")],
+            "outbox": [("set", "k", "v"), ("agent", P.AgentSpawn("s2", 1, True, gpu=1))],
             "procs": procs, "recovery": {"failed_workers": {"w5", "w6"}, "active": rec}}
 
 
@@ -42,6 +47,8 @@ def test_the_controller_state_round_trips_through_json():
     assert back["recovery"]["active"].plan == state["recovery"]["active"].plan
     assert back["recovery"]["active"].failures["w2"] == Failure("w2", "crash", 12.5,
                                                                 "exit code -9")
+    assert back["recovery"]["active"].reports == state["recovery"]["active"].reports
+    assert back["outbox"][1][1] == state["outbox"][1][1]
     assert back["procs"].procs["w0"].pid == 123 and back["procs"].store is None
     assert back["injects"] == state["injects"]
     assert SNAPSHOT_CODEC.dumps(back) == text          # stable: a resumed controller re-saves it
@@ -74,8 +81,6 @@ def test_only_plain_registered_data_is_written_or_read():
 
 
 # --- commands ------------------------------------------------------------------------------------
-
-from trainmover.core import protocol as P  # noqa: E402
 
 COMMANDS = [
     P.Prepare(3, {"dp.pp0.tp0": 2}),
@@ -112,3 +117,72 @@ def test_commands_round_trip(cmd):
 def test_malformed_commands_are_refused(raw, message):
     with pytest.raises(P.MessageError, match=message):
         P.decode_command(raw)
+
+
+# --- reports and the agent's requests: everything else on the store -----------------------------
+
+MESSAGES = [
+    P.StandbyReport("warm", ["first", "last"]),
+    P.StandbyReport("refused", reason="data is not a function of the step"),
+    P.FailureReport(12, "Connection reset by peer", True,
+                    {"dp.pp0.tp0": {"coll": 3, "sent": 0, "recv": 0, "pending": 1}}),
+    P.ReadyReport(0.25, step=9),
+    P.ReadyReport(0.5, prepare_s=1.5),
+    P.SwitchReport(switch_s=0.01, transfer_s=0.004, transfer_bytes=123456,
+                   rss_before={"rss_mb": 100.5}, rss_after={"rss_mb": 101.0}),
+    P.MigrationAsk(["w1", "w2"], ["s0", "s1"]),
+    P.ProcRecord(4242, 2),
+    P.ExitRecord("w3", 1, -9, 1700000000.5),
+    P.ControllerInfo(77, 3),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_messages_round_trip(msg):
+    assert P.read_message(type(msg), P.write_message(msg)) == msg
+
+
+AGENT_REQUESTS = [
+    P.AgentSpawn("s3", 2, standby=True, gpu=3),
+    P.AgentSpawn("w1", 3, resume_step=12, generation=4, epoch=2),
+    P.AgentSignal("w1", 1, "TERM", 3.0),
+    P.AgentShutdown(2.0),
+    P.AgentNoop(),
+]
+
+
+@pytest.mark.parametrize("req", AGENT_REQUESTS, ids=lambda r: type(r).__name__)
+def test_agent_requests_round_trip(req):
+    assert P.decode_agent_request(P.encode_agent_request(req)) == req
+
+
+@pytest.mark.parametrize("cls, raw, message", [
+    # the forged request of the security review: without its incarnation it used to raise
+    # KeyError in the agent, which hosts the store, and take the job down
+    (None, '{"type": "signal", "name": "w1", "signal": "KILL"}', "missing 1 required"),
+    # no program, path or environment is ever taken from the store
+    (None, '{"type": "spawn", "name": "x", "incarnation": 1, "argv": ["touch", "/tmp/x"]}',
+     r"unknown field\(s\) \['argv'\]"),
+    (None, '{"type": "spawn", "name": "../../etc", "incarnation": 1}', "process name"),
+    (None, '{"type": "spawn", "name": "w1", "incarnation": 1, "gpu": -1}', "negative"),
+    (None, '{"type": "spawn", "name": "w1", "incarnation": 1, "epoch": "1; rm"}',
+     "AgentSpawn.epoch"),
+    (None, '{"type": "signal", "name": "w1", "incarnation": 1, "signal": "HUP"}',
+     "signal 'HUP'"),
+    (None, '{"type": "exec", "cmd": "sh"}', "unknown agent request type 'exec'"),
+    (P.StandbyReport, '{"state": "hot"}', "standby state 'hot'"),
+    (P.FailureReport, '{"step": 1, "error": "e", "self_failed": "yes", "accounting": {}}',
+     "FailureReport.self_failed"),
+    (P.FailureReport, '{"step": 1, "error": "e", "self_failed": false,'
+                      ' "accounting": {"g": {"coll": 1.5}}}', "FailureReport.accounting"),
+    (P.SwitchReport, '{"transfer_bytes": "many"}', "SwitchReport.transfer_bytes"),
+    (P.MigrationAsk, '{"workers": "w1"}', "MigrationAsk.workers"),
+    (P.ExitRecord, '{"name": "w1", "incarnation": 1, "code": 0}', "missing 1 required"),
+    (P.ProcRecord, '[1]', "expected an object"),
+])
+def test_malformed_messages_are_refused(cls, raw, message):
+    with pytest.raises(P.MessageError, match=message):
+        if cls is None:
+            P.decode_agent_request(raw)
+        else:
+            P.read_message(cls, raw)

@@ -121,3 +121,45 @@ def test_killed_peer_mid_collective_raises_not_hangs(size):
         assert outcome == "error", (rank, outcome)
         assert "test.kill gen0" in message and recorded
         assert elapsed < 8.0 + 4.0  # at worst the group timeout, never a hang
+
+
+def _staged_ops(rank, address):
+    """Every operation through host staging (the mode of workers sharing a GPU over gloo),
+    here with CPU tensors so it runs anywhere: the result must land in the caller's tensor,
+    for synchronous and asynchronous operations and point-to-point receives alike."""
+    builder = _builder(address)
+    builder.stage = True
+    role = LAYOUT.role_of(rank)
+    groups, _ = build_comm_groups(builder, LAYOUT, role)
+    assert groups.dp.stage and groups.tp.stage
+    a = torch.tensor([float(rank), 1.0])
+    work = groups.dp.allreduce(a, async_op=True)
+    unchanged_before_wait = a.tolist()
+    work.wait()
+    b = torch.tensor([float(rank)])
+    groups.tp.broadcast(b, src=1)
+    gathered = [float(x) for x in groups.tp.allgather(torch.tensor([float(rank)]))]
+    peer = 1 - groups.dp.rank
+    out = torch.zeros(3)
+    if groups.dp.rank == 0:
+        groups.dp.send(torch.tensor([1.0, 2.0, float(rank)]), peer).wait()
+    else:
+        groups.dp.recv(out, peer).wait()
+    groups.shutdown()
+    return unchanged_before_wait, a.tolist(), float(b), gathered, out.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_host_staged_operations_write_back_into_the_callers_tensors():
+    res = values(run_processes(_staged_ops, 4))
+    for rank, (before, a, b, gathered, out) in res.items():
+        role = LAYOUT.role_of(rank)
+        tp_peers = [LAYOUT.global_rank(m) for m in LAYOUT.tp_group(role).members]
+        dp_peers = [LAYOUT.global_rank(m) for m in LAYOUT.dp_group(role).members]
+        # an asynchronous operation on a staged tensor is copied back at its wait
+        assert before == [float(rank), 1.0]
+        assert a == [float(sum(dp_peers)), 2.0]
+        assert b == tp_peers[1]
+        assert gathered == [float(r) for r in tp_peers]
+        if rank == dp_peers[1]:
+            assert out == [1.0, 2.0, float(dp_peers[0])]

@@ -127,3 +127,56 @@ def test_controller_dies_mid_migration_and_an_operator_resumes_it(tmp_path, base
 def test_resume_refuses_a_run_dir_without_a_running_job(tmp_path):
     with pytest.raises(ValueError, match="no running job"):
         Coordinator.resume(str(tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_forged_and_malformed_messages_never_take_the_job_down(tmp_path, baseline):
+    """Whoever reaches the store's port without the job's secret cannot drive the job:
+    unsigned, wrongly signed and replayed values are refused and logged by whoever reads
+    them (the agent, which hosts the store; the controller), and so are signed but malformed
+    ones; the job runs on to the uninterrupted run's weights. The request without its
+    incarnation is the one that used to kill the agent; the spawn of an arbitrary program
+    is not even expressible."""
+    from trainmover.api import Job
+    from trainmover.control.client import connect, request_migration
+    from trainmover.core import protocol as P
+    from trainmover.core.auth import seal
+
+    run_dir = str(tmp_path / "run")
+    assert not os.path.exists(run_dir)
+    job_ = Job(job(steps=STEPS), run_dir, timeout_s=240).start()
+    wait_for(lambda: len(steps_done(run_dir)) >= 3, 120, "the first steps")
+    assert os.stat(run_dir).st_mode & 0o777 == 0o700
+    assert os.stat(os.path.join(run_dir, "secret")).st_mode & 0o777 == 0o600
+    signed = connect(run_dir)            # the job's owner: has the secret
+    raw = signed.raw                     # anyone else on the network
+    kill = '{"type": "signal", "name": "w1", "incarnation": 1, "signal": "KILL"}'
+    spawn = '{"type": "spawn", "name": "x", "incarnation": 1, "argv": ["touch", "x"]}'
+
+    def agent_request(value):
+        index = raw.add(P.AGENT_REQUEST_COUNT_KEY, 1)
+        raw.set(P.agent_request_key(index), value)
+        return index
+
+    agent_request(kill)                                               # unsigned
+    agent_request(seal(b"0" * 64, "agent/req/0", kill))               # wrong secret
+    # a valid request of this job replayed at another index: the MAC covers the key
+    agent_request(raw.get(P.agent_request_key(1)))
+    index = raw.add(P.AGENT_REQUEST_COUNT_KEY, 1)
+    signed.set(P.agent_request_key(index), spawn)                     # signed, malformed
+    index = raw.add(P.AGENT_REQUEST_COUNT_KEY, 1)
+    signed.set(P.agent_request_key(index),
+               '{"type": "signal", "name": "w1", "signal": "KILL"}')  # no incarnation
+    index = raw.add(P.REQUEST_COUNT_KEY, 1)
+    signed.set(P.request_key(index), '{"workers": "w1"}')            # malformed ask
+    answer = request_migration(run_dir, ["w7"], timeout_s=60)   # a well-formed bad request
+    assert answer["status"] == "refused" and "w7" in answer["reason"]
+    summary = job_.wait(240)
+    assert summary["weights_sha256"] == baseline
+    assert summary["recoveries"] == [] and summary["migrations"] == []
+    rejected = events(run_dir, "message_rejected")
+    assert sorted(e["worker"] for e in rejected) == ["agent"] * 5 + ["coordinator"], rejected
+    errors = " | ".join(e["error"] for e in rejected)
+    assert "not signed" in errors and "bad signature" in errors
+    assert "unknown field(s) ['argv']" in errors and "missing 1 required" in errors
+    assert not os.path.exists(os.path.join(run_dir, "x"))

@@ -6,7 +6,8 @@ store is on the hot path and must be the simplest, longest-lived process of the 
 agent makes no decisions; the controller (``coordinator.py``) sends it requests through the
 store and reads back what happened:
 
-- ``agent/req/<n>``: ``spawn`` (argv, env, log), ``signal`` (KILL / TERM-then-KILL / STOP /
+- ``agent/req/<n>``: ``spawn`` (a worker or standby of this job, by name; the agent builds
+  the command line of its own worker entry point, never one taken from the store), ``signal`` (KILL / TERM-then-KILL / STOP /
   CONT to one incarnation of a process), ``shutdown`` (stop everything and exit);
 - ``agent/proc/<name>``: the current incarnation and PID of each process it started;
 - ``agent/exit/<n>``: one record per process exit (name, incarnation, code, time).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -35,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from trainmover.core import protocol as P
+from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
 from trainmover.core.proc import pid_alive
@@ -53,6 +56,25 @@ def _die_with_parent() -> None:
 
 
 
+class _NeverStarted:
+    """The process of a spawn that failed (its program could not be run)."""
+
+    pid = None
+    returncode = 127
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout=None) -> int:
+        return self.returncode
+
+    def kill(self) -> None:
+        pass
+
+    def send_signal(self, sig) -> None:
+        pass
+
+
 @dataclass
 class Child:
     name: str
@@ -60,6 +82,14 @@ class Child:
     proc: subprocess.Popen
     kill_at: float | None = None     # TERM was sent: KILL at this time if still alive
     reported: bool = False
+    pidfd: int | None = None         # readable once the process exited (Linux >= 5.3)
+
+    def __post_init__(self) -> None:
+        if self.proc.pid is not None and hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(self.proc.pid)
+            except OSError:
+                pass   # an older kernel: exits are seen at the next poll instead
 
 
 class Agent:
@@ -72,30 +102,56 @@ class Agent:
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="agent")
         self.store = None
         self._next_request = 1
-        self._controller: dict | None = None
+        self._controller: P.ControllerInfo | None = None
         self._controller_lost_at: float | None = None
         self._controller_read_at = 0.0
 
     # --- processes ---------------------------------------------------------------------------
-    def spawn(self, req: dict) -> None:
-        name, incarnation = req["name"], req["incarnation"]
+    def spawn(self, req: P.AgentSpawn) -> None:
+        name, incarnation = req.name, req.incarnation
         old = self.children.get(name)
         if old is not None and old.incarnation >= incarnation:
             return  # a request replayed by a resumed controller: already done
         if old is not None and old.proc.poll() is None:
             self._kill(old)  # never two incarnations of one name
-        env = dict(os.environ, **req.get("env", {}))
-        if "TMPDIR" in req.get("env", {}):
-            os.makedirs(env["TMPDIR"], exist_ok=True)   # a per-process cache root
-        with open(req["log"], "ab") as log:
-            proc = subprocess.Popen(req["argv"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent)
+        argv = [sys.executable, "-m", "trainmover.worker", "--run-dir", self.run_dir,
+                "--name", name, "--store", f"{self.host}:{self.port}", *req.worker_args()]
+        try:
+            env = self._env(req)
+            with open(os.path.join(self.run_dir, "logs", f"{name}.log"), "ab") as log:
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env, preexec_fn=_die_with_parent)
+        except OSError as exc:
+            # the controller sees an incarnation that exited at once (code 127, as a shell
+            # reports a command it cannot run) and handles it like any other exit
+            self.events.emit("spawn_failed", name=name, incarnation=incarnation,
+                             error=str(exc), level="error")
+            self.children[name] = Child(name, incarnation, _NeverStarted())
+            return
         self.children[name] = Child(name, incarnation, proc)
         if self.store is not None:
             self.store.set(P.agent_proc_key(name),
-                           P.encode({"pid": proc.pid, "incarnation": incarnation}))
+                           P.write_message(P.ProcRecord(proc.pid, incarnation)))
         self.events.emit("process_started", name=name, pid=proc.pid, incarnation=incarnation,
-                         standby=req.get("standby", False))
+                         standby=req.standby)
+
+    def _env(self, req: P.AgentSpawn) -> dict:
+        cfg = self.cfg
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
+                                                  str(cfg.threads_per_worker())))
+        if req.gpu is not None:
+            env["LOCAL_RANK"] = str(req.gpu)
+            if cfg.process.deterministic:
+                env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"   # cuBLAS's deterministic mode
+        if cfg.process.isolate_caches:
+            # one "machine" per process: its own compiler caches, kept across its restarts
+            root = os.path.join(self.run_dir, "cache", req.name)
+            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
+                       TRITON_CACHE_DIR=os.path.join(root, "triton"),
+                       TMPDIR=os.path.join(root, "tmp"))
+            os.makedirs(env["TMPDIR"], exist_ok=True)
+        return env
 
     def _kill(self, child: Child) -> None:
         if child.proc.poll() is None:
@@ -103,18 +159,17 @@ class Agent:
         child.proc.wait()
         self._reap(child)
 
-    def signal(self, req: dict) -> None:
-        child = self.children.get(req["name"])
-        if child is None or (req.get("incarnation") is not None and
-                             child.incarnation != req["incarnation"]):
+    def signal(self, req: P.AgentSignal) -> None:
+        child = self.children.get(req.name)
+        if child is None or child.incarnation != req.incarnation:
             return  # that incarnation is gone already
-        sig = req["signal"]
+        sig = req.signal
         if sig == "KILL":
             self._kill(child)   # synchronous, so requests after it see the process gone
         elif child.proc.poll() is None:
             if sig == "TERM":
                 child.proc.send_signal(signal.SIGTERM)
-                child.kill_at = time.monotonic() + float(req["grace_s"])
+                child.kill_at = time.monotonic() + req.grace_s
             else:
                 child.proc.send_signal(getattr(signal, f"SIG{sig}"))
 
@@ -123,10 +178,12 @@ class Agent:
         if code is None or child.reported:
             return
         child.reported = True
-        record = {"name": child.name, "incarnation": child.incarnation, "code": code,
-                  "time": time.time()}
+        if child.pidfd is not None:
+            os.close(child.pidfd)
+            child.pidfd = None
+        record = P.ExitRecord(child.name, child.incarnation, code, time.time())
         index = self.store.add(P.AGENT_EXIT_COUNT_KEY, 1)
-        self.store.set(P.agent_exit_key(index), P.encode(record))
+        self.store.set(P.agent_exit_key(index), P.write_message(record))
         self.events.emit("process_exited", name=child.name, incarnation=child.incarnation,
                          code=code)
 
@@ -150,20 +207,24 @@ class Agent:
             return True
         self._controller_read_at = now
         if self.store.check([P.CONTROLLER_KEY]):
-            current = P.decode(self.store.get(P.CONTROLLER_KEY))
+            try:
+                current = P.read_message(P.ControllerInfo, self.store.get(P.CONTROLLER_KEY))
+            except P.MessageError as exc:
+                self.events.emit("message_rejected", key=P.CONTROLLER_KEY, error=str(exc))
+                current = self._controller
             if current != self._controller:
                 if self._controller_lost_at is not None:
-                    self.events.emit("controller_back", pid=current["pid"],
-                                     incarnation=current["incarnation"],
+                    self.events.emit("controller_back", pid=current.pid,
+                                     incarnation=current.incarnation,
                                      gap_s=round(time.time() - self._controller_lost_at, 3))
                 self._controller, self._controller_lost_at = current, None
-        if self._controller is None or pid_alive(self._controller["pid"]):
+        if self._controller is None or pid_alive(self._controller.pid):
             return True
         policy = self.cfg.controller
         if self._controller_lost_at is None:
             self._controller_lost_at = time.time()
-            self.events.emit("controller_lost", pid=self._controller["pid"],
-                             incarnation=self._controller["incarnation"],
+            self.events.emit("controller_lost", pid=self._controller.pid,
+                             incarnation=self._controller.incarnation,
                              action=policy.restart)
             if policy.restart == "auto":
                 if len(self.controllers) >= policy.max_restarts:
@@ -189,31 +250,40 @@ class Agent:
         self.events.emit("controller_restarted", pid=proc.pid, log=log)
 
     # --- the loop ----------------------------------------------------------------------------
-    def serve(self, initial: list[dict]) -> int:
+    def serve(self, initial: list[P.AgentSpawn]) -> int:
         for req in initial:          # before importing torch: workers start at once
             self.spawn(req)
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(self.host, self.port, is_master=True,
-                                   wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.cfg.comm.store_timeout_s),
-                                   master_listen_fd=self.listen_fd)
+        self.store = AuthStore(dist.TCPStore(
+            self.host, self.port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=self.cfg.comm.store_timeout_s),
+            master_listen_fd=self.listen_fd), load_secret(self.run_dir))
         for c in self.children.values():
+            if c.proc.pid is None:
+                continue
             self.store.set(P.agent_proc_key(c.name),
-                           P.encode({"pid": c.proc.pid, "incarnation": c.incarnation}))
-        self.store.set(P.AGENT_READY_KEY, P.encode({"pid": os.getpid()}))
+                           P.write_message(P.ProcRecord(c.proc.pid, c.incarnation)))
+        self.store.set(P.AGENT_READY_KEY, P.write_message(P.AgentInfo(os.getpid())))
         while True:
             while self.store.check([P.agent_request_key(self._next_request)]):
-                req = P.decode(self.store.get(P.agent_request_key(self._next_request)))
+                key = P.agent_request_key(self._next_request)
                 self._next_request += 1
-                if req["op"] == "spawn":
+                try:
+                    req = P.decode_agent_request(self.store.get(key))
+                except P.MessageError as exc:
+                    # never half-obeyed, never fatal: the agent hosts the job's store
+                    self.events.emit("message_rejected", key=key, error=str(exc),
+                                     level="error")
+                    continue
+                if isinstance(req, P.AgentSpawn):
                     self.spawn(req)
-                elif req["op"] == "signal":
+                elif isinstance(req, P.AgentSignal):
                     self.signal(req)
-                elif req["op"] == "shutdown":
-                    return self._shutdown(float(req["grace_s"]), "requested")
+                elif isinstance(req, P.AgentShutdown):
+                    return self._shutdown(req.grace_s, "requested")
             now = time.monotonic()
             for c in list(self.children.values()):
                 if c.kill_at is not None and now > c.kill_at and c.proc.poll() is None:
@@ -221,7 +291,18 @@ class Agent:
                 self._reap(c)
             if not self._watch_controller(time.time()):
                 return self._shutdown(self.cfg.controller.stop_grace_s, "no controller")
-            time.sleep(self.cfg.agent.poll_s)
+            self._wait(self.cfg.agent.poll_s)
+
+    def _wait(self, timeout_s: float) -> None:
+        """Sleep until ``timeout_s`` passed or a child exited, whichever comes first."""
+        fds = [c.pidfd for c in self.children.values() if c.pidfd is not None]
+        if fds:
+            try:
+                select.select(fds, [], [], timeout_s)
+                return
+            except OSError:
+                pass   # a kernel (or sandbox) without pollable pidfds: plain sleep
+        time.sleep(timeout_s)
 
     def _shutdown(self, grace_s: float, why: str) -> int:
         self.stop_all(grace_s)
@@ -244,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller-pid", type=int, required=True)
     args = p.parse_args(argv)
     with open(args.initial) as f:
-        initial = json.load(f)
+        initial = [P.decode_agent_request(line) for line in f if line.strip()]
     with open(os.path.join(args.run_dir, "job.json")) as f:
         cfg = JobConfig.from_dict(json.load(f))
     agent = Agent(args.run_dir, args.host, args.listen_fd, args.port, cfg)
-    agent._controller = {"pid": args.controller_pid, "incarnation": 0}
+    agent._controller = P.ControllerInfo(args.controller_pid, 0)
     return agent.serve(initial)

@@ -32,6 +32,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from trainmover.core.auth import AuthStore
 from trainmover.core.config import CommConfig
 from trainmover.core.topology import GroupSpec, Layout, Role
 
@@ -129,21 +130,32 @@ def start_store_server(host: str = "127.0.0.1", port: int = 0,
 
 class StoreClients:
     """Hands each thread its own long-lived TCPStore client (one client per thread: a client
-    shared between threads serialises a blocking ``get`` in front of other threads' work)."""
+    shared between threads serialises a blocking ``get`` in front of other threads' work).
+    With the job's ``secret``, ``get`` gives clients that sign and check every value
+    (``core/auth.py``); ``raw`` gives the plain one, for the backends' own rendezvous."""
 
     def __init__(self, address: StoreAddress,
-                 timeout_s: float = CommConfig.store_timeout_s):
+                 timeout_s: float = CommConfig.store_timeout_s, secret: bytes | None = None):
         self.address = address
         self.timeout = timedelta(seconds=timeout_s)
+        self.secret = secret
         self._local = threading.local()
 
-    def get(self) -> dist.Store:
+    def raw(self) -> dist.Store:
         client = getattr(self._local, "client", None)
         if client is None:
             client = dist.TCPStore(self.address.host, self.address.port, is_master=False,
                                    timeout=self.timeout)
             self._local.client = client
         return client
+
+    def get(self):
+        if self.secret is None:
+            return self.raw()
+        signed = getattr(self._local, "signed", None)
+        if signed is None:
+            signed = self._local.signed = AuthStore(self.raw(), self.secret)
+        return signed
 
 
 # --- groups -----------------------------------------------------------------------------
@@ -167,11 +179,12 @@ class Work:
     ``is_completed`` (a short spin, then sleeps of ~50 us, growing to 1 ms on long waits)
     keeps the thread answerable to the abort signal at a cost of tens of microseconds."""
 
-    __slots__ = ("_work", "_group", "_op", "_done")
+    __slots__ = ("_work", "_group", "_op", "_done", "_after")
 
-    def __init__(self, work, group: "Group", op: str):
+    def __init__(self, work, group: "Group", op: str, after: Callable[[], None] | None = None):
         self._work, self._group, self._op = work, group, op
         self._done = False
+        self._after = after    # host staging: copy the result back to the device
 
     def wait(self) -> None:
         if self._done:
@@ -204,6 +217,8 @@ class Work:
             return
         self._done = True
         self._group.pending -= 1
+        if self._after is not None:
+            self._after()
 
     def _check_abort(self, signal: "AbortSignal") -> None:
         if signal.is_set():
@@ -245,12 +260,16 @@ class Group:
     whose collectives are identities and which never touches the network."""
 
     def __init__(self, spec: GroupSpec, generation: int, rank: int, pg=None,
-                 device: torch.device | None = None, sandbox: bool = False):
+                 device: torch.device | None = None, sandbox: bool = False,
+                 stage: bool = False):
         self.spec = spec
         self.generation = generation
         self.rank = rank
         self.size = spec.size
         self.device = device or torch.device("cpu")
+        # gloo over device tensors (several workers share a GPU, where NCCL refuses two ranks
+        # on one device): each operation goes through a host copy of its tensor
+        self.stage = stage
         self.error: CommError | None = None
         self.closed = False
         self._pg = pg
@@ -284,7 +303,8 @@ class Group:
             # after one failure a gloo group is unusable for every later op
             raise CommError(self.name, self.generation, op, f"group already failed: {self.error}")
 
-    def _run(self, op: str, fn: Callable[[], object], async_op: bool):
+    def _run(self, op: str, fn: Callable[[], object], async_op: bool,
+             after: Callable[[], None] | None = None):
         signal = self.abort_signal
         try:
             self._check(op)
@@ -300,7 +320,7 @@ class Group:
             return _DoneWork() if async_op else None   # doomed step: nothing is issued
         self.issued["sent" if op == "send" else "recv" if op == "recv" else "coll"] += 1
         self.pending += 1
-        wrapped = Work(work, self, op)
+        wrapped = Work(work, self, op, after)
         if async_op:
             return wrapped
         wrapped.wait()
@@ -319,7 +339,8 @@ class Group:
             return _DoneWork() if async_op else None
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        return self._run("allreduce", lambda: self._pg.allreduce([tensor], opts), async_op)
+        host, after = self._staged(tensor, copy_in=True)
+        return self._run("allreduce", lambda: self._pg.allreduce([host], opts), async_op, after)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
         if self._trivial():
@@ -328,15 +349,17 @@ class Group:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        return self._run("broadcast", lambda: self._pg.broadcast([tensor], opts), async_op)
+        host, after = self._staged(tensor, copy_in=True)
+        return self._run("broadcast", lambda: self._pg.broadcast([host], opts), async_op, after)
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         if self._trivial():
             self._check("allgather")
             return [tensor.clone()]
-        outs = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._run("allgather", lambda: self._pg.allgather([outs], [tensor]), False)
-        return outs
+        host, _ = self._staged(tensor, copy_in=True)
+        outs = [torch.empty_like(host) for _ in range(self.size)]
+        self._run("allgather", lambda: self._pg.allgather([outs], [host]), False)
+        return [o.to(tensor.device) for o in outs] if self.stage else outs
 
     def barrier(self) -> None:
         if self._trivial():
@@ -348,12 +371,24 @@ class Group:
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
         if self.spec.size == 1:
             raise self._fail("send", "send on a single-member group")
-        return self._run("send", lambda: self._pg.send([tensor], peer, tag), True)
+        host, _ = self._staged(tensor, copy_in=True)
+        return self._run("send", lambda: self._pg.send([host], peer, tag), True)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
         if self.spec.size == 1:
             raise self._fail("recv", "recv on a single-member group")
-        return self._run("recv", lambda: self._pg.recv([tensor], peer, tag), True)
+        host, after = self._staged(tensor, copy_in=False)
+        return self._run("recv", lambda: self._pg.recv([host], peer, tag), True, after)
+
+    def _staged(self, tensor: torch.Tensor, copy_in: bool
+                ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """The tensor the backend works on, and what copies its result back (host staging
+        only; otherwise the tensor itself)."""
+        if not self.stage:
+            return tensor, None
+        host = tensor.to("cpu", copy=True) if copy_in else \
+            torch.empty(tensor.shape, dtype=tensor.dtype)
+        return host, lambda: tensor.copy_(host)
 
     def _waiter(self) -> "_Waiter":
         if self._waiter_thread is None:
@@ -394,7 +429,11 @@ def group_prefix(name: str, generation: int) -> str:
     return f"groups/{name}/gen{generation}/"
 
 
-def backend_for(device: torch.device) -> str:
+def backend_for(device: torch.device, backend: str = "auto") -> str:
+    """``comm.backend``: "auto" is NCCL for CUDA devices and gloo otherwise; "gloo" on CUDA
+    stages every operation through host memory (several workers sharing one GPU)."""
+    if backend != "auto":
+        return backend
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -402,10 +441,14 @@ class GroupBuilder:
     """Creates communicators for (group spec, generation) on the job's store."""
 
     def __init__(self, stores: StoreClients, device: torch.device, timeout_s: float,
-                 gloo_host: str | None = None, abort_signal: AbortSignal | None = None):
+                 gloo_host: str | None = None, abort_signal: AbortSignal | None = None,
+                 backend: str = "auto"):
         self.stores = stores
         self.abort_signal = abort_signal
         self.device = device
+        self.backend = backend_for(device, backend)
+        # host staging: gloo over device tensors (settable, so CPU tests exercise it)
+        self.stage = self.backend == "gloo" and device.type != "cpu"
         self.timeout = timedelta(seconds=timeout_s)
         # Bind gloo to the address the store is reached on unless told otherwise: on one host
         # that is loopback, and it spares a hostname lookup per group.
@@ -424,8 +467,8 @@ class GroupBuilder:
         return group
 
     def _build_pg(self, spec: GroupSpec, rank: int, generation: int) -> Group:
-        store = dist.PrefixStore(group_prefix(spec.name, generation), self.stores.get())
-        if backend_for(self.device) == "nccl":
+        store = dist.PrefixStore(group_prefix(spec.name, generation), self.stores.raw())
+        if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
             pg = dist.ProcessGroupNCCL(store, rank, spec.size, opts)
@@ -434,7 +477,7 @@ class GroupBuilder:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host)]
             opts._timeout = self.timeout
             pg = dist.ProcessGroupGloo(store, rank, spec.size, opts)
-        return Group(spec, generation, rank, pg, self.device)
+        return Group(spec, generation, rank, pg, self.device, stage=self.stage)
 
     def build_many(self, specs: Iterable[GroupSpec], role: Role,
                    generations: dict[str, int]) -> tuple[dict[str, Group], dict[str, float]]:

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover.core import protocol as P
+from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
 
 # How often a waiting `trainmover migrate` looks for the answer: a person is waiting, and a
@@ -17,7 +18,9 @@ from trainmover.core.config import JobConfig
 ANSWER_POLL_S = 0.1
 
 
-def connect(run_dir: str) -> dist.TCPStore:
+def connect(run_dir: str) -> AuthStore:
+    """A client of the job's store that signs and checks values with the job's secret (the
+    caller must be able to read the run dir's secret: the job's owner)."""
     path = os.path.join(run_dir, "control.json")
     if not os.path.exists(path):
         raise ValueError(f"{run_dir!r} is not the run dir of a running job (no control.json)")
@@ -26,11 +29,12 @@ def connect(run_dir: str) -> dist.TCPStore:
     with open(os.path.join(run_dir, "job.json")) as f:   # written before control.json
         timeout_s = JobConfig.from_dict(json.load(f)).comm.client_connect_timeout_s
     try:
-        return dist.TCPStore(host, int(port), is_master=False,
-                             timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"the job in {run_dir!r} is not reachable at {host}:{port} "
                          f"(has it finished?): {exc}") from exc
+    return AuthStore(store, load_secret(run_dir))
 
 
 def request_migration(run_dir: str, workers: list[str], to: list[str] | None = None,
@@ -38,14 +42,14 @@ def request_migration(run_dir: str, workers: list[str], to: list[str] | None = N
     """Queue a migration request; with ``wait``, block until it is done, refused or aborted."""
     store = connect(run_dir)
     index = store.add(P.REQUEST_COUNT_KEY, 1)
-    store.set(P.request_key(index), P.encode({"workers": workers, "to": to}))
+    store.set(P.request_key(index), P.write_message(P.MigrationAsk(list(workers), to)))
     deadline = time.monotonic() + timeout_s
     status = {"status": "queued"}
     while time.monotonic() < deadline:
         if store.check([P.request_key(index, "done")]):
-            return P.decode(store.get(P.request_key(index, "done")))
+            return P.read_object(store.get(P.request_key(index, "done")))
         if store.check([P.request_key(index, "status")]):
-            status = P.decode(store.get(P.request_key(index, "status")))
+            status = P.read_object(store.get(P.request_key(index, "status")))
             if not wait:
                 return status
         time.sleep(ANSWER_POLL_S)

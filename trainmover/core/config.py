@@ -152,7 +152,12 @@ class ProcessConfig:
     follows ``python`` on its command line). The default is the built-in GPT trainer."""
 
     command: list = field(default_factory=lambda: list(BUILTIN_TRAINER))
-    device: str = "cpu"                # "cpu" (gloo) or "cuda" (NCCL)
+    device: str = "cpu"                # "cpu" or "cuda" (each process on its slot's GPU)
+    # On CUDA, run torch's deterministic kernels only (``torch.use_deterministic_algorithms``:
+    # an operation that has none raises), so that a run with migrations and failures ends
+    # with the uninterrupted run's weights on the same hardware, as on the CPU. Off: faster
+    # kernels, results equal only within float tolerance.
+    deterministic: bool = True
     store_host: str = "127.0.0.1"      # the address the job's store listens on
     # Give every process its own compiler cache directories, as if each ran on its own
     # machine (benchmarks: a joiner on a new machine starts with no cache).
@@ -195,8 +200,16 @@ class CommConfig:
     # `trainmover migrate` connecting to a job's store: short, since a job that ended leaves
     # nobody listening and the command should say so promptly.
     client_connect_timeout_s: float = 10.0
+    # The communication backend: "auto" is NCCL on CUDA when every process of the job can
+    # have a GPU of its own (NCCL refuses two ranks on one device), gloo otherwise; "gloo"
+    # with CUDA stages every operation through host memory (workers sharing GPUs: for
+    # tests and small machines, not for speed).
+    backend: str = "auto"
 
     def validate(self) -> None:
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"comm.backend must be 'auto', 'nccl' or 'gloo', got "
+                             f"{self.backend!r}")
         _seconds("comm", group_timeout_s=self.group_timeout_s,
                  store_timeout_s=self.store_timeout_s,
                  client_connect_timeout_s=self.client_connect_timeout_s)
@@ -317,8 +330,11 @@ class ControllerConfig:
     restart: str = "auto"
     grace_s: float = 300.0
     max_restarts: int = 3
-    # The supervision round: steps, exits and requests are seen within this.
+    # The supervision round: steps and exits are seen within this.
     poll_s: float = 0.02
+    # How often migration requests from outside the job (`trainmover migrate`) are looked
+    # for: a person is waiting, and one store read per round would cost the job's store host.
+    request_poll_s: float = 0.1
     # How often the standbys' readiness (cold, warming, warm) is read: it changes in seconds.
     standby_poll_s: float = 0.25
     # How often the controller checks that no newer controller took over (it then steps
@@ -336,7 +352,7 @@ class ControllerConfig:
                              f"{self.restart!r}")
         _non_negative("controller", max_restarts=self.max_restarts)
         _seconds("controller", grace_s=self.grace_s, poll_s=self.poll_s,
-                 standby_poll_s=self.standby_poll_s,
+                 request_poll_s=self.request_poll_s, standby_poll_s=self.standby_poll_s,
                  incarnation_check_s=self.incarnation_check_s, stop_grace_s=self.stop_grace_s,
                  agent_exit_timeout_s=self.agent_exit_timeout_s)
 
@@ -346,8 +362,11 @@ class AgentConfig:
     """The agent: the job's store host and process supervisor (``agent/main.py``). It reads
     these, and ``ControllerConfig``'s restart policy, from the run dir's ``job.json``."""
 
-    # Its loop: how soon a spawn or signal request, or a process exit, is handled.
-    poll_s: float = 0.005
+    # Its loop: how soon a spawn or signal request is handled. A process exit is seen at once
+    # (the agent waits on the processes themselves) however long this is; each look for a
+    # request is a round trip to the store the agent itself hosts, so a short interval costs
+    # the store host CPU the workers share.
+    poll_s: float = 0.02
     # How often it checks that the controller's process is alive.
     controller_check_s: float = 0.1
     # After stopping every process, how long it keeps the store up for the controller to

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -38,12 +39,38 @@ def standby_state_key(worker: str) -> str:
     return f"standby/{worker}/state"
 
 
+MIGRATION_KEYS = {
+    # per participant ("/<worker>")
+    "ready": "ReadyReport: phase 1 done",
+    "switched": "SwitchReport: switched at the agreed step",
+    "at_switch": "a leaver reached the switch step (the naive baseline starts its joiner)",
+    "outcome": "a leaver's point of no return: 'handover' (leaver) or 'abort' (controller), "
+               "decided by one compare-and-set",
+    # per migration
+    "ready_count": "participants done with phase 1",
+    "switched_count": "participants switched",
+    "go": "the controller orders the switch",
+    "switch_at": "the agreed switch step (first proposal wins a compare-and-set)",
+    "abort": "the controller gave the migration up (the reason)",
+}
+
+
 def mig_key(migration_id: int, what: str, worker: str | None = None) -> str:
+    """The keys of one migration (``MIGRATION_KEYS``)."""
+    if what not in MIGRATION_KEYS:
+        raise KeyError(f"no migration key {what!r}")
     base = f"mig/{migration_id}/{what}"
     return base if worker is None else f"{base}/{worker}"
 
 
+REQUEST_KEYS = {"": "MigrationAsk from `trainmover migrate`",
+                "status": "the controller's interim answer (queued, started)",
+                "done": "the controller's final answer (done, refused, aborted, failed)"}
+
+
 def request_key(index: int, what: str = "") -> str:
+    if what not in REQUEST_KEYS:
+        raise KeyError(f"no request key {what!r}")
     return f"req/{index}" + (f"/{what}" if what else "")
 
 
@@ -63,7 +90,15 @@ def abort_key(epoch: int) -> str:
     return f"abort/{epoch}"
 
 
+COMMIT_KEYS = {"votes": "workers that voted to commit the step",
+               "decision": "'commit' (the last vote) or 'abort' (the controller), decided by "
+                           "one compare-and-set",
+               "metrics": "the step's metrics record, kept with the reporter's vote"}
+
+
 def commit_key(epoch: int, step: int, what: str) -> str:
+    if what not in COMMIT_KEYS:
+        raise KeyError(f"no commit key {what!r}")
     return f"commit/{epoch}/{step}/{what}"
 
 
@@ -72,9 +107,9 @@ def failure_key(epoch: int, worker: str) -> str:
     return f"fail/{epoch}/{worker}"
 
 
-def recovery_key(recovery_id: int, what: str, worker: str | None = None) -> str:
-    base = f"recovery/{recovery_id}/{what}"
-    return base if worker is None else f"{base}/{worker}"
+def recovered_count_key(recovery_id: int) -> str:
+    """Counts the participants of a recovery that resumed training."""
+    return f"recovery/{recovery_id}/recovered_count"
 
 
 def checkpoint_key(epoch: int, step: int) -> str:
@@ -88,13 +123,9 @@ MIGRATION_COUNT_KEY = "mig/count"
 
 
 def encode(obj) -> str:
+    """JSON for a value whose shape the protocol does not fix: the controller's answers to
+    a ``trainmover migrate`` caller (read by a person), a step's metrics record."""
     return json.dumps(obj, sort_keys=True)
-
-
-def decode(raw: bytes | str):
-    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-
-
 
 
 # --- the agent (store host and process supervisor) and the controller's registration -----
@@ -121,11 +152,6 @@ def agent_exit_key(index: int) -> str:
     return f"agent/exit/{index}"
 
 
-def standby_refused_key(worker: str) -> str:
-    """Why a standby refused to serve (the job's script broke a rule the runtime relies on)."""
-    return f"standby/{worker}/refused"
-
-
 def final_shards_key() -> str:
     """Counts the data-parallel-rank-0 roles that wrote their final state."""
     return "final/shards"
@@ -146,10 +172,13 @@ def batch_fingerprint_key(structure: str, step: int) -> str:
     return f"fp/{structure}/{step}"
 
 
-# --- commands: the controller's orders to one worker ----------------------------------------
-# Dataclasses written as JSON (``{"type": ..., fields}``) and validated when read: an unknown
-# type or field, a field of the wrong type or an oversized message is refused (the worker logs
-# it and goes on), never half-obeyed.
+# --- messages -------------------------------------------------------------------------------
+# Everything that crosses a process boundary through the store is a dataclass written as JSON
+# and validated when read: an unknown type or field, a field of the wrong type or an
+# oversized message is refused with ``MessageError`` (the reader logs it and goes on, never
+# half-obeys it and never dies of it). Keys name their message type (``standby/<w>/state``
+# holds a ``StandbyReport``); lists of orders (worker commands, agent requests) carry a
+# ``type`` tag.
 
 MAX_MESSAGE_BYTES = 256 * 1024
 
@@ -158,6 +187,94 @@ class MessageError(ValueError):
     """A message that is not one the protocol defines."""
 
 
+def write_message(msg) -> str:
+    return json.dumps(dataclasses.asdict(msg), sort_keys=True)
+
+
+def read_message(cls, raw: bytes | str):
+    """``raw`` as a ``cls``, or ``MessageError``."""
+    return _build(cls, _parse(cls.__name__, raw))
+
+
+def read_object(raw: bytes | str) -> dict:
+    """A JSON object of free shape (a metrics record), size-checked."""
+    data = _parse("record", raw)
+    if not isinstance(data, dict):
+        raise MessageError(f"record: expected an object, got {type(data).__name__}")
+    return data
+
+
+def _parse(what: str, raw: bytes | str):
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"{what} of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise MessageError(f"{what} is not JSON: {exc}") from exc
+
+
+def _tagged(registry: dict, kind: str):
+    names = {cls: name for name, cls in registry.items()}
+
+    def write(msg) -> str:
+        return json.dumps({"type": names[type(msg)], **dataclasses.asdict(msg)}, sort_keys=True)
+
+    def read(raw: bytes | str):
+        data = _parse(kind, raw)
+        if not isinstance(data, dict) or data.get("type") not in registry:
+            raise MessageError(f"unknown {kind} type "
+                               f"{data.get('type') if isinstance(data, dict) else data!r}")
+        return _build(registry[data.pop("type")], data)
+
+    return write, read
+
+
+def _build(cls, data):
+    if not isinstance(data, dict):
+        raise MessageError(f"{cls.__name__}: expected an object, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(hints))
+    if unknown:
+        raise MessageError(f"{cls.__name__}: unknown field(s) {unknown}")
+    values = {name: _check(f"{cls.__name__}.{name}", hints[name], value)
+              for name, value in data.items()}
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise MessageError(f"{cls.__name__}: {exc}") from exc
+
+
+def _check(where: str, hint, value):
+    """``value`` as ``hint`` says: int, float, str, bool, ``list[X]``, ``dict[str, X]``, a
+    message dataclass, ``typing.Any`` (any JSON value), or a union of these (with None)."""
+    if hint is typing.Any:
+        return value
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise MessageError(f"{where} may not be null")
+    for opt in options:
+        origin = typing.get_origin(opt)
+        if opt is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if opt is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if opt in (str, bool) and isinstance(value, opt):
+            return value
+        if origin is list and isinstance(value, list):
+            (item,) = typing.get_args(opt)
+            return [_check(f"{where}[{i}]", item, v) for i, v in enumerate(value)]
+        if origin is dict and isinstance(value, dict):
+            _, item = typing.get_args(opt)
+            return {_check(f"{where} key", str, k): _check(f"{where}[{k!r}]", item, v)
+                    for k, v in value.items()}
+        if dataclasses.is_dataclass(opt) and isinstance(value, dict):
+            return _build(opt, value)
+    raise MessageError(f"{where}: {value!r} is not a {hint}")
+
+
+# --- commands: the controller's orders to one worker ----------------------------------------
 @dataclass(frozen=True)
 class Prepare:
     """To a stayer of a migration: build these groups' next generation (phase 1)."""
@@ -243,61 +360,182 @@ class Recover:
 
 COMMANDS = {"prepare": Prepare, "leave": Leave, "assign_migration": AssignMigration,
             "assign_recovery": AssignRecovery, "recover": Recover}
-_COMMAND_NAMES = {cls: name for name, cls in COMMANDS.items()}
 Command = Prepare | Leave | AssignMigration | AssignRecovery | Recover
+encode_command, decode_command = _tagged(COMMANDS, "command")
 
 
-def encode_command(cmd: Command) -> str:
-    return json.dumps({"type": _COMMAND_NAMES[type(cmd)], **dataclasses.asdict(cmd)},
-                      sort_keys=True)
+# --- reports: what workers tell the controller -----------------------------------------------
+
+STANDBY_STATES = ("cold", "warming", "warm", "refused")
 
 
-def decode_command(raw: bytes | str) -> Command:
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise MessageError(f"command of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise MessageError(f"command is not JSON: {exc}") from exc
-    if not isinstance(data, dict) or data.get("type") not in COMMANDS:
-        raise MessageError(f"unknown command type "
-                           f"{data.get('type') if isinstance(data, dict) else data!r}")
-    cls = COMMANDS[data.pop("type")]
-    return _build(cls, data)
+@dataclass(frozen=True)
+class StandbyReport:
+    """``standby/<w>/state``: a free standby's readiness, the stage structures it rehearsed,
+    and why it refused to serve (the script broke a rule the runtime relies on)."""
+
+    state: str
+    warm_for: list[str] = dataclasses.field(default_factory=list)
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.state not in STANDBY_STATES:
+            raise MessageError(f"standby state {self.state!r} is not one of {STANDBY_STATES}")
 
 
-def _build(cls, data):
-    if not isinstance(data, dict):
-        raise MessageError(f"{cls.__name__}: expected an object, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(data) - set(hints))
-    if unknown:
-        raise MessageError(f"{cls.__name__}: unknown field(s) {unknown}")
-    values = {name: _check(f"{cls.__name__}.{name}", hints[name], value)
-              for name, value in data.items()}
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise MessageError(f"{cls.__name__}: {exc}") from exc
+@dataclass(frozen=True)
+class FailureReport:
+    """``fail/<epoch>/<w>``: a worker's own account of a failed step: the error it saw,
+    whether its own communicator failed (then it is fenced and replaced), and each group's
+    operation accounting (``decisions.dirty_groups``)."""
+
+    step: int
+    error: str
+    self_failed: bool
+    accounting: dict[str, dict[str, int]]
 
 
-def _check(where: str, hint, value):
-    """``value`` as ``hint`` says: int, str, bool, dict[str, int], a message dataclass, or
-    any of these or None."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if value is None:
-        if type(None) in options:
-            return None
-        raise MessageError(f"{where} may not be null")
-    for opt in options:
-        if opt is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if opt in (str, bool) and isinstance(value, opt):
-            return value
-        if typing.get_origin(opt) is dict and isinstance(value, dict) and all(
-                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                for k, v in value.items()):
-            return value
-        if dataclasses.is_dataclass(opt) and isinstance(value, dict):
-            return _build(opt, value)
-    raise MessageError(f"{where}: {value!r} is not a {hint}")
+@dataclass(frozen=True)
+class ReadyReport:
+    """``mig/<id>/ready/<w>``: a participant finished phase 1 (its next groups are built;
+    for a joiner, its script also registered its state)."""
+
+    build_s: float
+    step: int | None = None           # a stayer's or leaver's step when it got ready
+    prepare_s: float | None = None    # a joiner's whole preparation
+
+
+@dataclass(frozen=True)
+class SwitchReport:
+    """``mig/<id>/switched/<w>``: a participant's account of the switch. Which fields are
+    set depends on its part: leaver (transfer), stayer (install), joiner (receive, first
+    step)."""
+
+    switch_s: float = 0.0
+    wait_boundary_s: float = 0.0
+    build_s: float = 0.0
+    install_s: float = 0.0
+    transfer_s: float = 0.0
+    transfer_bytes: int = 0
+    recv_s: float = 0.0
+    prepare_s: float = 0.0
+    first_step_s: float = 0.0
+    rss_before: dict[str, float] | None = None
+    rss_after: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class MigrationAsk:
+    """``req/<n>``: a migration asked for from outside the job (``trainmover migrate``)."""
+
+    workers: list[str]
+    to: list[str] | None = None
+
+
+# --- the agent's requests and records ----------------------------------------------------------
+
+AGENT_SIGNALS = ("KILL", "TERM", "STOP", "CONT")
+
+
+PROCESS_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+@dataclass(frozen=True)
+class AgentSpawn:
+    """Start incarnation ``incarnation`` of process ``name``: a worker, or a standby, of the
+    agent's job (a later incarnation replaces an earlier one; a replayed request for one
+    already started is a no-op). No program, path or environment is taken from the store:
+    the agent builds the command line of its own worker entry point from these fields."""
+
+    name: str
+    incarnation: int
+    standby: bool = False
+    gpu: int | None = None              # the host's GPU (LOCAL_RANK) on device "cuda"
+    # a restarted worker (the restart baseline): the checkpoint to load, its groups'
+    # generation and its vote epoch
+    resume_step: int | None = None
+    generation: int | None = None
+    epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if not PROCESS_NAME.fullmatch(self.name):
+            raise MessageError(f"process name {self.name!r} is not {PROCESS_NAME.pattern}")
+        for field_ in ("incarnation", "gpu", "resume_step", "generation", "epoch"):
+            value = getattr(self, field_)
+            if value is not None and value < 0:
+                raise MessageError(f"AgentSpawn.{field_} {value} is negative")
+
+    def worker_args(self) -> list[str]:
+        """The worker entry point's own options for this process."""
+        out = []
+        for flag, value in (("--resume-step", self.resume_step),
+                            ("--generation", self.generation), ("--epoch", self.epoch)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out + (["--standby"] if self.standby else [])
+
+
+@dataclass(frozen=True)
+class AgentSignal:
+    """Signal one incarnation of a process; TERM is followed by KILL after ``grace_s``."""
+
+    name: str
+    incarnation: int
+    signal: str
+    grace_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.signal not in AGENT_SIGNALS:
+            raise MessageError(f"signal {self.signal!r} is not one of {AGENT_SIGNALS}")
+
+
+@dataclass(frozen=True)
+class AgentShutdown:
+    """Stop every process (KILL after ``grace_s``) and exit."""
+
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class AgentNoop:
+    """Fills a request number taken by a controller that died before writing it."""
+
+
+AGENT_REQUESTS = {"spawn": AgentSpawn, "signal": AgentSignal, "shutdown": AgentShutdown,
+                  "noop": AgentNoop}
+AgentRequest = AgentSpawn | AgentSignal | AgentShutdown | AgentNoop
+encode_agent_request, decode_agent_request = _tagged(AGENT_REQUESTS, "agent request")
+
+
+@dataclass(frozen=True)
+class ProcRecord:
+    """``agent/proc/<name>``: the PID of the process's current incarnation."""
+
+    pid: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    """``agent/exit/<n>``: one process exit."""
+
+    name: str
+    incarnation: int
+    code: int
+    time: float
+
+
+@dataclass(frozen=True)
+class ControllerInfo:
+    """``controller/current``: the live controller (the agent restarts it when its PID is
+    gone; a new one increments the incarnation and the old one steps down)."""
+
+    pid: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """``agent/ready``: the agent is serving."""
+
+    pid: int

@@ -284,10 +284,14 @@ class TrainState:
             for name, t in tensors.items():
                 if name in bucketed or t.numel() < _SMALL:
                     continue
+                # a tensor travels on the group's device (NCCL takes no CPU tensor; a user's
+                # extra state may live on the CPU)
                 if sending:
-                    group.send(t.contiguous(), peer, tag=tag).wait()
+                    group.send(t.contiguous().to(group.device), peer, tag=tag).wait()
                 else:
-                    staged = t if t.is_contiguous() else torch.empty_like(t)
+                    direct = t.is_contiguous() and t.device == group.device
+                    staged = t if direct else torch.empty(t.shape, dtype=t.dtype,
+                                                          device=group.device)
                     group.recv(staged, peer, tag=tag).wait()
                     if staged is not t:
                         t.copy_(staged)

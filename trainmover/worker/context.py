@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainmover.core.auth import load_secret
 from trainmover.comm.groups import AbortSignal, GroupBuilder, StoreAddress, StoreClients
 from trainmover.core import faults
 from trainmover.core import protocol as P
@@ -68,14 +69,16 @@ class WorkerContext:
         torch.set_num_threads(cfg.threads_per_worker())
         # the group timeout, not the store's: the commit vote and every group rendezvous
         # block on these clients, and wait as long as a collective may
-        self.stores = StoreClients(store_addr, timeout_s=cfg.comm.group_timeout_s)
+        self.stores = StoreClients(store_addr, timeout_s=cfg.comm.group_timeout_s,
+                                   secret=load_secret(run_dir))
         self.store = self.stores.get()
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name)
         self.device = self._device()
         self.abort = AbortSignal()
         self.epoch = epoch
         self.builder = GroupBuilder(self.stores, self.device, cfg.comm.group_timeout_s,
-                                    abort_signal=self.abort if cfg.health.recover else None)
+                                    abort_signal=self.abort if cfg.health.recover else None,
+                                    backend=cfg.comm.backend)
         self.heartbeat = Heartbeat(self.stores, name, cfg.health.heartbeat_interval_s) \
             if cfg.health.recover else None
         self.commands = CommandChannel(self.stores, name)
@@ -84,13 +87,21 @@ class WorkerContext:
         self.shadow_times: list[float] = []   # the current shadow run's step times
         self.shadow_wait_s = 0.0                # how long it waited for its recording
         self.events.emit("worker_started", pid=os.getpid(),
+                         **({"cuda_device": self.device.index} if self.device.type == "cuda"
+                            else {}),
                          import_s=round(self.t_imported - self.t_start, 4))
 
     def _device(self) -> torch.device:
         if self.cfg.process.device != "cuda":
             return torch.device("cpu")
+        # the controller gives each process a GPU of the host in LOCAL_RANK (torchrun's
+        # variable); processes share a GPU only where the job runs gloo (``comm.backend``)
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local % torch.cuda.device_count())
+        if self.cfg.process.deterministic:
+            # strict: an operation without a deterministic kernel raises (naming itself)
+            # rather than silently making runs differ
+            torch.use_deterministic_algorithms(True)
         return torch.device("cuda", torch.cuda.current_device())
 
     def fault(self, point: str, step: int | None = None, on_commerr=None) -> None:
@@ -98,9 +109,9 @@ class WorkerContext:
         faults.hit(self.cfg.faults, self.name, point, step, self.events,
                    on_commerr=on_commerr, store=self.store)
 
-    def set_standby_state(self, state: str, warm_for: list[str] = ()) -> None:
-        self.store.set(P.standby_state_key(self.name), state)
-        self.store.set(P.standby_state_key(self.name) + "/warm_for", P.encode(list(warm_for)))
+    def set_standby_state(self, state: str, warm_for: list[str] = (), reason: str = "") -> None:
+        self.store.set(P.standby_state_key(self.name),
+                       P.write_message(P.StandbyReport(state, list(warm_for), reason)))
 
 
 _CURRENT: WorkerContext | None = None

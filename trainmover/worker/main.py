@@ -116,8 +116,7 @@ def warm_up(ctx: WorkerContext) -> None:
             continue
         except DataNotDeterministic as exc:
             ctx.events.emit("standby_refused", structure=key, reason=str(exc), level="error")
-            ctx.set_standby_state("refused")
-            ctx.store.set(P.standby_refused_key(ctx.name), str(exc)[:2000])
+            ctx.set_standby_state("refused", reason=str(exc)[:2000])
             raise
         warmed.append(key)
         ctx.set_standby_state("warming", warmed)

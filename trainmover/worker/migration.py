@@ -203,7 +203,7 @@ class Migrations:
         if not part.reported_ready:
             part.reported_ready = True
             store.set(P.mig_key(mid, "ready", self.name),
-                      P.encode({"build_s": part.build_s, "step": step}))
+                      P.write_message(P.ReadyReport(part.build_s, step=step)))
             store.add(P.mig_key(mid, "ready_count"), 1)
         if part.switch_at is None:
             if not store.check([P.mig_key(mid, "go")]):
@@ -256,7 +256,8 @@ class Migrations:
             report["install_s"] = time.perf_counter() - ti
         report["switch_s"] = time.perf_counter() - t0
         report["rss_after"] = rss_mb()
-        self.store.set(P.mig_key(mid, "switched", self.name), P.encode(report))
+        self.store.set(P.mig_key(mid, "switched", self.name),
+                       P.write_message(P.SwitchReport(**report)))
         self.store.add(P.mig_key(mid, "switched_count"), 1)
         self.events.emit("migration_switched", migration_id=mid, step=step, part=part.kind,
                          **{k: v for k, v in report.items() if k.endswith("_s")})
@@ -300,7 +301,7 @@ def joiner_ready(store, events: EventLog, name: str, migration_id: int, build_s:
     """Phase 1 is done once the script registered its state: the role's groups exist and its
     model and optimizer are built; the switch can be ordered."""
     store.set(P.mig_key(migration_id, "ready", name),
-              P.encode({"build_s": build_s, "prepare_s": prepare_s}))
+              P.write_message(P.ReadyReport(build_s, prepare_s=prepare_s)))
     store.add(P.mig_key(migration_id, "ready_count"), 1)
     events.emit("joiner_ready", migration_id=migration_id, build_s=round(build_s, 4),
                 prepare_s=round(prepare_s, 4))
@@ -318,7 +319,7 @@ def joiner_receive(state, channel: Group) -> tuple[int, dict]:
 def joiner_started(store, events: EventLog, name: str, migration_id: int, report: dict,
                    start_step: int, first_step_s: float) -> None:
     report = {**report, "first_step_s": first_step_s, "rss_after": rss_mb()}
-    store.set(P.mig_key(migration_id, "switched", name), P.encode(report))
+    store.set(P.mig_key(migration_id, "switched", name), P.write_message(P.SwitchReport(**report)))
     store.add(P.mig_key(migration_id, "switched_count"), 1)
     events.emit("joiner_started", migration_id=migration_id, step=start_step,
                 first_step_s=round(first_step_s, 4), recv_s=round(report["recv_s"], 4))

@@ -37,8 +37,8 @@ def report_failure(ctx, step: int, error: str, groups: CommGroups) -> None:
     own = [g.name for g in groups.slots().values()
            if g.error is not None and g.error.op == "abort"]
     accounting = {g.name: g.accounting() for g in groups.slots().values() if g.size > 1}
-    ctx.store.set(P.failure_key(ctx.epoch, ctx.name), P.encode({
-        "step": step, "error": error[:400], "self": bool(own), "accounting": accounting}))
+    ctx.store.set(P.failure_key(ctx.epoch, ctx.name), P.write_message(
+        P.FailureReport(step, error[:400], bool(own), accounting)))
     ctx.events.emit("step_failed", step=step, epoch=ctx.epoch, error=error[:300])
 
 
@@ -105,7 +105,7 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
             continue
         break
     ctx.epoch = cmd.epoch
-    ctx.store.add(P.recovery_key(cmd.recovery_id, "recovered_count"), 1)
+    ctx.store.add(P.recovered_count_key(cmd.recovery_id), 1)
     ctx.events.emit("recovered", recovery_id=cmd.recovery_id, epoch=ctx.epoch,
                     resume_step=cmd.resume_step, rebuilt=sorted(built),
                     rollback_step=cmd.rollback_step,

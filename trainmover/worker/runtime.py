@@ -463,7 +463,7 @@ class _Loop:
             prepare_s = time.perf_counter() - t0
 
             def first(step_time_s: float) -> None:
-                ctx.store.add(P.recovery_key(cmd.recovery_id, "recovered_count"), 1)
+                ctx.store.add(P.recovered_count_key(cmd.recovery_id), 1)
                 ctx.events.emit("joiner_started", recovery_id=cmd.recovery_id, step=start,
                                 prepare_s=round(prepare_s, 4), source=cmd.source.kind,
                                 first_step_s=round(step_time_s, 4))

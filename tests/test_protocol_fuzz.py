@@ -1,0 +1,73 @@
+"""Property-based: no input read from the store makes a reader fail other than with
+``MessageError`` (a refusal the reader logs), and the MAC refuses every altered value."""
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from trainmover.core import protocol as P
+from trainmover.core.auth import AuthError, seal, unseal
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                max_size=4),
+    max_leaves=20)
+
+MESSAGE_TYPES = [P.StandbyReport, P.FailureReport, P.ReadyReport, P.SwitchReport,
+                 P.MigrationAsk, P.ProcRecord, P.ExitRecord, P.ControllerInfo, P.AgentInfo]
+READERS = [("command", P.decode_command, tuple(P.COMMANDS.values())),
+           ("agent request", P.decode_agent_request, tuple(P.AGENT_REQUESTS.values()))] + \
+          [(cls.__name__, (lambda c: lambda raw: P.read_message(c, raw))(cls), (cls,))
+           for cls in MESSAGE_TYPES]
+
+
+def _only_refusals(read, raw, types):
+    try:
+        out = read(raw)
+    except P.MessageError:
+        return
+    assert isinstance(out, types)
+
+
+@pytest.mark.parametrize("name, read, types", READERS, ids=[r[0] for r in READERS])
+@settings(max_examples=150, deadline=None)
+@given(raw=st.binary(max_size=200))
+def test_arbitrary_bytes_are_refused_or_read(name, read, types, raw):
+    _only_refusals(read, raw, types)
+
+
+@pytest.mark.parametrize("name, read, types", READERS, ids=[r[0] for r in READERS])
+@settings(max_examples=150, deadline=None)
+@given(body=st.dictionaries(st.text(max_size=16), json_values, max_size=8),
+       tag=st.sampled_from(sorted(P.COMMANDS) + sorted(P.AGENT_REQUESTS) + ["", "x"]))
+def test_arbitrary_json_objects_are_refused_or_read(name, read, types, body, tag):
+    _only_refusals(read, json.dumps({**body, "type": tag}), types)
+    _only_refusals(read, json.dumps(body), types)
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.text(min_size=1, max_size=30), payload=st.binary(max_size=100),
+       secret=st.binary(min_size=32, max_size=64), data=st.data())
+def test_the_mac_refuses_any_altered_value_key_or_secret(key, payload, secret, data):
+    sealed = seal(secret, key, payload)
+    assert unseal(secret, key, sealed) == payload
+    i = data.draw(st.integers(0, len(sealed) - 1))
+    flipped = sealed[:i] + bytes([sealed[i] ^ data.draw(st.integers(1, 255))]) + sealed[i + 1:]
+    with pytest.raises(AuthError):
+        unseal(secret, key, flipped)
+    with pytest.raises(AuthError):
+        unseal(secret, key + "/1", sealed)                # replayed at another key
+    other = data.draw(st.binary(min_size=32, max_size=64).filter(lambda s: s != secret))
+    with pytest.raises(AuthError):
+        unseal(other, key, sealed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=st.binary(max_size=120))
+def test_arbitrary_store_values_are_refused_or_authentic(raw):
+    try:
+        unseal(b"k" * 64, "agent/req/1", raw)
+    except AuthError:
+        return
+    assert raw.startswith(b"tm1:")

@@ -1,0 +1,186 @@
+"""What the controller's drivers share, passed to each explicitly: the job's spec and run dir,
+its store and agent, the membership, the vote epoch, and the *outbox* through which every
+driver talks to the outside world.
+
+Each driver (migrations, recovery, health, the restart baseline, process supervision) owns
+its own state and calls only public methods of the others; everything they all read or
+change lives here. The whole of it is plain data that goes into the controller's snapshot
+(``STATE``), except the live handles (store, event log, progress tail).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+from trainmover.core import decisions as C
+from trainmover.core import protocol as P
+from trainmover.core.config import JobConfig
+from trainmover.core.events import read_jsonl
+from trainmover.control.processes import AgentClient
+
+
+def worker_names(n: int, prefix: str = "w") -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+@dataclass
+class Progress:
+    """Tails metrics.jsonl; prints one line per committed step."""
+
+    path: str
+    total_steps: int
+    enabled: bool = True
+    records: list = field(default_factory=list)
+    _offset: int = 0
+    _buf: str = ""
+
+    @property
+    def last_step(self) -> int:
+        """The newest committed step (after a rollback, steps are committed again)."""
+        return self.records[-1]["step"] if self.records else -1
+
+    def poll(self) -> None:
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            return
+        if size == self._offset:
+            return   # nothing new: the common case, one stat per supervision round
+        with open(self.path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+            self._offset = f.tell()
+        self._buf += chunk
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            if not line:
+                continue
+            rec = json.loads(line)
+            self.records.append(rec)
+            if self.enabled:
+                loss = rec.get("loss")
+                total = f"/{self.total_steps}" if self.total_steps else ""
+                print(f"step {rec['step'] + 1:>5}{total}  "
+                      + (f"loss {loss:.4f}  " if isinstance(loss, (int, float)) else "")
+                      + f"{rec['step_time_s'] * 1000:8.1f} ms/step  "
+                      + (f"{rec['tokens_per_s']:>10.0f} tok/s  " if "tokens_per_s" in rec else "")
+                      + f"[{rec['worker']}]", flush=True)
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(f"trainmover: {text}", flush=True)
+
+
+class JobContext:
+    """The job as every driver sees it. Orders to workers and process starts are queued
+    (``put``, ``send``, ``spawn``) and go out only after the snapshot that contains them was
+    saved; see ``coordinator.py``."""
+
+    # plain data in the controller's snapshot
+    STATE = ("membership", "epoch", "committed", "next_standby", "cmd_next", "outbox", "procs",
+             "t_started", "gpus", "slots")
+
+    def __init__(self, cfg: JobConfig, run_dir: str, events, progress: Progress):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.events = events
+        self.progress = progress
+        self.store = None                    # set once connected
+        self.store_addr = ""
+        self.procs = AgentClient(None, os.path.join(run_dir, "logs"))
+        self.membership: C.Membership | None = None
+        self.epoch = 0                       # the vote epoch the workers are in
+        self.committed = -1                  # last step whose decision is known to be commit
+        self.next_standby = cfg.standby.count
+        self.cmd_next: dict[str, int] = {}   # next command number per worker
+        self.outbox: list[tuple] = []        # ("set", key, value) | ("agent", request)
+        self.t_started = time.time()
+        self.gpus = 0                        # GPUs on the host (device "cuda")
+        self.slots: dict[str, int] = {}      # process name -> its GPU (LOCAL_RANK)
+        # when processes or groups last changed (start, restart, promotion, switch, resume):
+        # the step watchdog judges only a job in steady state since then. Not in the
+        # snapshot: a resumed controller judges afresh
+        self.steady_since = time.time()
+        # controller fault points reached in this round (tests, chaos): the coordinator
+        # fires the ones scheduled once the round's snapshot is saved
+        self.points_reached: list[str] = []
+
+    # --- the outbox ----------------------------------------------------------------------------
+    def put(self, key: str, value: str) -> None:
+        """Set a store key the workers act on, once the snapshot that led to it is saved."""
+        self.outbox.append(("set", key, value))
+
+    def send(self, worker: str, command: P.Command) -> None:
+        index = self.cmd_next.get(worker, 1)
+        self.cmd_next[worker] = index + 1
+        self.put(P.command_key(worker, index), P.encode_command(command))
+
+    def spawn_request(self, name: str, standby: bool, **restart) -> P.AgentSpawn:
+        """``restart``: a restarted worker's ``resume_step``, ``generation``, ``epoch``."""
+        return self.procs.spawn_request(name, standby,
+                                        self._slot(name) if self.gpus else None, **restart)
+
+    def _slot(self, name: str) -> int:
+        """A process keeps its GPU across restarts; a new one takes the lowest GPU no live
+        process holds (a failed worker's, for its replacement), or shares one round-robin
+        where there are more processes than GPUs (gloo only, see ``comm.backend``)."""
+        if name not in self.slots:
+            held = {s for n, s in self.slots.items()
+                    if not self.procs.known(n) or self.procs.running(n)}
+            free = [g for g in range(self.gpus) if g not in held]
+            self.slots[name] = free[0] if free else len(self.slots) % self.gpus
+        return self.slots[name]
+
+    def spawn(self, name: str, standby: bool, **restart) -> None:
+        self.outbox.append(("agent", self.spawn_request(name, standby, **restart)))
+
+    def new_standby(self, state: C.StandbyState) -> str:
+        """Name a standby process that is about to be started."""
+        name = f"s{self.next_standby}"
+        self.next_standby += 1
+        self.membership.standbys[name] = state
+        return name
+
+    # --- done at once (idempotent when a resumed controller repeats them) ----------------------
+    def fence(self, worker: str, why: str) -> None:
+        """Kill a worker that is alive but failed: SIGKILL works on a stopped process too, and
+        closing its sockets turns a hang into a crash. Killing a failed process twice is
+        harmless, so this is not queued."""
+        if self.procs.running(worker):
+            self.procs.kill(worker)
+        self.events.emit("fenced", name=worker, reason=why)
+
+    def retire(self, standby: str) -> None:
+        """A standby that prepared for a plan given up holds stale groups: stop it, never
+        reuse it."""
+        if self.procs.running(standby):
+            self.procs.stop(standby, self.cfg.controller.stop_grace_s)
+        self.membership.standbys[standby] = C.StandbyState.DEAD
+
+    # --- shared facts --------------------------------------------------------------------------
+    def disrupted(self) -> None:
+        """Processes or groups just changed: the step watchdog waits for steady state."""
+        self.steady_since = time.time()
+
+    def reached(self, point: str) -> None:
+        self.points_reached.append(point)
+
+    def fault_events(self) -> list[dict]:
+        """The workers' own records of faults injected into them (for detection latency)."""
+        return [e for e in read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+                if e["event"] == "fault_injected"]
+
+
+def snapshot_of(obj) -> dict:
+    """The fields a driver lists in its ``STATE``."""
+    return {k: getattr(obj, k) for k in obj.STATE}
+
+
+def restore_into(obj, state: dict) -> None:
+    unknown = set(state) - set(obj.STATE)
+    if unknown:
+        raise ValueError(f"{type(obj).__name__}: unknown snapshot field(s) {sorted(unknown)}")
+    for k, v in state.items():
+        setattr(obj, k, v)

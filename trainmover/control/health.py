@@ -1,0 +1,118 @@
+"""The controller's failure detector: which active workers crashed, hung or lost their own
+communicator. Detection only; the recovery driver acts on what it finds.
+
+Bounded detection:
+- a crashed worker: its process exit is seen at the next poll (tens of milliseconds);
+- a hung worker (stopped, wedged): its heartbeat counter stops moving. The step watchdog
+  localizes it early: once no step was committed for ``stall_factor`` x the recent step time
+  (at least ``stall_floor_s``), the workers silent for ``silence_beats`` heartbeat intervals
+  (at least ``silence_floor_s``) while the others beat are the hung ones; judged only in
+  steady state (``JobContext.disrupted``). Otherwise, after ``heartbeat_timeout_s``, a silent
+  worker is hung regardless (settings: ``HealthConfig``);
+- a failed collective: a worker whose own communicator was aborted says so in its failure
+  report.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from trainmover.control.context import JobContext
+from trainmover.core import protocol as P
+from trainmover.core.accounting import stalled_for
+
+
+@dataclass
+class Failure:
+    worker: str
+    kind: str            # crash | hang | commerr
+    detected_at: float
+    detail: str = ""
+
+
+class Health:
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+        self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, count), seen at
+        self._looked_at = 0.0
+
+    def detect(self, handled: set[str]) -> list[Failure]:
+        """New failures among the active workers, other than the ``handled`` ones."""
+        ctx, health, now = self.ctx, self.ctx.cfg.health, time.time()
+        out = []
+        # process exits every round; store look-ups (heartbeats, reports) less often
+        look = now - self._looked_at >= health.check_interval_s
+        if look:
+            self._looked_at = now
+        stalled = self.stalled_for(now) if look else None
+        timeout = self._heartbeat_timeout_s()
+        silent, beating = [], 0
+        for w in list(ctx.membership.workers):
+            if w in handled or not ctx.procs.known(w):
+                continue
+            code = ctx.procs.exit_code(w)
+            if code is not None and code != 0:
+                out.append(Failure(w, "crash", now, f"exit code {code}"))
+                continue
+            if code == 0 or not look:
+                continue
+            if ctx.store.check([P.finished_key(w)]):
+                continue
+            beat = self._beat(w)
+            if beat is not None and now - beat > timeout:
+                out.append(Failure(w, "hang", now, f"no heartbeat for {now - beat:.2f} s"))
+                continue
+            if beat is not None and now - beat > health.silence_s():
+                silent.append((w, now - beat))
+            elif beat is not None:
+                beating += 1
+            report = read_failure_report(ctx, ctx.epoch, w)
+            if report is not None and report.self_failed:
+                out.append(Failure(w, "commerr", now, report.error))
+        if stalled is not None and silent and beating:
+            for w, quiet in silent:
+                out.append(Failure(w, "hang", now, f"silent for {quiet:.2f} s while the job "
+                                                   f"made no progress for {stalled:.2f} s"))
+        return out
+
+    def _heartbeat_timeout_s(self) -> float:
+        """The liveness timeout once the job committed a step since it last changed; the
+        longer start-up timeout before that."""
+        health, records = self.ctx.cfg.health, self.ctx.progress.records
+        if records and records[-1]["time"] > self.ctx.steady_since:
+            return health.heartbeat_timeout_s
+        return health.startup_timeout_s
+
+    def stalled_for(self, now: float) -> float | None:
+        health = self.ctx.cfg.health
+        times = [r["time"] for r in self.ctx.progress.records[-11:]]
+        return stalled_for([t for t in times if t > self.ctx.steady_since], now,
+                           health.stall_factor, health.stall_floor_s)
+
+    def _beat(self, worker: str) -> float | None:
+        """Time the worker's heartbeat counter last moved (None before its first beat)."""
+        store = self.ctx.store
+        pid = self.ctx.procs.pid(worker)
+        if pid is None:
+            return None   # not started yet
+        key = P.heartbeat_key(worker, pid)
+        if not store.check([key]):
+            return None
+        count = store.add(key, 0)
+        seen = self._beats.get(worker)
+        if seen is None or seen[0] != (pid, count):
+            self._beats[worker] = ((pid, count), time.time())
+        return self._beats[worker][1]
+
+
+def read_failure_report(ctx: JobContext, epoch: int, worker: str) -> P.FailureReport | None:
+    """The worker's own account of a failed step in ``epoch``, if it wrote one. A malformed
+    one is logged and read as "no report" (its writer is then fenced as silent)."""
+    key = P.failure_key(epoch, worker)
+    if not ctx.store.check([key]):
+        return None
+    try:
+        return P.read_message(P.FailureReport, ctx.store.get(key))
+    except P.MessageError as exc:
+        ctx.events.emit("message_rejected", key=key, error=str(exc))
+        return None

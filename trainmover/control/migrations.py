@@ -1,0 +1,331 @@
+"""The controller's driver for planned migrations: takes requests (API, CLI, injects, later
+the straggler policy), plans them (``decisions.plan_migration``), sends the two phases'
+commands, follows the participants' reports and accounts for each migration's downtime.
+
+A migration moves through ``decisions.MigrationState``: PREPARING (stayers build the next
+generation of the groups that contain the leaver, the joiner builds its role's groups and
+registers its state; training goes on), SWITCHING (the controller said go; every participant
+switches at one agreed step boundary), then DONE or ABORTED. One runs at a time; others wait
+in ``pending``.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from trainmover.control.context import JobContext
+from trainmover.control.errors import JobFailed
+from trainmover.core import decisions as C
+from trainmover.core import protocol as P
+from trainmover.core.accounting import downtime_from_metrics
+
+
+@dataclass
+class MigrationRequest:
+    workers: list[str]
+    targets: list[str] | None = None
+    source: str = "api"
+    store_index: int | None = None          # set for requests from `trainmover migrate`
+    future: Future = field(default_factory=Future)
+    naive: bool = False
+    # an API caller's future lives in the process that died; a resumed controller still
+    # carries the request out (and answers store requests)
+    __snapshot_exclude__ = ("future",)
+
+
+@dataclass
+class ActiveMigration:
+    plan: C.MigrationPlan
+    request: MigrationRequest
+    state: C.MigrationState = C.MigrationState.PREPARING
+    t_start: float = field(default_factory=time.time)
+    t_go: float | None = None
+    switch_step: int | None = None
+    result: dict | None = None
+
+
+class Migrations:
+    STATE = ("pending", "active", "finished", "awaiting_downtime", "store_requests_seen")
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+        self.requests: queue.Queue[MigrationRequest] = queue.Queue()   # from other threads
+        self.pending: list[MigrationRequest] = []
+        self.active: ActiveMigration | None = None
+        self.finished: list[dict] = []
+        self.awaiting_downtime: list[ActiveMigration] = []
+        self.store_requests_seen = 0
+
+    # --- requests ------------------------------------------------------------------------------
+    def request(self, workers: list[str], targets: list[str] | None = None,
+                naive: bool = False, source: str = "api") -> Future:
+        """Thread-safe: queue a migration; the future gets its final result."""
+        req = MigrationRequest(list(workers), list(targets) if targets else None, source,
+                               naive=naive)
+        self.requests.put(req)
+        return req.future
+
+    def submit(self, req: MigrationRequest) -> None:
+        """From the controller's own thread (injects, policies)."""
+        self.pending.append(req)
+
+    def collect(self, from_store: bool = True) -> None:
+        """Take the requests made through the API and, with ``from_store``, the store's."""
+        ctx = self.ctx
+        while True:
+            try:
+                self.pending.append(self.requests.get_nowait())
+            except queue.Empty:
+                break
+        if not from_store:
+            return
+        count = ctx.store.add(P.REQUEST_COUNT_KEY, 0)
+        while self.store_requests_seen < count:
+            self.store_requests_seen += 1
+            idx = self.store_requests_seen
+            try:
+                ask = P.read_message(P.MigrationAsk, ctx.store.get(P.request_key(idx)))
+            except P.MessageError as exc:
+                ctx.events.emit("message_rejected", key=P.request_key(idx), error=str(exc))
+                ctx.put(P.request_key(idx, "done"),
+                        P.encode({"status": "refused", "reason": f"malformed request: {exc}"}))
+                continue
+            req = MigrationRequest(ask.workers, ask.to, "cli", store_index=idx)
+            self.pending.append(req)
+            if self.active is not None or len(self.pending) > 1:
+                self.answer(req, {"status": "queued",
+                                  "reason": "another migration is in flight"}, final=False)
+
+    def answer(self, req: MigrationRequest, result: dict, final: bool = True) -> None:
+        if req.store_index is not None:
+            self.ctx.put(P.request_key(req.store_index, "done" if final else "status"),
+                         P.encode(result))
+        if final and not req.future.done():
+            req.future.set_result(result)
+
+    def fail_all(self, exc: BaseException) -> None:
+        reqs = self.pending + ([self.active.request] if self.active else [])
+        for req in reqs:
+            self.answer(req, {"status": "failed", "reason": str(exc)})
+
+    # --- the state machine ---------------------------------------------------------------------
+    def poll(self) -> None:
+        """One round: start the next pending migration, or advance the one in flight."""
+        if self.active is None and self.pending:
+            self._start(self.pending.pop(0))
+        if self.active is not None:
+            self._advance()
+
+    def _start(self, req: MigrationRequest) -> None:
+        ctx = self.ctx
+        mid = ctx.store.add(P.MIGRATION_COUNT_KEY, 1)
+        targets = req.targets
+        if req.naive and not targets:
+            # the naive baseline starts a fresh process on the spot: a new standby name
+            targets = [ctx.new_standby(C.StandbyState.COLD)]
+        try:
+            plan = C.plan_migration(ctx.membership, mid, req.workers, targets, set(),
+                                    rebuild_all=req.naive)
+        except C.MigrationRefused as exc:
+            ctx.events.emit("migration_refused", migration_id=mid, workers=req.workers,
+                            reason=str(exc), source=req.source)
+            ctx.progress.say(f"migration of {', '.join(req.workers)} refused: {exc}")
+            self.answer(req, {"status": "refused", "reason": str(exc)})
+            return
+        ctx.membership = C.reserve(ctx.membership, plan)
+        mig = ActiveMigration(plan, req)
+        self.active = mig
+        info = plan.describe()
+        ctx.events.emit("migration_started", source=req.source, naive=req.naive, **info)
+        ctx.progress.say(
+            f"migration {mid}: " + ", ".join(f"{p.leaver} -> {p.joiner} ({p.role})"
+                                             for p in plan.pairs) +
+            f"; rebuilding {info['groups_rebuilt']}/{info['groups_total']} groups"
+            + (" [naive]" if req.naive else ""))
+        self.answer(req, {"status": "started", **info}, final=False)
+        for stayer, groups in plan.stayers.items():
+            ctx.send(stayer, P.Prepare(mid, {g: plan.generations[g] for g in groups},
+                                       naive=req.naive))
+        for pair in plan.pairs:
+            ctx.send(pair.leaver, P.Leave(mid, pair.joiner, pair.transfer_group, mid,
+                                          naive=req.naive))
+            role_groups = ctx.cfg.layout.groups_of(pair.role)
+            ctx.send(pair.joiner, P.AssignMigration(
+                mid, pair.role.name, ctx.epoch, pair.leaver, pair.transfer_group, mid,
+                {s.name: plan.generations[s.name] for s in role_groups.values()
+                 if s.name in plan.generations}, naive=req.naive))
+        if req.naive:
+            # no preparation phase: the switch is ordered at once, the joiner starts cold
+            # when the leaver reaches the switch boundary
+            self._go(mig)
+        ctx.reached("migration_prepare")
+
+    def _go(self, mig: ActiveMigration) -> None:
+        self.ctx.disrupted()
+        mig.state, mig.t_go = C.MigrationState.SWITCHING, time.time()
+        self.ctx.put(P.mig_key(mig.plan.migration_id, "go"), "1")
+        self.ctx.events.emit("migration_go", migration_id=mig.plan.migration_id)
+        self.ctx.reached("migration_switch")
+
+    def all_switched(self) -> bool:
+        mig = self.active
+        count = self.ctx.store.add(P.mig_key(mig.plan.migration_id, "switched_count"), 0)
+        return count >= len(mig.plan.participants)
+
+    def _advance(self) -> None:
+        ctx, mig = self.ctx, self.active
+        plan, mid = mig.plan, mig.plan.migration_id
+        if mig.request.naive:
+            for pair in plan.pairs:
+                if not ctx.procs.known(pair.joiner) and \
+                        ctx.store.check([P.mig_key(mid, "at_switch", pair.leaver)]):
+                    ctx.spawn(pair.joiner, standby=True)
+        dead = {j for j in plan.joiners
+                if ctx.procs.known(j) and ctx.procs.exit_code(j) not in (None, 0)}
+        participants = set(plan.participants)
+        ready = participants if mig.state is not C.MigrationState.PREPARING else \
+            (participants if ctx.store.add(P.mig_key(mid, "ready_count"), 0) >= len(participants)
+             else set())
+        switched = participants if self.all_switched() else set()
+        state, why = C.next_state(mig.state, ready=ready, switched=switched,
+                                  participants=participants, dead=dead,
+                                  joiners=set(plan.joiners))
+        if state is mig.state:
+            if dead and mig.state is C.MigrationState.SWITCHING:
+                raise JobFailed(f"joiner {sorted(dead)[0]} died during the switch of migration "
+                                f"{mid}")
+            return
+        if state is C.MigrationState.SWITCHING:
+            self._go(mig)
+        elif state is C.MigrationState.ABORTED:
+            self.abort(why, dead)
+        elif state is C.MigrationState.DONE:
+            self._complete(mig)
+
+    def abort(self, reason: str, dead: set[str] = frozenset()) -> None:
+        """Give up the migration in flight; the job goes on unchanged."""
+        ctx, mig = self.ctx, self.active
+        mid = mig.plan.migration_id
+        ctx.put(P.mig_key(mid, "abort"), reason)
+        ctx.membership = C.abort(ctx.membership, mig.plan, set(dead))
+        for j in mig.plan.joiners:
+            if j not in dead and ctx.procs.running(j):
+                ctx.retire(j)
+        ctx.events.emit("migration_aborted", migration_id=mid, reason=reason)
+        ctx.progress.say(f"migration {mid} aborted: {reason}; the job continues unchanged")
+        result = {"status": "aborted", "reason": reason, **mig.plan.describe()}
+        self.finished.append(result)
+        self.answer(mig.request, result)
+        self.active = None
+
+    def settle(self, reason: str) -> None:
+        """A failure interrupted the migration in flight (if any): pairs whose state already
+        moved are committed (their joiners now take part in the recovery as role holders),
+        the others are abandoned."""
+        if self.active is None:
+            return
+        ctx, mig = self.ctx, self.active
+        plan, mid = mig.plan, mig.plan.migration_id
+        # per pair, the leaver's "handover" and this "abort" race on one compare-and-set
+        handed = {p.leaver for p in plan.pairs
+                  if ctx.store.compare_set(P.mig_key(mid, "outcome", p.leaver), "",
+                                           "abort") == b"handover"}
+        if not handed:
+            return self.abort(reason)
+        ctx.membership, done, rest = C.settle_on_failure(ctx.membership, plan, handed)
+        for p in done:
+            ctx.put(P.membership_key(p.joiner), p.role.name)
+        for p in rest:
+            if ctx.procs.running(p.joiner):
+                ctx.retire(p.joiner)
+        ctx.put(P.mig_key(mid, "abort"), reason)   # participants still preparing drop it
+        result = {"status": "interrupted", "reason": reason, **plan.describe(),
+                  "committed_pairs": [p.leaver for p in done],
+                  "abandoned_pairs": [p.leaver for p in rest]}
+        ctx.events.emit("migration_interrupted", **result)
+        ctx.progress.say(f"migration {mid} interrupted by a failure: "
+                         + ", ".join(f"{p.leaver} -> {p.joiner} kept (state already moved)"
+                                     for p in done)
+                         + "".join(f"; {p.leaver} -> {p.joiner} abandoned" for p in rest))
+        self.finished.append(result)
+        self.answer(mig.request, result)
+        self.active = None
+
+    def job_finished(self) -> None:
+        """Every role holder finished: complete a migration that switched in the same round,
+        or abort one whose switch boundary the job never reached."""
+        if self.active is None:
+            return
+        if self.all_switched():
+            self._complete(self.active)
+        else:
+            self.abort("the job finished before the switch step")
+
+    def _complete(self, mig: ActiveMigration) -> None:
+        ctx = self.ctx
+        ctx.disrupted()
+        plan, mid = mig.plan, mig.plan.migration_id
+        ctx.membership = C.commit(ctx.membership, plan)
+        for p in plan.pairs:
+            ctx.put(P.membership_key(p.joiner), p.role.name)
+        mig.switch_step = int(ctx.store.get(P.mig_key(mid, "switch_at")))
+        mig.state = C.MigrationState.DONE
+        self.active = None
+        self.awaiting_downtime.append(mig)
+
+    # --- accounting ----------------------------------------------------------------------------
+    def finish_downtimes(self, final: bool = False) -> None:
+        """A migration's downtime is known once the job committed the first step after it."""
+        for mig in list(self.awaiting_downtime):
+            if self.ctx.progress.last_step < mig.switch_step and not final:
+                continue
+            self.awaiting_downtime.remove(mig)
+            self._report(mig)
+
+    def _report(self, mig: ActiveMigration) -> None:
+        ctx = self.ctx
+        plan, mid = mig.plan, mig.plan.migration_id
+        reports = {w: P.read_message(P.SwitchReport,
+                                     ctx.store.get(P.mig_key(mid, "switched", w)))
+                   for w in plan.participants}
+        ready = {w: P.read_message(P.ReadyReport, ctx.store.get(P.mig_key(mid, "ready", w)))
+                 for w in plan.participants if ctx.store.check([P.mig_key(mid, "ready", w)])}
+        downtime, normal = (None, None)
+        if ctx.progress.last_step >= mig.switch_step:
+            downtime, normal = downtime_from_metrics(ctx.progress.records, mig.switch_step)
+        leaver_r = [reports[p.leaver] for p in plan.pairs]
+        joiner_r = [reports[p.joiner] for p in plan.pairs]
+        stayer_r = [reports[w] for w in plan.stayers]
+        rss_growth = [r.rss_after["peak_rss_mb"] / r.rss_before["peak_rss_mb"] - 1.0
+                      for r in stayer_r if r.rss_before and r.rss_after]
+        phases = {
+            # training continued through these (not downtime)
+            "prepare_s": max([r.prepare_s if r.prepare_s is not None else r.build_s
+                              for r in ready.values()] or [0.0]),
+            "wait_boundary_s": max([r.wait_boundary_s for r in leaver_r] or [0.0]),
+            # the switch itself
+            "transfer_s": max(r.transfer_s for r in leaver_r),
+            "group_switch_s": max([r.build_s + r.install_s if plan.rebuild_all else r.install_s
+                                   for r in stayer_r] or [0.0]),
+            "joiner_recv_s": max(r.recv_s for r in joiner_r),
+            "first_step_s": max(r.first_step_s for r in joiner_r),
+            "normal_step_s": normal,
+        }
+        result = {"status": "done", **plan.describe(), "switch_step": mig.switch_step,
+                  "downtime_s": downtime, "phases": phases,
+                  "transfer_bytes": sum(r.transfer_bytes for r in leaver_r),
+                  "stayer_peak_rss_growth": max(rss_growth) if rss_growth else None,
+                  "naive": mig.request.naive,
+                  "requested_to_done_s": time.time() - mig.t_start}
+        self.finished.append(result)
+        ctx.events.emit("migration_done", **result)
+        if downtime is not None:
+            ctx.progress.say(
+                f"migration {mid} done at step {mig.switch_step}: downtime {downtime:.3f} s "
+                f"(transfer {phases['transfer_s']:.3f} s, group switch "
+                f"{phases['group_switch_s']:.3f} s, joiner's first step "
+                f"{phases['first_step_s']:.3f} s vs normal {normal:.3f} s); "
+                f"{result['groups_rebuilt']}/{result['groups_total']} groups rebuilt")
+        self.answer(mig.request, result)

@@ -1,0 +1,83 @@
+"""The controller's driver for processes: exits that end the job (a script that misuses the
+runtime, a standby that refused to serve, a worker exit nothing recovers from) and each free
+standby's readiness (cold, warming, warm), as the standbys report it."""
+from __future__ import annotations
+
+import time
+
+from trainmover.control.context import JobContext
+from trainmover.control.errors import JobFailed
+from trainmover.core import decisions as C
+from trainmover.core import protocol as P
+
+
+class ProcessWatch:
+    STATE = ("warm_for",)
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+        self.warm_for: dict[str, list[str]] = {}    # standby -> stage structures it rehearsed
+        self._standbys_read_at = 0.0
+
+    def check_exits(self, recovered: set[str]) -> None:
+        """Raise ``JobFailed`` for an exit that ends the job; ``recovered`` are workers whose
+        failure a recovery already handled."""
+        ctx = self.ctx
+        for name, p in ctx.procs.procs.items():
+            code = p.code
+            if code in (None, 0):
+                continue
+            if code == P.EXIT_USAGE:
+                raise JobFailed(f"{name}: the training script misuses the runtime (exit code "
+                                f"{code}); last log lines:\n{ctx.procs.tail(name)}")
+            report = self._standby_report(name) if p.standby else None
+            if report is not None and report.state == "refused":
+                raise JobFailed(f"standby {name} refused to serve: {report.reason}")
+            if p.standby and name not in ctx.membership.workers:
+                if ctx.membership.standbys.get(name) not in (C.StandbyState.DEAD, None):
+                    ctx.membership.standbys[name] = C.StandbyState.DEAD
+                    ctx.events.emit("standby_died", name=name, code=code)
+                    ctx.progress.say(f"standby {name} exited with code {code}")
+                continue
+            if ctx.cfg.health.recover and name in ctx.membership.workers:
+                continue  # the recovery driver detects, fences and replaces it
+            if name in ctx.membership.departed or name in recovered:
+                continue
+            raise JobFailed(f"worker {name} exited with code {code}; last log lines:\n"
+                            f"{ctx.procs.tail(name)}")
+
+    def update_standbys(self) -> None:
+        """Follow each free standby's readiness as it reports it."""
+        ctx = self.ctx
+        now = time.monotonic()
+        if now - self._standbys_read_at < ctx.cfg.controller.standby_poll_s:
+            return
+        self._standbys_read_at = now
+        for name, st in ctx.membership.standbys.items():
+            if st in (C.StandbyState.DEAD, C.StandbyState.RESERVED) or \
+                    not ctx.procs.known(name):
+                continue
+            report = self._standby_report(name)
+            if report is None:
+                continue
+            if report.state == "refused":
+                raise JobFailed(f"standby {name} refused to serve: {report.reason}")
+            new = C.StandbyState(report.state)
+            if new is not st or report.warm_for != self.warm_for.get(name):
+                ctx.membership.standbys[name] = new
+                self.warm_for[name] = report.warm_for
+                ctx.events.emit("standby_state", name=name, state=new.value,
+                                warm_for=report.warm_for)
+                ctx.progress.say(f"standby {name}: {new.value}" +
+                                 (f" for {', '.join(report.warm_for)}" if report.warm_for else ""))
+
+    def _standby_report(self, name: str) -> P.StandbyReport | None:
+        ctx = self.ctx
+        key = P.standby_state_key(name)
+        if not ctx.store.check([key]):
+            return None
+        try:
+            return P.read_message(P.StandbyReport, ctx.store.get(key))
+        except P.MessageError as exc:
+            ctx.events.emit("message_rejected", key=key, error=str(exc))
+            return None

@@ -1,0 +1,116 @@
+"""The job's control plane is authenticated: every value a trainmover process writes to the
+job's store carries an HMAC-SHA256 over its key and content under the job's secret, and every
+value it reads is checked, so whoever can reach the store's port but lacks the secret can
+neither forge nor alter a command, report, request, decision or the controller's snapshot.
+
+- The secret is generated at launch (``create_secret``), 32 random bytes written as hex to
+  ``<run dir>/secret`` with mode 0600 (the run dir itself is 0700); processes of the job read
+  it from there, or from ``TRAINMOVER_SECRET`` (``load_secret``). It is never printed or logged.
+- The MAC covers the key, so a value copied to another key is refused: a command or agent
+  request copied to a later index (keys of lists carry their sequence number) is no replay.
+- A value that fails the check raises ``AuthError`` (a ``MessageError``): the reader logs it
+  and ignores it, as it does any malformed message.
+
+What it does not cover, by the nature of the store (``torch.distributed.TCPStore``, which has
+no authentication of its own): counters (``add``: votes, request counts, heartbeats) and key
+existence, and the store's availability (anyone who reaches the port can delete or flood
+keys). The communication backends' rendezvous keys are torch's own. So the store and the
+gloo/NCCL ports must stay on a private network: loopback by default; across hosts a cluster
+network no outsider reaches (see the README).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets as _secrets
+
+from trainmover.core.protocol import MessageError
+
+SECRET_FILE = "secret"
+SECRET_ENV = "TRAINMOVER_SECRET"
+_TAG = b"tm1:"
+_MAC_HEX = 64
+
+
+class AuthError(MessageError):
+    """A store value without a valid MAC under the job's secret."""
+
+
+def create_secret(run_dir: str) -> bytes:
+    """A new secret for the job in ``run_dir`` (the file must not exist yet)."""
+    secret = _secrets.token_hex(32).encode()
+    fd = os.open(os.path.join(run_dir, SECRET_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+    return secret
+
+
+def load_secret(run_dir: str | None = None) -> bytes:
+    """The job's secret: ``TRAINMOVER_SECRET``, else ``<run dir>/secret``."""
+    env = os.environ.get(SECRET_ENV)
+    if env:
+        return env.encode()
+    path = os.path.join(run_dir or ".", SECRET_FILE)
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the job's secret {path!r}: {exc}") from exc
+    if len(secret) < 32:
+        raise ValueError(f"the job's secret in {path!r} is too short")
+    return secret
+
+
+def _mac(secret: bytes, key: str, payload: bytes) -> bytes:
+    return hmac.new(secret, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
+
+
+def seal(secret: bytes, key: str, value: str | bytes) -> bytes:
+    payload = value.encode() if isinstance(value, str) else value
+    return _TAG + _mac(secret, key, payload) + b":" + payload
+
+
+def unseal(secret: bytes, key: str, raw: bytes) -> bytes:
+    head = len(_TAG) + _MAC_HEX
+    if not (raw.startswith(_TAG) and raw[head:head + 1] == b":"):
+        raise AuthError(f"{key}: value is not signed")
+    payload = raw[head + 1:]
+    if not hmac.compare_digest(raw[len(_TAG):head], _mac(secret, key, payload)):
+        raise AuthError(f"{key}: bad signature")
+    return payload
+
+
+class AuthStore:
+    """A store client whose values are signed on write and checked on read (see the module
+    doc); everything else passes through. Wraps any object with TCPStore's methods."""
+
+    def __init__(self, store, secret: bytes):
+        self.raw = store
+        self._secret = secret
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.raw.set(key, seal(self._secret, key, value))
+
+    def get(self, key: str) -> bytes:
+        return unseal(self._secret, key, self.raw.get(key))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """Set ``desired`` if the key holds ``expected`` ("" = absent); returns the value the
+        key holds afterwards (checked)."""
+        want = seal(self._secret, key, expected) if expected else expected
+        got = self.raw.compare_set(key, want, seal(self._secret, key, desired))
+        return unseal(self._secret, key, got)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.raw.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.raw.check(keys)
+
+    def wait(self, keys: list[str], *timeout) -> None:
+        self.raw.wait(keys, *timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.raw.delete_key(key)
