@@ -27,10 +27,10 @@ def snapshot_like():
                          reports={"w0": P.FailureReport(7, "reset", False,
                                                         {"dp.pp0.tp0": {"coll": 3}})})
     rec.plan = C.plan_recovery(m, 2, ["w2"], {"dp.pp0.tp0"}, None)
-    procs = AgentClient(None, "/x/logs", {"w0": ProcView(False, 1, 123)}, 4)
+    procs = AgentClient(None, "/x/logs", {"w0": ProcView(False, 1, 0, 123)}, 4)
     return {"membership": m, "pending": [req], "active": ActiveMigration(plan, req),
             "injects": [Inject("migrate", 5, "w3", "s1")],
-            "outbox": [("set", "k", "v"), ("agent", P.AgentSpawn("s2", 1, True, gpu=1))],
+            "outbox": [("set", "k", "v"), ("agent", 2, P.AgentSpawn("s2", 1, True, gpu=1))],
             "procs": procs, "recovery": {"failed_workers": {"w5", "w6"}, "active": rec}}
 
 
@@ -48,7 +48,7 @@ def test_the_controller_state_round_trips_through_json():
     assert back["recovery"]["active"].failures["w2"] == Failure("w2", "crash", 12.5,
                                                                 "exit code -9")
     assert back["recovery"]["active"].reports == state["recovery"]["active"].reports
-    assert back["outbox"][1][1] == state["outbox"][1][1]
+    assert back["outbox"][1][2] == state["outbox"][1][2]
     assert back["procs"].procs["w0"].pid == 123 and back["procs"].store is None
     assert back["injects"] == state["injects"]
     assert SNAPSHOT_CODEC.dumps(back) == text          # stable: a resumed controller re-saves it

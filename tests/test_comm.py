@@ -163,3 +163,41 @@ def test_host_staged_operations_write_back_into_the_callers_tensors():
         assert gathered == [float(r) for r in tp_peers]
         if rank == dp_peers[1]:
             assert out == [1.0, 2.0, float(dp_peers[0])]
+
+
+def _late_peer(rank, address):
+    """Rank 0 abandons an all-reduce of its gradient bucket (its peer is cut off) and
+    quarantines the buckets, as a surviving worker does; then the peer's data arrives after
+    all and the operation completes."""
+    from trainmover.core.topology import GroupSpec
+    from trainmover.train.buckets import GradBuckets
+
+    builder = _builder(address)
+    spec = GroupSpec("dp.test", "dp", (Role(0, 0, 0), Role(1, 0, 0)))
+    group = builder.build_ranked(spec, rank, 0)
+    store = StoreClients(address).get()
+    if rank == 1:
+        store.wait(["go"])
+        group.allreduce(torch.full((4,), 5.0))
+        return None
+    p = torch.nn.Parameter(torch.zeros(4))
+
+    class Groups:
+        dp = group
+
+    buckets = GradBuckets([p], 1 << 20, Groups())
+    buckets.buffers[0].fill_(1.0)
+    work = group.allreduce(buckets.buffers[0], async_op=True)   # the peer is not there yet
+    old = buckets.buffers[0]
+    buckets.quarantine()
+    store.set("go", "1")
+    work.wait()                                                 # the late data arrived
+    return old.tolist(), p.grad.tolist(), buckets.buffers[0].data_ptr() == p.grad.data_ptr()
+
+
+@pytest.mark.timeout(120)
+def test_an_abandoned_allreduce_that_completes_late_cannot_touch_live_gradients():
+    old, grad, grad_in_bucket = values(run_processes(_late_peer, 2))[0]
+    assert old == [6.0] * 4          # the late completion wrote into the old buffer ...
+    assert grad == [0.0] * 4         # ... never into the gradients in use
+    assert grad_in_bucket

@@ -154,18 +154,18 @@ def test_forged_and_malformed_messages_never_take_the_job_down(tmp_path, baselin
     spawn = '{"type": "spawn", "name": "x", "incarnation": 1, "argv": ["touch", "x"]}'
 
     def agent_request(value):
-        index = raw.add(P.AGENT_REQUEST_COUNT_KEY, 1)
-        raw.set(P.agent_request_key(index), value)
+        index = raw.add(P.agent_key(0, "req/count"), 1)
+        raw.set(P.agent_request_key(0, index), value)
         return index
 
     agent_request(kill)                                               # unsigned
-    agent_request(seal(b"0" * 64, "agent/req/0", kill))               # wrong secret
+    agent_request(seal(b"0" * 64, "agent/0/req/0", kill))               # wrong secret
     # a valid request of this job replayed at another index: the MAC covers the key
-    agent_request(raw.get(P.agent_request_key(1)))
-    index = raw.add(P.AGENT_REQUEST_COUNT_KEY, 1)
-    signed.set(P.agent_request_key(index), spawn)                     # signed, malformed
-    index = raw.add(P.AGENT_REQUEST_COUNT_KEY, 1)
-    signed.set(P.agent_request_key(index),
+    agent_request(raw.get(P.agent_request_key(0, 1)))
+    index = raw.add(P.agent_key(0, "req/count"), 1)
+    signed.set(P.agent_request_key(0, index), spawn)                     # signed, malformed
+    index = raw.add(P.agent_key(0, "req/count"), 1)
+    signed.set(P.agent_request_key(0, index),
                '{"type": "signal", "name": "w1", "signal": "KILL"}')  # no incarnation
     index = raw.add(P.REQUEST_COUNT_KEY, 1)
     signed.set(P.request_key(index), '{"workers": "w1"}')            # malformed ask

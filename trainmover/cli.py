@@ -14,7 +14,9 @@ from trainmover.core.topology import Layout
 
 # the runtime flags of run, demo and launch -> the setting each overrides (JobConfig.override)
 RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
-                 "checkpoint_every": "checkpoint_every", "controller_restart": "controller_restart"}
+                 "checkpoint_every": "checkpoint_every", "controller_restart": "controller_restart",
+                 "nnodes": "hosts_nnodes", "nproc_per_node": "hosts_nproc_per_node",
+                 "store_host": "process_store_host", "store_port": "process_store_port"}
 
 
 def apply_runtime_args(cfg: JobConfig, args: argparse.Namespace) -> None:
@@ -97,6 +99,13 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
                         "(auto, default) or waits for `trainmover controller --resume` (manual)")
     p.add_argument("--inject", action="append", metavar="KIND@STEP:TARGET[:ARG]",
                    help="scheduled event, e.g. migrate@12:w3 (repeatable)")
+    p.add_argument("--nnodes", type=int, help="hosts of the job (this is host 0; start "
+                                              "`trainmover agent` on each other one)")
+    p.add_argument("--nproc-per-node", type=int, help="worker slots per host")
+    p.add_argument("--store-host", help="address the job's store listens on (default "
+                                        "127.0.0.1; with several hosts, this host's address "
+                                        "on the cluster's private network)")
+    p.add_argument("--store-port", type=int, help="the store's port (default: any free one)")
     p.add_argument("--quiet", action="store_true")
 
 
@@ -201,6 +210,46 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0 if result.get("status") in ("done", "started", "queued") else 1
 
 
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        if os.environ.get(name):
+            try:
+                return int(os.environ[name])
+            except ValueError:
+                raise ValueError(f"environment variable {name}={os.environ[name]!r} is not "
+                                 f"an integer") from None
+    return None
+
+
+def agent_settings(args: argparse.Namespace) -> dict:
+    """``trainmover agent``'s settings from its flags, else the variables the launchers set:
+    torchrun's ``PET_*`` (Kubernetes PyTorchJob/TrainJob, torchrun wrappers), ``MASTER_ADDR``
+    and ``MASTER_PORT``, Slurm's ``SLURM_NODEID``."""
+    node = args.node_rank if args.node_rank is not None else \
+        _env_int("PET_NODE_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
+    if node is None:
+        raise ValueError("no node rank: pass --node-rank or set PET_NODE_RANK")
+    endpoint = args.rdzv_endpoint or os.environ.get("PET_RDZV_ENDPOINT") or ""
+    if not endpoint and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if endpoint and not endpoint.rpartition(":")[2].isdigit():
+        raise ValueError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT")
+    nnodes = args.nnodes if args.nnodes is not None else _env_int("PET_NNODES")
+    per_node = args.nproc_per_node if args.nproc_per_node is not None else \
+        _env_int("PET_NPROC_PER_NODE")
+    return {"node": node, "endpoint": endpoint, "nnodes": nnodes, "nproc_per_node": per_node}
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from trainmover.agent.main import serve_host
+
+    s = agent_settings(args)
+    run_dir = os.path.abspath(args.run_dir)
+    code = serve_host(run_dir, s["endpoint"], s["node"], args.address, args.connect_timeout,
+                      expect={"nnodes": s["nnodes"], "nproc_per_node": s["nproc_per_node"]})
+    return code
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from trainmover.bench.main import main
 
@@ -248,6 +297,26 @@ def make_parser() -> argparse.ArgumentParser:
     mig.add_argument("--no-wait", action="store_true", help="return once the request is queued")
     mig.add_argument("--timeout", type=float, default=600.0)
     mig.set_defaults(fn=cmd_migrate)
+    agent = sub.add_parser(
+        "agent", help="serve one more host of a job (its workers and standbys)",
+        description="Run on every host but the controller's (host 0), e.g. from srun or a "
+                    "Kubernetes pod. Flags follow torchrun; each falls back to the variable "
+                    "in brackets.")
+    agent.add_argument("--run-dir", required=True, help="the job's run dir, on a filesystem "
+                                                        "every host shares")
+    agent.add_argument("--node-rank", type=int, help="this host's index, 1.. "
+                                                     "[PET_NODE_RANK, SLURM_NODEID]")
+    agent.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="the job's store [PET_RDZV_ENDPOINT, MASTER_ADDR:MASTER_PORT; "
+                            "default: the run dir's control.json]")
+    agent.add_argument("--nnodes", type=int, help="checked against the job [PET_NNODES]")
+    agent.add_argument("--nproc-per-node", type=int,
+                       help="checked against the job [PET_NPROC_PER_NODE]")
+    agent.add_argument("--address", help="this host's address on the job's network (its "
+                                         "workers bind their communication to it)")
+    agent.add_argument("--connect-timeout", type=float, default=300.0,
+                       help="how long to wait for the job to start (seconds)")
+    agent.set_defaults(fn=cmd_agent)
     bench = sub.add_parser("bench", help="benchmarks (results under benchmarks/results/)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     step = bsub.add_parser("step", help="engine step time vs DistributedDataParallel (DP only)")
@@ -264,6 +333,11 @@ def make_parser() -> argparse.ArgumentParser:
     ex.add_argument("--repeats", type=int, default=3)
     ex.add_argument("--out", default="benchmarks/results")
     ex.set_defaults(fn=cmd_bench)
+    hosts = bsub.add_parser("hosts", help="planned migration across hosts vs within a host "
+                                          "(network namespaces: needs root)")
+    hosts.add_argument("--repeats", type=int, default=3)
+    hosts.add_argument("--out", default="benchmarks/results")
+    hosts.set_defaults(fn=cmd_bench)
     down = bsub.add_parser("downtime", help="planned migration vs naive migration vs restart")
     down.add_argument("--workers", default="4,8", help="comma list from 4, 8, 16")
     down.add_argument("--strategies", default="trainmover,trainmover_cold,naive,restart")

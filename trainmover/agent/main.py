@@ -93,18 +93,28 @@ class Child:
 
 
 class Agent:
-    def __init__(self, run_dir: str, host: str, listen_fd: int, port: int, cfg: JobConfig):
+    """One host's agent. Host 0's hosts the store (``listen_fd``: the socket the controller
+    opened) and restarts a dead controller; another host's connects to the store at
+    ``host:port``, beats a heartbeat the controller watches, and stops its processes and
+    exits when it finds its host declared lost (fenced) or the store gone."""
+
+    def __init__(self, run_dir: str, host: str, port: int, cfg: JobConfig, node: int = 0,
+                 address: str | None = None, listen_fd: int | None = None):
         self.run_dir = run_dir
         self.host, self.listen_fd, self.port = host, listen_fd, port
+        self.node = node
+        self.address = address or host         # this host's address: its workers' gloo binds
         self.cfg = cfg
         self.children: dict[str, Child] = {}
         self.controllers: list[subprocess.Popen] = []   # the ones this agent restarted
-        self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="agent")
+        self.events = EventLog(os.path.join(run_dir, "events.jsonl"),
+                               worker="agent" if node == 0 else f"agent{node}")
         self.store = None
         self._next_request = 1
         self._controller: P.ControllerInfo | None = None
         self._controller_lost_at: float | None = None
         self._controller_read_at = 0.0
+        self._beat_at = 0.0
 
     # --- processes ---------------------------------------------------------------------------
     def spawn(self, req: P.AgentSpawn) -> None:
@@ -137,7 +147,7 @@ class Agent:
 
     def _env(self, req: P.AgentSpawn) -> dict:
         cfg = self.cfg
-        env = dict(os.environ, PYTHONUNBUFFERED="1",
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINMOVER_GLOO_HOST=self.address,
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
                                                   str(cfg.threads_per_worker())))
         if req.gpu is not None:
@@ -201,6 +211,19 @@ class Agent:
             self._reap(c)
 
     # --- the controller ----------------------------------------------------------------------
+    def _watch(self, now: float) -> str | None:
+        """Why this agent must stop (None: it goes on)."""
+        if self.node == 0:
+            return None if self._watch_controller(now) else "no controller"
+        if now - self._beat_at >= self.cfg.health.heartbeat_interval_s:
+            self._beat_at = now
+            self.store.add(P.agent_key(self.node, "hb"), 1)
+        if now - self._controller_read_at >= self.cfg.agent.controller_check_s:
+            self._controller_read_at = now
+            if self.store.check([P.agent_key(self.node, "fenced")]):
+                return "fenced"
+        return None
+
     def _watch_controller(self, now: float) -> bool:
         """False once the job must end because no controller came back."""
         if now - self._controller_read_at < self.cfg.agent.controller_check_s:
@@ -257,19 +280,35 @@ class Agent:
 
         import torch.distributed as dist
 
-        self.store = AuthStore(dist.TCPStore(
-            self.host, self.port, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=self.cfg.comm.store_timeout_s),
-            master_listen_fd=self.listen_fd), load_secret(self.run_dir))
+        timeout = timedelta(seconds=self.cfg.comm.store_timeout_s)
+        if self.listen_fd is not None:
+            raw = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
+                                timeout=timeout, master_listen_fd=self.listen_fd)
+        else:
+            raw = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        self.store = AuthStore(raw, load_secret(self.run_dir))
         for c in self.children.values():
             if c.proc.pid is None:
                 continue
             self.store.set(P.agent_proc_key(c.name),
                            P.write_message(P.ProcRecord(c.proc.pid, c.incarnation)))
-        self.store.set(P.AGENT_READY_KEY, P.write_message(P.AgentInfo(os.getpid())))
+        self.store.set(P.agent_key(self.node, "info"),
+                       P.write_message(P.AgentInfo(os.getpid(), self.node, self.address)))
+        self.events.emit("agent_started", node=self.node, address=self.address, pid=os.getpid())
+        try:
+            return self._loop()
+        except Exception as exc:  # noqa: BLE001 - a lost store ends every host but host 0
+            if self.listen_fd is not None:
+                raise
+            self.stop_all(0.0)
+            self.events.emit("agent_stopped", node=self.node, reason=f"store lost: {exc}",
+                             level="error")
+            return 1
+
+    def _loop(self) -> int:
         while True:
-            while self.store.check([P.agent_request_key(self._next_request)]):
-                key = P.agent_request_key(self._next_request)
+            while self.store.check([P.agent_request_key(self.node, self._next_request)]):
+                key = P.agent_request_key(self.node, self._next_request)
                 self._next_request += 1
                 try:
                     req = P.decode_agent_request(self.store.get(key))
@@ -289,8 +328,15 @@ class Agent:
                 if c.kill_at is not None and now > c.kill_at and c.proc.poll() is None:
                     c.proc.kill()
                 self._reap(c)
-            if not self._watch_controller(time.time()):
-                return self._shutdown(self.cfg.controller.stop_grace_s, "no controller")
+            why = self._watch(time.time())
+            if why == "fenced":
+                # declared lost (its link was down, say): its processes hold stale state and
+                # must not rejoin; the job already replaced them
+                self.stop_all(0.0)
+                self.events.emit("agent_stopped", node=self.node, reason=why)
+                return 0
+            if why is not None:
+                return self._shutdown(self.cfg.controller.stop_grace_s, why)
             self._wait(self.cfg.agent.poll_s)
 
     def _wait(self, timeout_s: float) -> None:
@@ -306,11 +352,14 @@ class Agent:
 
     def _shutdown(self, grace_s: float, why: str) -> int:
         self.stop_all(grace_s)
-        self.events.emit("agent_stopped", reason=why)
-        self.store.set(P.AGENT_DONE_KEY, why)
-        # the controller reads AGENT_DONE_KEY before the store goes away with this process
+        self.events.emit("agent_stopped", node=self.node, reason=why)
+        self.store.set(P.agent_key(self.node, "done"), why)
+        if self.listen_fd is None:
+            return 0
+        # the controller reads "done" before the store goes away with this process
         deadline = time.monotonic() + self.cfg.agent.shutdown_ack_s
-        while time.monotonic() < deadline and not self.store.check([P.AGENT_DONE_ACK_KEY]):
+        ack = P.agent_key(self.node, "done_ack")
+        while time.monotonic() < deadline and not self.store.check([ack]):
             time.sleep(self.cfg.agent.poll_s)
         return 0
 
@@ -328,6 +377,43 @@ def main(argv: list[str] | None = None) -> int:
         initial = [P.decode_agent_request(line) for line in f if line.strip()]
     with open(os.path.join(args.run_dir, "job.json")) as f:
         cfg = JobConfig.from_dict(json.load(f))
-    agent = Agent(args.run_dir, args.host, args.listen_fd, args.port, cfg)
+    agent = Agent(args.run_dir, args.host, args.port, cfg, listen_fd=args.listen_fd)
     agent._controller = P.ControllerInfo(args.controller_pid, 0)
     return agent.serve(initial)
+
+
+def serve_host(run_dir: str, endpoint: str, node: int, address: str | None,
+               connect_timeout_s: float, expect: dict | None = None) -> int:
+    """``trainmover agent``: serve host ``node`` of the job in ``run_dir`` (a shared
+    filesystem), whose store is at ``endpoint`` (HOST:PORT; default: the run dir's
+    control.json, waited for up to ``connect_timeout_s``)."""
+    control = os.path.join(run_dir, "control.json")
+    deadline = time.monotonic() + connect_timeout_s
+    while not endpoint:
+        if os.path.exists(control):
+            with open(control) as f:
+                endpoint = json.load(f)["store"]
+        elif time.monotonic() > deadline:
+            raise ValueError(f"no job started in {run_dir!r} within {connect_timeout_s} s "
+                             f"(no control.json): pass --rdzv-endpoint HOST:PORT")
+        else:
+            time.sleep(0.1)
+    host, _, port = endpoint.rpartition(":")
+    while not os.path.exists(os.path.join(run_dir, "job.json")):
+        if time.monotonic() > deadline:
+            raise ValueError(f"{run_dir!r} holds no job (no job.json): is it the run dir the "
+                             f"controller was given, on a filesystem every host shares?")
+        time.sleep(0.1)
+    with open(os.path.join(run_dir, "job.json")) as f:
+        cfg = JobConfig.from_dict(json.load(f))
+    if not 0 < node < cfg.hosts.nnodes:
+        raise ValueError(f"--node-rank {node}: the job has hosts 0..{cfg.hosts.nnodes - 1}, "
+                         f"and host 0's agent is the controller's")
+    actual = {"nnodes": cfg.hosts.nnodes,
+              "nproc_per_node": cfg.hosts.per_node(cfg.layout.num_roles)}
+    for key, value in (expect or {}).items():
+        if value is not None and value != actual[key]:
+            raise ValueError(f"--{key.replace('_', '-')} {value} does not match the job's "
+                             f"{actual[key]} (job.json)")
+    agent = Agent(run_dir, host, int(port), cfg, node=node, address=address)
+    return agent.serve([])

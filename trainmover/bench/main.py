@@ -551,6 +551,15 @@ def main(args) -> int:
 
         bench_example(args.nproc, args.steps, args.repeats, args.out)
         return 0
+    if args.bench == "hosts":
+        from trainmover.bench.hosts import bench_hosts
+        from trainmover.bench.netns import available
+
+        why_not = available()
+        if why_not:
+            raise ValueError(f"bench hosts needs network namespaces: {why_not}")
+        bench_hosts(args.repeats, args.out)
+        return 0
     if args.bench == "downtime":
         workers = [int(x) for x in args.workers.split(",")]
         strategies = args.strategies.split(",")

@@ -80,7 +80,7 @@ class JobContext:
 
     # plain data in the controller's snapshot
     STATE = ("membership", "epoch", "committed", "next_standby", "cmd_next", "outbox", "procs",
-             "t_started", "gpus", "slots")
+             "t_started", "gpus", "slots", "hosts")
 
     def __init__(self, cfg: JobConfig, run_dir: str, events, progress: Progress):
         self.cfg = cfg
@@ -95,10 +95,11 @@ class JobContext:
         self.committed = -1                  # last step whose decision is known to be commit
         self.next_standby = cfg.standby.count
         self.cmd_next: dict[str, int] = {}   # next command number per worker
-        self.outbox: list[tuple] = []        # ("set", key, value) | ("agent", request)
+        self.outbox: list[tuple] = []        # ("set", key, value) | ("agent", node, request)
         self.t_started = time.time()
-        self.gpus = 0                        # GPUs on the host (device "cuda")
-        self.slots: dict[str, int] = {}      # process name -> its GPU (LOCAL_RANK)
+        self.gpus = 0                        # GPUs per host (device "cuda")
+        self.slots: dict[str, int] = {}      # process name -> its GPU on its host (LOCAL_RANK)
+        self.hosts: dict[str, int] = {}      # process name -> the host that runs it
         # when processes or groups last changed (start, restart, promotion, switch, resume):
         # the step watchdog judges only a job in steady state since then. Not in the
         # snapshot: a resumed controller judges afresh
@@ -117,24 +118,37 @@ class JobContext:
         self.cmd_next[worker] = index + 1
         self.put(P.command_key(worker, index), P.encode_command(command))
 
-    def spawn_request(self, name: str, standby: bool, **restart) -> P.AgentSpawn:
-        """``restart``: a restarted worker's ``resume_step``, ``generation``, ``epoch``."""
-        return self.procs.spawn_request(name, standby,
-                                        self._slot(name) if self.gpus else None, **restart)
+    def place(self, name: str) -> int:
+        """The host of a process: ``w<i>`` and ``s<i>`` as ``HostsConfig`` says; a process
+        keeps its host across restarts; none goes to a host declared lost."""
+        if name not in self.hosts:
+            hosts, index = self.cfg.hosts, int(name[1:])
+            node = index // hosts.per_node(self.cfg.layout.num_roles) if name[0] == "w" \
+                else index % hosts.nnodes
+            live = [n for n in range(hosts.nnodes) if n not in self.procs.lost]
+            self.hosts[name] = node if node in live or not live else live[index % len(live)]
+        return self.hosts[name]
 
-    def _slot(self, name: str) -> int:
-        """A process keeps its GPU across restarts; a new one takes the lowest GPU no live
-        process holds (a failed worker's, for its replacement), or shares one round-robin
-        where there are more processes than GPUs (gloo only, see ``comm.backend``)."""
+    def spawn_request(self, name: str, standby: bool, **restart) -> tuple[int, P.AgentSpawn]:
+        """``restart``: a restarted worker's ``resume_step``, ``generation``, ``epoch``."""
+        node = self.place(name)
+        return self.procs.spawn_request(name, standby, node,
+                                        self._slot(name, node) if self.gpus else None, **restart)
+
+    def _slot(self, name: str, node: int) -> int:
+        """A process keeps its GPU across restarts; a new one takes the lowest GPU of its host
+        no live process holds (a failed worker's, for its replacement), or shares one
+        round-robin where there are more processes than GPUs (gloo only, ``comm.backend``)."""
         if name not in self.slots:
-            held = {s for n, s in self.slots.items()
+            mine = {n: s for n, s in self.slots.items() if self.hosts.get(n) == node}
+            held = {s for n, s in mine.items()
                     if not self.procs.known(n) or self.procs.running(n)}
             free = [g for g in range(self.gpus) if g not in held]
-            self.slots[name] = free[0] if free else len(self.slots) % self.gpus
+            self.slots[name] = free[0] if free else len(mine) % self.gpus
         return self.slots[name]
 
     def spawn(self, name: str, standby: bool, **restart) -> None:
-        self.outbox.append(("agent", self.spawn_request(name, standby, **restart)))
+        self.outbox.append(("agent", *self.spawn_request(name, standby, **restart)))
 
     def new_standby(self, state: C.StandbyState) -> str:
         """Name a standby process that is about to be started."""

@@ -130,16 +130,24 @@ class Coordinator:
         host = self.cfg.process.store_host
         # the store's socket is opened here and inherited by the agent, which starts the
         # first processes before it even imports torch: no start-up latency is added
-        listener = socket.create_server((host, 0), backlog=1024)
+        try:
+            listener = socket.create_server((host, self.cfg.process.store_port), backlog=1024)
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{self.cfg.process.store_port} "
+                             f"(process.store_host, process.store_port): {exc}") from exc
         ctx.store_addr = f"{host}:{listener.getsockname()[1]}"
+        ctx.procs.nnodes = self.cfg.hosts.nnodes
         workers = worker_names(self.cfg.layout.num_roles)
         standbys = worker_names(self.cfg.standby.count, "s")
         ctx.membership = C.Membership.initial(self.cfg.layout, workers, standbys)
         initial = [ctx.spawn_request(n, standby=False) for n in workers] + \
                   [ctx.spawn_request(n, standby=True) for n in standbys]
+        # host 0's agent starts its processes from a file, before it serves the store; the
+        # other hosts' agents find theirs queued in the store when they connect
         init_path = os.path.join(self.run_dir, "agent_initial.jsonl")
         with open(init_path, "w") as f:
-            f.writelines(P.encode_agent_request(r) + "\n" for r in initial)
+            f.writelines(P.encode_agent_request(r) + "\n" for node, r in initial if node == 0)
+        ctx.outbox.extend(("agent", node, r) for node, r in initial if node != 0)
         # the agent reads its settings from job.json, written above
         with open(os.path.join(self.run_dir, "logs", "agent.log"), "ab") as log:
             self._agent_proc = subprocess.Popen(
@@ -150,8 +158,10 @@ class Coordinator:
                 pass_fds=[listener.fileno()], stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # outlives this process, and the terminal's Ctrl-C
         listener.close()
-        with open(os.path.join(self.run_dir, "control.json"), "w") as f:
+        control = os.path.join(self.run_dir, "control.json")
+        with open(control + ".tmp", "w") as f:   # complete when it appears (agents read it)
             json.dump({"store": ctx.store_addr, "agent_pid": self._agent_proc.pid}, f)
+        os.replace(control + ".tmp", control)
         self._connect()
         for name, role in ctx.membership.workers.items():
             ctx.put(P.membership_key(name), role.name)
@@ -167,15 +177,19 @@ class Coordinator:
         if gpus == 0:
             raise ValueError("process.device is 'cuda' but this host has no CUDA device")
         self.ctx.gpus = gpus
-        processes = self.cfg.layout.num_roles + self.cfg.standby.count
+        names = worker_names(self.cfg.layout.num_roles) + worker_names(self.cfg.standby.count,
+                                                                         "s")
+        per_host = [self.ctx.place(n) for n in names]
+        processes = max(per_host.count(node) for node in set(per_host))
         if self.cfg.comm.backend == "auto":
             self.cfg.comm.backend = "nccl" if gpus >= processes else "gloo"
             if gpus < processes:
-                self.ctx.progress.say(f"{processes} processes on {gpus} GPU(s): they share GPUs "
-                                      f"and communicate over gloo through host memory")
+                self.ctx.progress.say(f"{processes} processes on a host of {gpus} GPU(s): they "
+                                      f"share GPUs and communicate over gloo through host "
+                                      f"memory")
         elif self.cfg.comm.backend == "nccl" and gpus < processes:
             raise ValueError(f"comm.backend 'nccl' needs a GPU per process: {processes} "
-                             f"processes (workers and standbys), {gpus} GPU(s) on this host")
+                             f"processes (workers and standbys) on a host, {gpus} GPU(s)")
 
     def _connect(self, store=None) -> None:
         """Connect (or adopt ``store``) and register as the job's controller."""
@@ -210,7 +224,7 @@ class Coordinator:
             if item[0] == "set":
                 ctx.store.set(item[1], item[2])
             else:
-                ctx.procs.send(item[1])
+                ctx.procs.send(item[1], item[2])
         ctx.outbox = []
 
     @classmethod
@@ -262,10 +276,12 @@ class Coordinator:
         ctx.progress.enabled = not quiet
         # a request number taken by a controller that died before writing it would stall
         # the agent's queue: fill such holes with no-ops
-        count = ctx.store.add(P.AGENT_REQUEST_COUNT_KEY, 0)
-        for i in range(1, count + 1):
-            if not ctx.store.check([P.agent_request_key(i)]):
-                ctx.store.set(P.agent_request_key(i), P.encode_agent_request(P.AgentNoop()))
+        for node in range(ctx.procs.nnodes):
+            count = ctx.store.add(P.agent_key(node, "req/count"), 0)
+            for i in range(1, count + 1):
+                if not ctx.store.check([P.agent_request_key(node, i)]):
+                    ctx.store.set(P.agent_request_key(node, i),
+                                  P.encode_agent_request(P.AgentNoop()))
         return self
 
     # --- the run -----------------------------------------------------------------------------

@@ -10,7 +10,11 @@ Bounded detection:
   steady state (``JobContext.disrupted``). Otherwise, after ``heartbeat_timeout_s``, a silent
   worker is hung regardless (settings: ``HealthConfig``);
 - a failed collective: a worker whose own communicator was aborted says so in its failure
-  report.
+  report;
+- a lost host (its machine died, or its link is down): its agent's heartbeat stops, judged by
+  the same two rules as a worker's. The host is declared lost at once: fenced (its agent, if
+  it ever hears the store again, stops its processes and exits instead of rejoining with
+  stale state), its standbys dead, its workers failed (kind "host").
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from trainmover.control.context import JobContext
+from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.accounting import stalled_for
 
@@ -25,7 +30,7 @@ from trainmover.core.accounting import stalled_for
 @dataclass
 class Failure:
     worker: str
-    kind: str            # crash | hang | commerr
+    kind: str            # crash | hang | commerr | host
     detected_at: float
     detail: str = ""
 
@@ -34,6 +39,7 @@ class Health:
     def __init__(self, ctx: JobContext):
         self.ctx = ctx
         self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, count), seen at
+        self._host_beats: dict[int, tuple[int, float]] = {}          # count, seen at
         self._looked_at = 0.0
 
     def detect(self, handled: set[str]) -> list[Failure]:
@@ -46,9 +52,13 @@ class Health:
             self._looked_at = now
         stalled = self.stalled_for(now) if look else None
         timeout = self._heartbeat_timeout_s()
-        silent, beating = [], 0
+        silent, beating = [], set()      # beating: hosts with a worker heard recently
         for w in list(ctx.membership.workers):
             if w in handled or not ctx.procs.known(w):
+                continue
+            node = ctx.procs.procs[w].node
+            if node in ctx.procs.lost:
+                out.append(Failure(w, "host", now, f"host {node} lost"))
                 continue
             code = ctx.procs.exit_code(w)
             if code is not None and code != 0:
@@ -65,7 +75,7 @@ class Health:
             if beat is not None and now - beat > health.silence_s():
                 silent.append((w, now - beat))
             elif beat is not None:
-                beating += 1
+                beating.add(node)
             report = read_failure_report(ctx, ctx.epoch, w)
             if report is not None and report.self_failed:
                 out.append(Failure(w, "commerr", now, report.error))
@@ -73,7 +83,62 @@ class Health:
             for w, quiet in silent:
                 out.append(Failure(w, "hang", now, f"silent for {quiet:.2f} s while the job "
                                                    f"made no progress for {stalled:.2f} s"))
+        if look:
+            hung = {ctx.procs.procs[f.worker].node for f in out if f.kind == "hang"}
+            lost = self._check_hosts(now, beating, hung)
+            if lost:
+                # what failed on a lost host failed with it: one "host" failure per worker
+                out = [f for f in out if ctx.procs.procs[f.worker].node not in lost]
+                out += [Failure(w, "host", now, f"host {ctx.procs.procs[w].node} lost")
+                        for w in ctx.membership.workers
+                        if w not in handled and ctx.procs.procs[w].node in lost]
         return out
+
+    def _check_hosts(self, now: float, beating: set[int], hung: set[int]) -> set[int]:
+        """Declare lost the hosts whose agent fell silent: for the heartbeat timeout (the
+        start-up timeout before its first beat), or for the silence interval while workers
+        of other hosts are heard (a pause of everyone is no lost host), or for two beats
+        when workers of the host were just found hung (the agent's last beat may have come
+        a moment after its workers': the host, not the workers, failed). Returns them."""
+        ctx, health = self.ctx, self.ctx.cfg.health
+        quiet_of = {}
+        for node in range(1, ctx.procs.nnodes):
+            if node in ctx.procs.lost:
+                continue
+            count = ctx.store.add(P.agent_key(node, "hb"), 0)
+            seen = self._host_beats.get(node)
+            if seen is None or seen[0] != count:
+                self._host_beats[node] = seen = (count, now)
+            quiet_of[node] = (now - seen[1], count > 0)
+        lost = set()
+        for node, (quiet, started) in quiet_of.items():
+            others = (beating - {node}) or {n for n, (q, _) in quiet_of.items()
+                                            if n != node and q < health.silence_s()}
+            if not started:
+                why = quiet > health.startup_timeout_s and "never connected"
+            elif quiet > health.heartbeat_timeout_s:
+                why = "its agent's heartbeat stopped"
+            elif node in hung and quiet > 2 * health.heartbeat_interval_s:
+                why = "its workers hung and its agent fell silent"
+            else:
+                why = quiet > health.silence_s() and bool(others) and \
+                    "its agent fell silent while other hosts are heard"
+            if why:
+                self._declare_lost(node, f"{why} ({quiet:.2f} s)")
+                lost.add(node)
+        return lost
+
+    def _declare_lost(self, node: int, why: str) -> None:
+        """Done at once, not through the outbox: repeating it is harmless."""
+        ctx = self.ctx
+        ctx.store.set(P.agent_key(node, "fenced"), why)
+        names = ctx.procs.mark_lost(node)
+        for name in names:
+            if ctx.membership.standbys.get(name) not in (None, C.StandbyState.DEAD):
+                ctx.membership.standbys[name] = C.StandbyState.DEAD
+        ctx.events.emit("host_lost", node=node, reason=why, processes=names)
+        ctx.progress.say(f"host {node} lost ({why}): fenced; its processes "
+                         f"{', '.join(names) or '(none)'} count as failed")
 
     def _heartbeat_timeout_s(self) -> float:
         """The liveness timeout once the job committed a step since it last changed; the

@@ -1,4 +1,5 @@
-"""The controller's view of the job's agent: spawn and signal requests, exit records."""
+"""The controller's view of the job's agents (one per host): spawn and signal requests,
+exit records, each host's liveness."""
 from __future__ import annotations
 
 import os
@@ -6,38 +7,54 @@ from dataclasses import dataclass, field
 
 from trainmover.core import protocol as P
 
+
+
 @dataclass
 class ProcView:
     standby: bool
     incarnation: int
+    node: int = 0                # the host whose agent runs it
     pid: int | None = None       # None until the agent confirmed the start
     code: int | None = None      # exit code of this incarnation; None while it runs
 
 
 @dataclass
 class AgentClient:
-    """What the controller knows of the agent's processes, refreshed once per poll from the
-    agent's exit records. Its whole state is plain data, part of the controller's snapshot
+    """What the controller knows of the agents' processes, refreshed once per poll from the
+    agents' exit records. Its whole state is plain data, part of the controller's snapshot
     (the store client is not: a resumed controller sets its own)."""
 
     store: object = None
-    log_dir: str = ""                             # where the agent writes <name>.log
+    log_dir: str = ""                             # where the agents write <name>.log
     procs: dict = field(default_factory=dict)     # name -> ProcView
     exits_seen: int = 0
+    nnodes: int = 1
+    lost: list = field(default_factory=list)      # hosts declared lost (fenced)
     __snapshot_exclude__ = ("store",)
 
-    def spawn_request(self, name: str, standby: bool, gpu: int | None = None,
-                      **restart) -> P.AgentSpawn:
-        """Record a new incarnation of ``name`` and return the request that starts it (the
-        controller sends it only after saving its snapshot)."""
+    def spawn_request(self, name: str, standby: bool, node: int = 0, gpu: int | None = None,
+                      **restart) -> tuple[int, P.AgentSpawn]:
+        """Record a new incarnation of ``name`` on host ``node`` and return the request that
+        starts it (the controller sends it only after saving its snapshot)."""
         old = self.procs.get(name)
-        view = ProcView(standby, (old.incarnation if old else 0) + 1)
+        view = ProcView(standby, (old.incarnation if old else 0) + 1, node)
         self.procs[name] = view
-        return P.AgentSpawn(name, view.incarnation, standby, gpu, **restart)
+        return node, P.AgentSpawn(name, view.incarnation, standby, gpu, **restart)
 
-    def send(self, request: P.AgentRequest) -> None:
-        index = self.store.add(P.AGENT_REQUEST_COUNT_KEY, 1)
-        self.store.set(P.agent_request_key(index), P.encode_agent_request(request))
+    def send(self, node: int, request: P.AgentRequest) -> None:
+        index = self.store.add(P.agent_key(node, "req/count"), 1)
+        self.store.set(P.agent_request_key(node, index), P.encode_agent_request(request))
+
+    def mark_lost(self, node: int) -> list[str]:
+        """Host ``node`` is lost: each of its processes counts as exited (SIGKILL's code),
+        since no agent will report them. Returns their names."""
+        if node not in self.lost:
+            self.lost.append(node)
+        names = [n for n, v in self.procs.items() if v.node == node]
+        for n in names:
+            if self.procs[n].code is None:
+                self.procs[n].code = -9
+        return names
 
     def refresh(self) -> None:
         count = self.store.add(P.AGENT_EXIT_COUNT_KEY, 0)
@@ -69,23 +86,28 @@ class AgentClient:
 
     def kill(self, name: str) -> None:
         """SIGKILL the current incarnation (the agent does it before its next request)."""
-        self.send(P.AgentSignal(name, self.procs[name].incarnation, "KILL"))
+        view = self.procs[name]
+        self.send(view.node, P.AgentSignal(name, view.incarnation, "KILL"))
 
     def stop(self, name: str, grace_s: float) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``."""
-        self.send(P.AgentSignal(name, self.procs[name].incarnation, "TERM", grace_s))
+        view = self.procs[name]
+        self.send(view.node, P.AgentSignal(name, view.incarnation, "TERM", grace_s))
 
     def shutdown(self, grace_s: float, timeout_s: float) -> None:
-        """Stop every process (SIGKILL after ``grace_s``) and the agent; returns once they
-        are stopped, or after ``timeout_s``."""
+        """Stop every process (SIGKILL after ``grace_s``) and every agent, host 0's (the
+        store's) last; returns once they are stopped, or after ``timeout_s`` each."""
         from datetime import timedelta
 
-        try:
-            self.send(P.AgentShutdown(grace_s))
-            self.store.wait([P.AGENT_DONE_KEY], timedelta(seconds=timeout_s))
-            self.store.set(P.AGENT_DONE_ACK_KEY, "1")
-        except Exception:  # noqa: BLE001 - the agent is gone already: nothing left to stop
-            pass
+        for node in [*range(1, self.nnodes), 0]:
+            if node in self.lost:
+                continue
+            try:
+                self.send(node, P.AgentShutdown(grace_s))
+                self.store.wait([P.agent_key(node, "done")], timedelta(seconds=timeout_s))
+                self.store.set(P.agent_key(node, "done_ack"), "1")
+            except Exception:  # noqa: BLE001 - that agent is gone already: nothing to stop
+                pass
 
     def tail(self, name: str, lines: int = 15) -> str:
         try:

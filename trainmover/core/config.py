@@ -159,6 +159,7 @@ class ProcessConfig:
     # kernels, results equal only within float tolerance.
     deterministic: bool = True
     store_host: str = "127.0.0.1"      # the address the job's store listens on
+    store_port: int = 0                # its port (0: any free one, named in control.json)
     # Give every process its own compiler cache directories, as if each ran on its own
     # machine (benchmarks: a joiner on a new machine starts with no cache).
     isolate_caches: bool = False
@@ -184,6 +185,32 @@ class ProcessConfig:
                              f"[ARGS] (the part after 'python'), got option {cmd[0]!r}")
         if not os.path.isfile(cmd[0]):
             raise ValueError(f"training script {cmd[0]!r} does not exist or is not a file")
+
+
+@dataclass
+class HostsConfig:
+    """The hosts of the job: one agent per host (host 0's started by the controller, the
+    others by `trainmover agent` on their hosts), the run dir on a filesystem they share.
+    Worker ``w<i>`` runs on host ``i // nproc_per_node`` (tensor-parallel groups stay inside
+    a host when ``nproc_per_node`` is a multiple of the layout's ``tp``); standby ``s<i>``
+    on host ``i % nnodes``, so standbys spread over every host, spare hosts included."""
+
+    nnodes: int = 1
+    nproc_per_node: int | None = None  # worker slots per host; default: as few hosts as fit
+
+    def per_node(self, num_roles: int) -> int:
+        return self.nproc_per_node or -(-num_roles // self.nnodes)
+
+    def validate(self, num_roles: int, tp: int) -> None:
+        _positive("hosts", nnodes=self.nnodes)
+        if self.nproc_per_node is not None:
+            _positive("hosts", nproc_per_node=self.nproc_per_node)
+            if self.nproc_per_node * self.nnodes < num_roles:
+                raise ValueError(f"hosts: {self.nnodes} host(s) x nproc_per_node="
+                                 f"{self.nproc_per_node} slots cannot hold {num_roles} workers")
+        if self.nnodes > 1 and self.per_node(num_roles) % tp:
+            raise ValueError(f"hosts.nproc_per_node={self.per_node(num_roles)} is not a "
+                             f"multiple of tp={tp}: a tensor-parallel group would span hosts")
 
 
 @dataclass
@@ -409,6 +436,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     process: ProcessConfig = field(default_factory=ProcessConfig)
+    hosts: HostsConfig = field(default_factory=HostsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     standby: StandbyConfig = field(default_factory=StandbyConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -424,6 +452,11 @@ class JobConfig:
                         self.checkpoint, self.controller, self.agent):
             section.validate()
         self.baseline.validate(self.checkpoint)
+        self.hosts.validate(self.layout.num_roles, self.layout.tp)
+        if self.hosts.nnodes > 1 and self.process.store_host.startswith("127."):
+            raise ValueError(f"process.store_host={self.process.store_host!r} is loopback, "
+                             f"which the other {self.hosts.nnodes - 1} host(s) cannot reach: "
+                             f"give the address of this host on the cluster's network")
         if not self.process.builtin:
             # a script of the user's: the model, data and optimizer are its own; train.steps
             # is the step count if the launcher was told it (progress and injects), else 0

@@ -128,20 +128,33 @@ def encode(obj) -> str:
     return json.dumps(obj, sort_keys=True)
 
 
-# --- the agent (store host and process supervisor) and the controller's registration -----
+# --- the agents (one per host; host 0's hosts the store) and the controller's registration -
 
-AGENT_REQUEST_COUNT_KEY = "agent/req/count"
-AGENT_EXIT_COUNT_KEY = "agent/exit/count"
-AGENT_READY_KEY = "agent/ready"
-AGENT_DONE_KEY = "agent/done"
-AGENT_DONE_ACK_KEY = "agent/done_ack"
+AGENT_EXIT_COUNT_KEY = "agent/exit/count"        # process exits, every host's
 CONTROLLER_KEY = "controller/current"            # {"pid", "incarnation"} of the live one
 CONTROLLER_INCARNATION_KEY = "controller/incarnation"
 CONTROLLER_SNAPSHOT_KEY = "controller/snapshot"  # the controller's state, for a resume
 
 
-def agent_request_key(index: int) -> str:
-    return f"agent/req/{index}"
+AGENT_KEYS = {
+    "req/count": "requests queued for the host's agent",
+    "info": "AgentInfo: the host's agent is serving",
+    "hb": "the agent's heartbeat counter (hosts other than 0)",
+    "fenced": "the host was declared lost: its agent stops its processes and exits",
+    "done": "the agent stopped every process at the job's end",
+    "done_ack": "the controller read 'done' (host 0's agent may now take the store down)",
+}
+
+
+def agent_key(node: int, what: str) -> str:
+    """The keys of host ``node``'s agent (``AGENT_KEYS``)."""
+    if what not in AGENT_KEYS:
+        raise KeyError(f"no agent key {what!r}")
+    return f"agent/{node}/{what}"
+
+
+def agent_request_key(node: int, index: int) -> str:
+    return f"agent/{node}/req/{index}"
 
 
 def agent_proc_key(name: str) -> str:
@@ -536,6 +549,8 @@ class ControllerInfo:
 
 @dataclass(frozen=True)
 class AgentInfo:
-    """``agent/ready``: the agent is serving."""
+    """``agent/<node>/info``: the host's agent is serving, at this address."""
 
     pid: int
+    node: int
+    address: str

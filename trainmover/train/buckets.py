@@ -57,6 +57,27 @@ class GradBuckets:
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    def quarantine(self) -> None:
+        """After an aborted step: fresh buffers (zero), every ``param.grad`` a view into them.
+
+        Why: an all-reduce the step abandoned cannot be cancelled (gloo), and it still holds
+        the old buffers; if the lost peer's data arrives later (a host whose link comes
+        back), it completes and writes the sum into them. Left in use, they would corrupt a
+        later step's gradients or a state transfer staged through them. The abandoned
+        operation keeps its own reference to the old memory, so dropping ours is safe."""
+        self._armed = False
+        self._works = []
+        self.views = []
+        for i, bucket in enumerate(self.buckets):
+            buf = torch.zeros_like(self.buffers[i])
+            offset = 0
+            for p in bucket:
+                view = buf[offset:offset + p.numel()].view_as(p)
+                p.grad = view
+                self.views.append((p, view))
+                offset += p.numel()
+            self.buffers[i] = buf
+
     def zero(self) -> None:
         self._armed = False  # an aborted step may have left the hooks armed
         for buf in self.buffers:

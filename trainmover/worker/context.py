@@ -89,6 +89,7 @@ class WorkerContext:
         self.events.emit("worker_started", pid=os.getpid(),
                          **({"cuda_device": self.device.index} if self.device.type == "cuda"
                             else {}),
+                         gloo_host=self.builder.gloo_host,
                          import_s=round(self.t_imported - self.t_start, 4))
 
     def _device(self) -> torch.device:

@@ -71,6 +71,8 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
     at and the plan's command. The caller starts voting in the plan's epoch."""
     t0 = time.perf_counter()
     report_failure(ctx, step, error, groups)
+    if state is not None and state.buckets is not None:
+        state.buckets.quarantine()   # before any transfer is staged through them
     specs = ctx.cfg.layout.all_groups()
     while True:
         cmd = ctx.commands.next()
