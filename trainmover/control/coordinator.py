@@ -43,6 +43,7 @@ from trainmover.control.health import Failure, Health
 from trainmover.control.migrations import ActiveMigration, MigrationRequest, Migrations
 from trainmover.control.processes import AgentClient, ProcView
 from trainmover.control.recovery import ActiveRecovery, Recovery
+from trainmover.control.retention import Retention
 from trainmover.control.supervision import ProcessWatch
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
@@ -74,12 +75,15 @@ class Coordinator:
         self.ctx = JobContext(cfg, self.run_dir, None,
                               Progress(os.path.join(self.run_dir, "metrics.jsonl"),
                                        cfg.train.steps, not quiet))
-        self.migrations = Migrations(self.ctx)
+        self.retention = Retention(self.ctx)
+        self.migrations = Migrations(self.ctx, self.retention)
         self.baseline = Restarts(self.ctx)
         self.health = Health(self.ctx)
-        self.recovery = Recovery(self.ctx, self.health, self.migrations, self.baseline)
+        self.recovery = Recovery(self.ctx, self.health, self.migrations, self.baseline,
+                                 self.retention)
         self.watch = ProcessWatch(self.ctx)
         self._saved: str | None = None
+        self._saved_at = float("-inf")
         self._agent_proc: subprocess.Popen | None = None
         self._incarnation_checked_at = 0.0
         self._requests_read_at = 0.0
@@ -209,15 +213,27 @@ class Coordinator:
     def _snapshot(self) -> dict:
         return {"ctx": snapshot_of(self.ctx), "migrations": snapshot_of(self.migrations),
                 "recovery": snapshot_of(self.recovery), "baseline": snapshot_of(self.baseline),
-                "watch": snapshot_of(self.watch), "injects": self.injects}
+                "watch": snapshot_of(self.watch), "retention": snapshot_of(self.retention),
+                "injects": self.injects}
 
-    def _flush(self) -> None:
-        """Save the snapshot (if anything changed), then send the outbox."""
+    def _flush(self, force: bool = False) -> None:
+        """Save the snapshot (if anything changed), then send the outbox.
+
+        When the round sends nothing and no migration or recovery is in flight, the state
+        can only have changed in what a resumed controller finds again by itself (steps
+        committed, exits and standby readiness read again, keys deleted again), so the
+        snapshot is then saved at most every ``controller.snapshot_interval_s``: encoding
+        it every round was most of an idle controller's CPU."""
         ctx = self.ctx
-        blob = SNAPSHOT_CODEC.dumps(self._snapshot())
-        if blob != self._saved:
-            ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, blob)
-            self._saved = blob
+        now = time.monotonic()
+        busy = ctx.outbox or self.migrations.active is not None or \
+            self.recovery.active is not None or self.migrations.pending
+        if force or busy or now - self._saved_at >= self.cfg.controller.snapshot_interval_s:
+            self._saved_at = now
+            blob = SNAPSHOT_CODEC.dumps(self._snapshot())
+            if blob != self._saved:
+                ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, blob)
+                self._saved = blob
         if not ctx.outbox:
             return
         for item in ctx.outbox:
@@ -266,6 +282,7 @@ class Coordinator:
         restore_into(self.recovery, state["recovery"])
         restore_into(self.baseline, state["baseline"])
         restore_into(self.watch, state["watch"])
+        restore_into(self.retention, state["retention"])
         self.injects = state["injects"]
         self._connect(probe)   # one client: the one that read the snapshot
         self.resumed = True
@@ -309,7 +326,7 @@ class Coordinator:
                              f"{ctx.progress.last_step + 1} of job {cfg.name!r}")
         t0 = time.perf_counter()
         try:
-            self._flush()   # a resumed controller re-sends what its predecessor may not have
+            self._flush(force=True)   # a resumed controller re-sends what its predecessor left
             self.started.set()
             while not self._stop_requested.is_set() and not self._poll():
                 self._flush()
@@ -317,14 +334,14 @@ class Coordinator:
                 if self.timeout_s is not None and time.perf_counter() - t0 > self.timeout_s:
                     raise JobFailed(f"job exceeded its timeout of {self.timeout_s} s")
                 time.sleep(cfg.controller.poll_s)
-            self._flush()
+            self._flush(force=True)
         except Superseded:
             self.started.set()
             raise
         except BaseException as exc:
             try:
                 self.migrations.fail_all(exc)
-                self._flush()
+                self._flush(force=True)
             except Exception:  # noqa: BLE001 - the store may be what failed; stop anyway
                 pass
             if ctx.store is not None:
@@ -369,7 +386,8 @@ class Coordinator:
         """One round of supervision; True when the job has finished."""
         ctx = self.ctx
         self._check_incarnation()
-        ctx.procs.refresh()
+        for name, pid in ctx.procs.refresh():
+            self.retention.process_exited(name, pid)
         ctx.progress.poll()
         self.watch.check_exits(self.recovery.failed_workers)
         self.watch.update_standbys()
@@ -386,6 +404,7 @@ class Coordinator:
         if self.recovery.active is None:
             self.migrations.poll()
         self._finish_downtimes()
+        self.retention.poll()
         return False
 
     def _job_finished(self) -> bool:
@@ -419,7 +438,7 @@ class Coordinator:
             self.injects = [i for i in self.injects if i is not due[0]]
             ctx.events.emit("fault_injected", kind="crash", point=point, target="controller",
                             step=ctx.progress.last_step + 1, pid=os.getpid())
-            self._flush()
+            self._flush(force=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _fire_injects(self) -> None:

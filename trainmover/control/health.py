@@ -41,6 +41,7 @@ class Health:
         self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, count), seen at
         self._host_beats: dict[int, tuple[int, float]] = {}          # count, seen at
         self._looked_at = 0.0
+        self._reports_seen: tuple[int, int] = (-1, 0)                 # epoch, count
 
     def detect(self, handled: set[str]) -> list[Failure]:
         """New failures among the active workers, other than the ``handled`` ones."""
@@ -52,6 +53,7 @@ class Health:
             self._looked_at = now
         stalled = self.stalled_for(now) if look else None
         timeout = self._heartbeat_timeout_s()
+        reports = look and self._new_reports()
         silent, beating = [], set()      # beating: hosts with a worker heard recently
         for w in list(ctx.membership.workers):
             if w in handled or not ctx.procs.known(w):
@@ -66,17 +68,19 @@ class Health:
                 continue
             if code == 0 or not look:
                 continue
-            if ctx.store.check([P.finished_key(w)]):
-                continue
             beat = self._beat(w)
-            if beat is not None and now - beat > timeout:
-                out.append(Failure(w, "hang", now, f"no heartbeat for {now - beat:.2f} s"))
+            quiet = None if beat is None else now - beat
+            if quiet is not None and quiet > health.silence_s() and \
+                    ctx.store.check([P.finished_key(w)]):
+                continue   # done with the job: its heartbeat may stop
+            if quiet is not None and quiet > timeout:
+                out.append(Failure(w, "hang", now, f"no heartbeat for {quiet:.2f} s"))
                 continue
-            if beat is not None and now - beat > health.silence_s():
-                silent.append((w, now - beat))
-            elif beat is not None:
+            if quiet is not None and quiet > health.silence_s():
+                silent.append((w, quiet))
+            elif quiet is not None:
                 beating.add(node)
-            report = read_failure_report(ctx, ctx.epoch, w)
+            report = read_failure_report(ctx, ctx.epoch, w) if reports else None
             if report is not None and report.self_failed:
                 out.append(Failure(w, "commerr", now, report.error))
         if stalled is not None and silent and beating:
@@ -140,6 +144,15 @@ class Health:
         ctx.progress.say(f"host {node} lost ({why}): fenced; its processes "
                          f"{', '.join(names) or '(none)'} count as failed")
 
+    def _new_reports(self) -> bool:
+        """Whether failure reports arrived in the current epoch since the last look (one
+        counter read instead of one per worker)."""
+        ctx = self.ctx
+        count = ctx.store.add(P.failure_count_key(ctx.epoch), 0)
+        new = (ctx.epoch, count) != self._reports_seen and count > 0
+        self._reports_seen = (ctx.epoch, count)
+        return new
+
     def _heartbeat_timeout_s(self) -> float:
         """The liveness timeout once the job committed a step since it last changed; the
         longer start-up timeout before that."""
@@ -160,10 +173,9 @@ class Health:
         pid = self.ctx.procs.pid(worker)
         if pid is None:
             return None   # not started yet
-        key = P.heartbeat_key(worker, pid)
-        if not store.check([key]):
-            return None
-        count = store.add(key, 0)
+        count = store.add(P.heartbeat_key(worker, pid), 0)
+        if count == 0:
+            return None   # no beat yet (reading created the counter at 0)
         seen = self._beats.get(worker)
         if seen is None or seen[0] != (pid, count):
             self._beats[worker] = ((pid, count), time.time())

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from trainmover.control.context import JobContext
 from trainmover.control.errors import JobFailed
+from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.accounting import downtime_from_metrics
@@ -49,8 +50,9 @@ class ActiveMigration:
 class Migrations:
     STATE = ("pending", "active", "finished", "awaiting_downtime", "store_requests_seen")
 
-    def __init__(self, ctx: JobContext):
+    def __init__(self, ctx: JobContext, retention: Retention):
         self.ctx = ctx
+        self.retention = retention
         self.requests: queue.Queue[MigrationRequest] = queue.Queue()   # from other threads
         self.pending: list[MigrationRequest] = []
         self.active: ActiveMigration | None = None
@@ -321,6 +323,8 @@ class Migrations:
                   "requested_to_done_s": time.time() - mig.t_start}
         self.finished.append(result)
         ctx.events.emit("migration_done", **result)
+        self.retention.migration_done(mid, list(plan.participants),
+                                      [p.leaver for p in plan.pairs])
         if downtime is not None:
             ctx.progress.say(
                 f"migration {mid} done at step {mig.switch_step}: downtime {downtime:.3f} s "

@@ -56,7 +56,10 @@ class AgentClient:
                 self.procs[n].code = -9
         return names
 
-    def refresh(self) -> None:
+    def refresh(self) -> list[tuple[str, int | None]]:
+        """Read the agents' new exit records; returns (name, pid) of the processes that
+        exited (pid None if it was never known)."""
+        exited = []
         count = self.store.add(P.AGENT_EXIT_COUNT_KEY, 0)
         while self.exits_seen < count:
             self.exits_seen += 1
@@ -65,6 +68,8 @@ class AgentClient:
             view = self.procs.get(rec.name)
             if view is not None and view.incarnation == rec.incarnation:
                 view.code = rec.code
+                exited.append((rec.name, self.pid(rec.name)))
+        return exited
 
     def known(self, name: str) -> bool:
         return name in self.procs

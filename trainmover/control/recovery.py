@@ -22,6 +22,7 @@ from trainmover.control.context import JobContext
 from trainmover.control.errors import JobFailed
 from trainmover.control.health import Failure, Health, read_failure_report
 from trainmover.control.migrations import Migrations
+from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.events import JsonlWriter
@@ -51,21 +52,27 @@ class Recovery:
     STATE = ("active", "done", "count", "failed_workers", "awaiting")
 
     def __init__(self, ctx: JobContext, health: Health, migrations: Migrations,
-                 restarts: Restarts):
+                 restarts: Restarts, retention: Retention):
         self.ctx = ctx
         self.health = health
         self.migrations = migrations
         self.restarts = restarts
+        self.retention = retention
         self.active: ActiveRecovery | None = None
         self.done: list[dict] = []
         self.count = 0
         self.failed_workers: set[str] = set()
         self.awaiting: list[ActiveRecovery] = []   # done, downtime not yet known
+        self._committed_read_at = float("-inf")
 
     # --- the state machine ------------------------------------------------------------------
     def poll(self) -> None:
         ctx = self.ctx
-        self._advance_committed()
+        now = time.monotonic()
+        if self.active is not None or now - self._committed_read_at >= \
+                ctx.cfg.health.check_interval_s:
+            self._committed_read_at = now
+            self._advance_committed()
         new = self.health.detect(set(self.active.failures) if self.active else set())
         if new and self.active is None:
             self._start(new)
@@ -300,6 +307,10 @@ class Recovery:
                              else t_commit - rec.t_planned}}
         self.done.append(result)
         ctx.events.emit("recovery_done", **result)
+        # each plan given up moved the recovery one epoch on: reports went to each of them
+        self.retention.recovery_done(
+            rec.recovery_id, list(range(rec.epoch - len(rec.abandoned), rec.epoch + 1)),
+            sorted(set(ctx.membership.workers) | set(rec.failures)))
         if t_commit is not None:
             src = ", ".join(sorted(set(rec.plan.sources.values())))
             ctx.progress.say(

@@ -362,6 +362,12 @@ class ControllerConfig:
     # How often migration requests from outside the job (`trainmover migrate`) are looked
     # for: a person is waiting, and one store read per round would cost the job's store host.
     request_poll_s: float = 0.1
+    # Every this many committed steps, the store keys of decided steps are deleted (0: never):
+    # a weeks-long job's store stays the size of a short one's (``control/retention.py``).
+    gc_every_steps: int = 100
+    # While nothing is in flight, the controller's snapshot is saved at most this often
+    # (whatever is in flight, and every order sent, is saved before it goes out).
+    snapshot_interval_s: float = 1.0
     # How often the standbys' readiness (cold, warming, warm) is read: it changes in seconds.
     standby_poll_s: float = 0.25
     # How often the controller checks that no newer controller took over (it then steps
@@ -377,9 +383,11 @@ class ControllerConfig:
         if self.restart not in ("auto", "manual"):
             raise ValueError(f"controller.restart must be 'auto' or 'manual', got "
                              f"{self.restart!r}")
-        _non_negative("controller", max_restarts=self.max_restarts)
+        _non_negative("controller", max_restarts=self.max_restarts,
+                      gc_every_steps=self.gc_every_steps)
         _seconds("controller", grace_s=self.grace_s, poll_s=self.poll_s,
                  request_poll_s=self.request_poll_s, standby_poll_s=self.standby_poll_s,
+                 snapshot_interval_s=self.snapshot_interval_s,
                  incarnation_check_s=self.incarnation_check_s, stop_grace_s=self.stop_grace_s,
                  agent_exit_timeout_s=self.agent_exit_timeout_s)
 

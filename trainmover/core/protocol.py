@@ -107,6 +107,12 @@ def failure_key(epoch: int, worker: str) -> str:
     return f"fail/{epoch}/{worker}"
 
 
+def failure_count_key(epoch: int) -> str:
+    """Counts the failure reports written in ``epoch``: the controller reads this one counter
+    instead of every worker's report key."""
+    return f"fail/{epoch}/count"
+
+
 def recovered_count_key(recovery_id: int) -> str:
     """Counts the participants of a recovery that resumed training."""
     return f"recovery/{recovery_id}/recovered_count"

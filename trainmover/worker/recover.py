@@ -39,6 +39,7 @@ def report_failure(ctx, step: int, error: str, groups: CommGroups) -> None:
     accounting = {g.name: g.accounting() for g in groups.slots().values() if g.size > 1}
     ctx.store.set(P.failure_key(ctx.epoch, ctx.name), P.write_message(
         P.FailureReport(step, error[:400], bool(own), accounting)))
+    ctx.store.add(P.failure_count_key(ctx.epoch), 1)
     ctx.events.emit("step_failed", step=step, epoch=ctx.epoch, error=error[:300])
 
 

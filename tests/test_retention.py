@@ -1,0 +1,65 @@
+"""A long job's store stays the size of a short one's: the keys of decided steps, finished
+migrations and recoveries, and exited processes' heartbeats are deleted
+(``control/retention.py``); training is unaffected (same weights as without deletion)."""
+import time
+
+import pytest
+
+from trainmover.api import Job
+from trainmover.cli import apply_worker_faults
+from trainmover.control.coordinator import run_job
+from trainmover.core.faults import Inject
+from trainmover.core.topology import Layout
+from trainmover.recipes import get_recipe
+
+STEPS = 400
+
+
+def job(**settings):
+    cfg = get_recipe("tiny")
+    cfg.layout = Layout(2, 2, 1)
+    cfg.train.steps = STEPS
+    cfg.train.threads_per_worker = 1
+    cfg.override(standby_count=2, controller_gc_every_steps=50,
+                 health_heartbeat_timeout_s=2.0, recovery_report_timeout_s=4.0)
+    return cfg.override(**settings).validate()
+
+
+def wait_for(cond, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(400)
+def test_store_keys_stay_flat_through_steps_a_migration_and_a_recovery(tmp_path):
+    plain = run_job(job(controller_gc_every_steps=0), str(tmp_path / "plain"), quiet=True,
+                    timeout_s=300)
+    cfg = apply_faults(job(), Inject("crash", 250, "w3", "backward"))
+    j = Job(cfg, str(tmp_path / "run"), timeout_s=300,
+            injects=[Inject("migrate", 150, "w1")]).start()
+    coord = j.coordinator
+    keys = {}
+
+    def sample(at):
+        wait_for(lambda: coord.progress.last_step >= at, 200, f"step {at}")
+        keys[at] = coord.ctx.store.raw.num_keys()
+        return True
+
+    sample(100)
+    sample(STEPS - 20)
+    summary = j.wait(300)
+    assert summary["weights_sha256"] == plain["weights_sha256"]
+    assert [m["status"] for m in summary["migrations"]] == ["done"]
+    assert len(summary["recoveries"]) == 1
+    # 280 steps at 3 keys each would add 840 keys; what remains is bounded by processes
+    # and events (the migration's and recovery's commands, new groups' rendezvous keys)
+    assert keys[STEPS - 20] - keys[100] < 120, keys
+
+
+def apply_faults(cfg, *injects):
+    cfg = type(cfg).from_dict(cfg.to_dict())
+    apply_worker_faults(cfg, list(injects))
+    return cfg
