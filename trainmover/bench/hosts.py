@@ -139,8 +139,11 @@ def _hosts_table(r: dict) -> str:
         "",
         "Three hosts as network namespaces on one machine (veth pairs on a bridge), DP2 x PP2, "
         "tiny recipe, one thread per worker. Each repeat is one job: w1 -> s0 (both on host "
-        "0), then w2 (host 1) -> s2 (host 2); downtime as the job reports it (slowest "
-        "stayer's commit gap minus the normal step).",
+        "0), then w2 (host 1) -> s2 (host 2), always in that order; downtime as the job "
+        "reports it (the commit gap at the switch step minus the median of the 5 gaps "
+        "before, from the reporting worker's metrics; clamped at 0). w1 holds the last "
+        "pipeline stage, w2 the first. The order is fixed, so an order effect is not "
+        "excluded.",
         "",
         "| migration | downtime, median of repeats |",
         "|---|---|",
