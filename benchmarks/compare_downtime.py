@@ -27,7 +27,10 @@ def run_cell(tree: str, scenario: str, workers: int, compile_: bool, scratch: st
     if not compile_:
         cmd.append("--no-compile")
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    # run inside the tree: `python -m` puts the working directory first on sys.path, ahead
+    # of PYTHONPATH, so from another checkout every cell would run that checkout's code
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800,
+                         cwd=os.path.abspath(tree))
     if res.returncode != 0:
         raise RuntimeError(f"{tree} {scenario}: {res.stderr[-2000:]}")
     with open(out) as f:

@@ -242,6 +242,12 @@ def test_controller_and_standby_inject_targets():
     for bad, msg in [("hang@3:controller", "the controller can only crash"),
                      ("crash@3:controller:lunch", "unknown controller point 'lunch'"),
                      ("crash@3:s0:backward", "unknown worker 's0'"),
-                     ("crash@3:w1:sideways", "unknown point 'sideways'")]:
+                     ("crash@3:w1:sideways", "unknown point 'sideways'"),
+                     # accepted before, yet they could never fire
+                     ("crash@3:w1:standby", "never passes the standby point 'standby'"),
+                     ("hang@3:w0:joiner_prepare", "never passes the standby point"),
+                     ("commerr@3:w1:checkpoint", "could never fail there"),
+                     ("commerr@3:s0:standby", "could never fail there"),
+                     ("commerr@3:w0:recover", "could never fail there")]:
         with pytest.raises(ValueError, match=msg):
             validate_injects([parse_inject(bad)], 10, workers, standbys)

@@ -80,6 +80,9 @@ def cli(*args, cwd=None):
     (["--data", "/no/such/corpus.txt"], "'/no/such/corpus.txt' does not exist"),
     (["--data", "/"], "'/' does not exist or is not a file"),
     (["--dp", "0"], "dp must be a positive integer, got 0"),
+    (["--standbys", "500"], "standby.count=500 is more standbys than the job can use"),
+    (["--inject", "commerr@3:w1:checkpoint"], "could never fail there"),
+    (["--nnodes", "2"], "is loopback, which the other 1 host(s) cannot reach"),
 ])
 def test_bad_input_fails_before_launch(tmp_path, args, message):
     run_dir = tmp_path / "run"
@@ -94,6 +97,15 @@ def test_existing_run_dir_is_refused(tmp_path):
     run_job(tiny(steps=1), str(tmp_path / "r"), quiet=True, timeout_s=60)
     res = cli("run", "--recipe", "tiny", "--steps", "1", "--run-dir", str(tmp_path / "r"))
     assert res.returncode == 2 and "already holds a job" in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_run_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a run dir")
+    res = cli("run", "--recipe", "tiny", "--steps", "1", "--run-dir", str(path))
+    assert res.returncode == 2 and "is a file, not a directory" in res.stderr, res.stderr
+    assert path.read_text() == "not a run dir"
 
 
 @pytest.mark.timeout(120)

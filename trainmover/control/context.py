@@ -120,7 +120,7 @@ class JobContext:
 
     def place(self, name: str) -> int:
         """The host of a process: ``w<i>`` and ``s<i>`` as ``HostsConfig`` says; a process
-        keeps its host across restarts; none goes to a host declared lost."""
+        keeps its host across restarts; a new one goes to no host declared lost."""
         if name not in self.hosts:
             hosts, index = self.cfg.hosts, int(name[1:])
             node = index // hosts.per_node(self.cfg.layout.num_roles) if name[0] == "w" \
@@ -177,6 +177,17 @@ class JobContext:
     def disrupted(self) -> None:
         """Processes or groups just changed: the step watchdog waits for steady state."""
         self.steady_since = time.time()
+
+    def read(self, cls, key: str):
+        """The ``cls`` message at ``key``, or None if there is none. A malformed, unsigned
+        or forged one is logged (``message_rejected``) and read as none."""
+        if not self.store.check([key]):
+            return None
+        try:
+            return P.read_message(cls, self.store.get(key))
+        except P.MessageError as exc:
+            self.events.emit("message_rejected", key=key, error=str(exc))
+            return None
 
     def reached(self, point: str) -> None:
         self.points_reached.append(point)

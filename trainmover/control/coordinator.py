@@ -119,6 +119,8 @@ class Coordinator:
     # --- set-up ----------------------------------------------------------------------------
     def _prepare(self) -> None:
         ctx = self.ctx
+        if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
+            raise ValueError(f"--run-dir {self.run_dir!r} is a file, not a directory")
         if os.path.exists(os.path.join(self.run_dir, "job.json")):
             raise ValueError(f"run dir {self.run_dir!r} already holds a job; choose a new "
                              f"--run-dir")

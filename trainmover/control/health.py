@@ -185,11 +185,4 @@ class Health:
 def read_failure_report(ctx: JobContext, epoch: int, worker: str) -> P.FailureReport | None:
     """The worker's own account of a failed step in ``epoch``, if it wrote one. A malformed
     one is logged and read as "no report" (its writer is then fenced as silent)."""
-    key = P.failure_key(epoch, worker)
-    if not ctx.store.check([key]):
-        return None
-    try:
-        return P.read_message(P.FailureReport, ctx.store.get(key))
-    except P.MessageError as exc:
-        ctx.events.emit("message_rejected", key=key, error=str(exc))
-        return None
+    return ctx.read(P.FailureReport, P.failure_key(epoch, worker))

@@ -72,12 +72,4 @@ class ProcessWatch:
                                  (f" for {', '.join(report.warm_for)}" if report.warm_for else ""))
 
     def _standby_report(self, name: str) -> P.StandbyReport | None:
-        ctx = self.ctx
-        key = P.standby_state_key(name)
-        if not ctx.store.check([key]):
-            return None
-        try:
-            return P.read_message(P.StandbyReport, ctx.store.get(key))
-        except P.MessageError as exc:
-            ctx.events.emit("message_rejected", key=key, error=str(exc))
-            return None
+        return self.ctx.read(P.StandbyReport, P.standby_state_key(name))

@@ -187,6 +187,12 @@ class ProcessConfig:
             raise ValueError(f"training script {cmd[0]!r} does not exist or is not a file")
 
 
+MAX_STANDBYS_SMALL_JOB = 8
+"""A job never needs more standbys than worker roles (each replaces one role); a small job
+may keep a few more to ride out repeated failures. Beyond that, a count is a typo that
+would start hundreds of processes."""
+
+
 @dataclass
 class HostsConfig:
     """The hosts of the job: one agent per host (host 0's started by the controller, the
@@ -461,6 +467,11 @@ class JobConfig:
             section.validate()
         self.baseline.validate(self.checkpoint)
         self.hosts.validate(self.layout.num_roles, self.layout.tp)
+        most = max(self.layout.num_roles, MAX_STANDBYS_SMALL_JOB)
+        if self.standby.count > most:
+            raise ValueError(f"standby.count={self.standby.count} is more standbys than the "
+                             f"job can use (at most one per worker role, or "
+                             f"{MAX_STANDBYS_SMALL_JOB} for a smaller job: {most} here)")
         if self.hosts.nnodes > 1 and self.process.store_host.startswith("127."):
             raise ValueError(f"process.store_host={self.process.store_host!r} is loopback, "
                              f"which the other {self.hosts.nnodes - 1} host(s) cannot reach: "

@@ -86,6 +86,14 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
         if inj.kind in WORKER_KINDS and inj.arg is not None and inj.arg not in POINTS:
             raise ValueError(f"inject {inj}: unknown point {inj.arg!r} "
                              f"(known: {', '.join(POINTS)})")
+        if inj.kind == "commerr" and inj.arg is not None and inj.arg not in COMMERR_POINTS:
+            raise ValueError(f"inject {inj}: no communicator of the worker is in use at point "
+                             f"{inj.arg!r}, so it could never fail there (commerr points: "
+                             f"{', '.join(COMMERR_POINTS)})")
+        if inj.target in workers and inj.arg in STANDBY_POINTS:
+            raise ValueError(f"inject {inj}: {inj.target} is a worker, which never passes the "
+                             f"standby point {inj.arg!r} (target a standby, or "
+                             f"'{JOINER}' for whichever is promoted first)")
         if inj.kind == "migrate":
             if not standbys:
                 raise ValueError(f"inject {inj}: the job has no standby (use --standbys)")
@@ -110,6 +118,9 @@ STEP_POINTS = ("forward", "backward", "allreduce", "optimizer", "checkpoint")
 # fire the first time they are passed at or after the fault's step
 EVENT_POINTS = ("prepare", "switch", "joiner_prepare", "standby", "recover")
 POINTS = STEP_POINTS + EVENT_POINTS
+STANDBY_POINTS = ("joiner_prepare", "standby")   # passed by standbys only
+# where a worker's own communicators are in use, so that failing them is meaningful
+COMMERR_POINTS = ("forward", "backward", "allreduce", "optimizer", "prepare", "switch")
 
 
 @dataclass(frozen=True)

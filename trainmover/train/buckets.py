@@ -35,19 +35,10 @@ class GradBuckets:
                 current, size = [], 0
         if current:
             self.buckets.append(current)
-        self.bucket_of: dict[int, int] = {}
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        for i, bucket in enumerate(self.buckets):
-            buf = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
-                              device=bucket[0].device)
-            offset = 0
-            for p in bucket:
-                view = buf[offset:offset + p.numel()].view_as(p)
-                p.grad = view
-                self.views.append((p, view))
-                offset += p.numel()
-                self.bucket_of[id(p)] = i
-            self.buffers.append(buf)
+        self._allocate([torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype,
+                                    device=b[0].device) for b in self.buckets])
         self._pending = [0] * len(self.buckets)
         self._next = 0
         self._works: list[Work] = []
@@ -67,16 +58,18 @@ class GradBuckets:
         operation keeps its own reference to the old memory, so dropping ours is safe."""
         self._armed = False
         self._works = []
-        self.views = []
-        for i, bucket in enumerate(self.buckets):
-            buf = torch.zeros_like(self.buffers[i])
+        self._allocate([torch.zeros_like(buf) for buf in self.buffers])
+
+    def _allocate(self, buffers: list[torch.Tensor]) -> None:
+        """Make ``buffers`` the buckets' memory: every ``param.grad`` a view into its own."""
+        self.buffers, self.views = buffers, []
+        for bucket, buf in zip(self.buckets, buffers):
             offset = 0
             for p in bucket:
                 view = buf[offset:offset + p.numel()].view_as(p)
                 p.grad = view
                 self.views.append((p, view))
                 offset += p.numel()
-            self.buffers[i] = buf
 
     def zero(self) -> None:
         self._armed = False  # an aborted step may have left the hooks armed
