@@ -20,12 +20,18 @@ def available() -> str | None:
         return "iproute2 ('ip') is not installed"
     if os.geteuid() != 0:
         return "network namespaces need root"
-    probe = f"tmprobe{os.getpid() % 100000}"
-    got = _ip("netns", "add", probe, check=False)
-    if got.returncode != 0:
-        return f"'ip netns add' failed: {got.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
+    probe = f"tmp{os.getpid() % 100000}"
+    try:
+        for args in (("netns", "add", probe), ("link", "add", probe + "b", "type", "bridge"),
+                     ("link", "add", probe + "v", "type", "veth", "peer", "name", "eth0",
+                      "netns", probe)):
+            got = _ip(*args, check=False)
+            if got.returncode != 0:
+                return f"'ip {' '.join(args)}' failed: {got.stderr.strip()}"
+        return None
+    finally:   # what the probe made, the veth pair included (deleting the namespace)
+        _ip("link", "del", probe + "b", check=False)
+        _ip("netns", "del", probe, check=False)
 
 
 _made_count = 0
