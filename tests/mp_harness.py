@@ -60,3 +60,12 @@ def values(results: dict) -> dict:
     errors = {r: v for r, (s, v) in results.items() if s != "ok"}
     assert not errors, errors
     return {r: v for r, (s, v) in results.items()}
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    """Poll ``cond`` until it holds; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

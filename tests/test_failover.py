@@ -14,6 +14,7 @@ from trainmover.control.coordinator import Coordinator, run_job
 from trainmover.core.events import read_jsonl
 from trainmover.core.faults import Inject
 
+from mp_harness import wait_for
 from test_failures import job, with_faults
 
 RUNNER = ("import json, sys; from trainmover.core.config import JobConfig; "
@@ -29,14 +30,6 @@ def start_controller(cfg, run_dir, *injects) -> subprocess.Popen:
         json.dump(cfg.to_dict(), f)
     return subprocess.Popen([sys.executable, "-c", RUNNER, path, run_dir, *injects],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def wait_for(cond, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def events(run_dir, name=None):

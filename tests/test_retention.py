@@ -1,12 +1,11 @@
 """A long job's store stays the size of a short one's: the keys of decided steps, finished
 migrations and recoveries, and exited processes' heartbeats are deleted
 (``control/retention.py``); training is unaffected (same weights as without deletion)."""
-import time
-
 import pytest
 
+from mp_harness import wait_for
+from test_failures import with_faults
 from trainmover.api import Job
-from trainmover.cli import apply_worker_faults
 from trainmover.control.coordinator import run_job
 from trainmover.core.faults import Inject
 from trainmover.core.topology import Layout
@@ -25,19 +24,11 @@ def job(**settings):
     return cfg.override(**settings).validate()
 
 
-def wait_for(cond, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.mark.timeout(400)
 def test_store_keys_stay_flat_through_steps_a_migration_and_a_recovery(tmp_path):
     plain = run_job(job(controller_gc_every_steps=0), str(tmp_path / "plain"), quiet=True,
                     timeout_s=300)
-    cfg = apply_faults(job(), Inject("crash", 250, "w3", "backward"))
+    cfg = with_faults(job(), Inject("crash", 250, "w3", "backward"))
     j = Job(cfg, str(tmp_path / "run"), timeout_s=300,
             injects=[Inject("migrate", 150, "w1")]).start()
     coord = j.coordinator
@@ -57,9 +48,3 @@ def test_store_keys_stay_flat_through_steps_a_migration_and_a_recovery(tmp_path)
     # 280 steps at 3 keys each would add 840 keys; what remains is bounded by processes
     # and events (the migration's and recovery's commands, new groups' rendezvous keys)
     assert keys[STEPS - 20] - keys[100] < 120, keys
-
-
-def apply_faults(cfg, *injects):
-    cfg = type(cfg).from_dict(cfg.to_dict())
-    apply_worker_faults(cfg, list(injects))
-    return cfg

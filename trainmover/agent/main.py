@@ -6,9 +6,10 @@ store is on the hot path and must be the simplest, longest-lived process of the 
 agent makes no decisions; the controller (``coordinator.py``) sends it requests through the
 store and reads back what happened:
 
-- ``agent/req/<n>``: ``spawn`` (a worker or standby of this job, by name; the agent builds
-  the command line of its own worker entry point, never one taken from the store), ``signal`` (KILL / TERM-then-KILL / STOP /
-  CONT to one incarnation of a process), ``shutdown`` (stop everything and exit);
+- ``agent/<node>/req/<n>``: ``spawn`` (a worker or standby of this job, by name; the agent
+  builds the command line of its own worker entry point, never one taken from the store),
+  ``signal`` (KILL / TERM-then-KILL / STOP / CONT to one incarnation of a process),
+  ``shutdown`` (stop everything and exit);
 - ``agent/proc/<name>``: the current incarnation and PID of each process it started;
 - ``agent/exit/<n>``: one record per process exit (name, incarnation, code, time).
 

@@ -206,7 +206,7 @@ class Coordinator:
         ctx.store = store or AuthStore(dist.TCPStore(
             host, int(port), is_master=False,
             timeout=timedelta(seconds=self.cfg.comm.store_timeout_s)), self._secret)
-        ctx.procs.store = ctx.store
+        ctx.procs.store, ctx.procs.events = ctx.store, ctx.events
         self.incarnation = ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
         ctx.store.set(P.CONTROLLER_KEY,
                       P.write_message(P.ControllerInfo(os.getpid(), self.incarnation)))
@@ -286,10 +286,10 @@ class Coordinator:
         restore_into(self.watch, state["watch"])
         restore_into(self.retention, state["retention"])
         self.injects = state["injects"]
+        ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
         self._connect(probe)   # one client: the one that read the snapshot
         self.resumed = True
         ctx.disrupted()   # heartbeats and step times are judged afresh
-        ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
         ctx.progress.enabled = False
         ctx.progress.poll()          # catch up silently, then report new steps as usual
         ctx.progress.enabled = not quiet

@@ -289,11 +289,11 @@ class Migrations:
     def _report(self, mig: ActiveMigration) -> None:
         ctx = self.ctx
         plan, mid = mig.plan, mig.plan.migration_id
-        reports = {w: P.read_message(P.SwitchReport,
-                                     ctx.store.get(P.mig_key(mid, "switched", w)))
+        # a report that cannot be read (logged) counts as zeros: accounting, not control
+        reports = {w: ctx.read(P.SwitchReport, P.mig_key(mid, "switched", w)) or P.SwitchReport()
                    for w in plan.participants}
-        ready = {w: P.read_message(P.ReadyReport, ctx.store.get(P.mig_key(mid, "ready", w)))
-                 for w in plan.participants if ctx.store.check([P.mig_key(mid, "ready", w)])}
+        ready = {w: r for w in plan.participants
+                 if (r := ctx.read(P.ReadyReport, P.mig_key(mid, "ready", w))) is not None}
         downtime, normal = (None, None)
         if ctx.progress.last_step >= mig.switch_step:
             downtime, normal = downtime_from_metrics(ctx.progress.records, mig.switch_step)

@@ -30,7 +30,8 @@ class AgentClient:
     exits_seen: int = 0
     nnodes: int = 1
     lost: list = field(default_factory=list)      # hosts declared lost (fenced)
-    __snapshot_exclude__ = ("store",)
+    events: object = None                         # the controller's event log
+    __snapshot_exclude__ = ("store", "events")
 
     def spawn_request(self, name: str, standby: bool, node: int = 0, gpu: int | None = None,
                       **restart) -> tuple[int, P.AgentSpawn]:
@@ -63,8 +64,9 @@ class AgentClient:
         count = self.store.add(P.AGENT_EXIT_COUNT_KEY, 0)
         while self.exits_seen < count:
             self.exits_seen += 1
-            rec = P.read_message(P.ExitRecord,
-                                 self.store.get(P.agent_exit_key(self.exits_seen)))
+            rec = self._read(P.ExitRecord, P.agent_exit_key(self.exits_seen))
+            if rec is None:
+                continue
             view = self.procs.get(rec.name)
             if view is not None and view.incarnation == rec.incarnation:
                 view.code = rec.code
@@ -84,10 +86,19 @@ class AgentClient:
     def pid(self, name: str) -> int | None:
         view = self.procs[name]
         if view.pid is None and self.store.check([P.agent_proc_key(name)]):
-            info = P.read_message(P.ProcRecord, self.store.get(P.agent_proc_key(name)))
-            if info.incarnation == view.incarnation:
+            info = self._read(P.ProcRecord, P.agent_proc_key(name))
+            if info is not None and info.incarnation == view.incarnation:
                 view.pid = info.pid
         return view.pid
+
+    def _read(self, cls, key: str):
+        """An agent's record, or None (logged) if it is malformed, unsigned or forged."""
+        try:
+            return P.read_message(cls, self.store.get(key))
+        except P.MessageError as exc:
+            if self.events is not None:
+                self.events.emit("message_rejected", key=key, error=str(exc))
+            return None
 
     def kill(self, name: str) -> None:
         """SIGKILL the current incarnation (the agent does it before its next request)."""

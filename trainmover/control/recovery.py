@@ -253,7 +253,11 @@ class Recovery:
             return
         key = P.commit_key(rec.epoch, step, "metrics")
         if ctx.store.check([key]):
-            record = P.read_object(ctx.store.get(key))
+            try:
+                record = P.read_object(ctx.store.get(key))
+            except P.MessageError as exc:
+                ctx.events.emit("message_rejected", key=key, error=str(exc))
+                return
             # the step time the reporter had measured at its vote (its optimizer step, which
             # the record would include, never ran): close, flagged as backfilled
             record.update(step_time_s=round(record["step_time_s"], 6), backfilled=True)
