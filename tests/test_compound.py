@@ -110,3 +110,37 @@ def test_a_survivor_dies_while_recovering(tmp_path, baseline):
     assert rec["failures"] == {"w2": "crash", "w3": "crash"}
     assert rec["sources"] == {"dp1.pp0.tp0": "replica:w0", "dp1.pp1.tp0": "replica:w1"}
     assert summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_joiner_aborts_its_migration_and_is_fenced(tmp_path):
+    """The standby promoted by a planned migration stops (SIGSTOP) while preparing: its
+    silence is detected within the heartbeat bound, it is fenced, the migration is aborted
+    (the stayers drop the groups they were building) and training goes on, unharmed."""
+    # long enough to outlast the detection (2 s of silence) by many steps
+    base = run_job(job(steps=120), str(tmp_path / "base"), quiet=True, timeout_s=300)
+    cfg = with_faults(job(steps=120), Inject("hang", 5, "joiner", "joiner_prepare"))
+    summary, events = run(tmp_path, cfg, Inject("migrate", 5, "w1"))
+    ((dead, point),) = fired(events)
+    assert point == "joiner_prepare"
+    (hung,) = [e for e in events if e["event"] == "standby_hung"]
+    assert hung["name"] == dead and hung["state"] == "reserved"
+    (mig,) = summary["migrations"]
+    assert mig["status"] == "aborted" and dead in mig["reason"]
+    assert summary["recoveries"] == [] and summary["membership"]["w1"] == "dp0.pp1.tp0"
+    assert summary["weights_sha256"] == base["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_standby_is_fenced_and_the_pool_replenished(tmp_path, baseline):
+    """A free standby stops while waiting: it is fenced and, with standby.replenish, a new
+    standby takes its place in the pool, which a later crash is then recovered into."""
+    cfg = with_faults(job(standbys=1, standby_replenish=True),
+                      Inject("hang", 1, "s0", "standby"), Inject("crash", 9, "w2", "backward"))
+    summary, events = run(tmp_path, cfg)
+    (hung,) = [e for e in events if e["event"] == "standby_hung"]
+    assert hung["name"] == "s0"
+    assert [e["name"] for e in events if e["event"] == "standby_replenished"][:1] == ["s1"]
+    (rec,) = summary["recoveries"]
+    assert rec["pairs"][0]["joiner"] == "s1" and rec["replacements"] == []
+    assert summary["weights_sha256"] == baseline

@@ -48,3 +48,26 @@ def test_store_keys_stay_flat_through_steps_a_migration_and_a_recovery(tmp_path)
     # 280 steps at 3 keys each would add 840 keys; what remains is bounded by processes
     # and events (the migration's and recovery's commands, new groups' rendezvous keys)
     assert keys[STEPS - 20] - keys[100] < 120, keys
+
+
+def test_the_controller_keeps_a_bounded_tail_of_the_metrics(tmp_path):
+    """The controller's memory does not grow with the step count: it keeps the newest
+    records only (the file keeps every one)."""
+    import json
+
+    from trainmover.control.context import RECORDS_KEPT, Progress
+
+    path = tmp_path / "metrics.jsonl"
+    progress = Progress(str(path), 0, enabled=False)
+    with open(path, "w") as f:
+        for step in range(5 * RECORDS_KEPT + 7):
+            f.write(json.dumps({"step": step, "time": float(step), "step_time_s": 0.1,
+                                "worker": "w0"}) + "\n")
+            if step % 997 == 0:
+                f.flush()
+                progress.poll()
+    progress.poll()
+    assert progress.last_step == 5 * RECORDS_KEPT + 6
+    assert RECORDS_KEPT <= len(progress.records) <= 2 * RECORDS_KEPT
+    steps = [r["step"] for r in progress.records]
+    assert steps == list(range(steps[0], 5 * RECORDS_KEPT + 7))

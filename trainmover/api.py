@@ -39,6 +39,24 @@ class Job:
         future = self.coordinator.request_migration(workers, to)
         return future.result(timeout=timeout_s)
 
+    def stop(self, reason: str = "api") -> None:
+        """Stop gracefully: every worker checkpoints a few steps ahead and exits; ``wait()``
+        returns a summary with ``stopped`` and ``resume_step``; ``Job.resume(run_dir)``
+        continues it."""
+        self.coordinator.request_stop(reason)
+
+    @classmethod
+    def resume(cls, run_dir: str, quiet: bool = True, timeout_s: float | None = None) -> "Job":
+        """A job for a stopped run dir, continuing from its newest intact checkpoint
+        (``start()`` it)."""
+        from trainmover.control.coordinator import resumable
+
+        cfg, step = resumable(run_dir)
+        job = cls.__new__(cls)
+        job.coordinator = Coordinator(cfg, run_dir, quiet, None, timeout_s, resume_from=step)
+        job._thread, job._summary, job._error = None, None, None
+        return job
+
     def wait(self, timeout_s: float | None = None) -> dict:
         self._thread.join(timeout_s)
         if self._thread.is_alive():

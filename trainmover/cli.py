@@ -14,7 +14,8 @@ from trainmover.core.topology import Layout
 
 # the runtime flags of run, demo and launch -> the setting each overrides (JobConfig.override)
 RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
-                 "checkpoint_every": "checkpoint_every", "controller_restart": "controller_restart",
+                 "checkpoint_every": "checkpoint_every", "keep_checkpoints": "checkpoint_keep",
+                 "controller_restart": "controller_restart", "verify_every": "health_verify_every",
                  "nnodes": "hosts_nnodes", "nproc_per_node": "hosts_nproc_per_node",
                  "store_host": "process_store_host", "store_port": "process_store_port"}
 
@@ -86,14 +87,23 @@ def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
     p.add_argument("--data-format", choices=["text", "uint16"])
     _runtime_args(p)
     p.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped job from its newest intact checkpoint, with its "
+                        "own settings")
 
 
 def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--standbys", type=int, help="standby processes started with the job")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
-                   help="asynchronous checkpoint every N steps (the fallback when a failed "
-                        "role has no data-parallel replica)")
+                   help="asynchronous checkpoint every N steps (default 50; 0: off): the "
+                        "recovery source of a failed role without a data-parallel replica, "
+                        "and where `run --resume` continues from")
+    p.add_argument("--verify-every", type=int, metavar="N",
+                   help="compare the data-parallel replicas' state digests every N steps "
+                        "(default 0: at the end only)")
+    p.add_argument("--keep-checkpoints", type=int, metavar="N",
+                   help="complete checkpoints kept on disk (default 2; older ones deleted)")
     p.add_argument("--controller-restart", choices=["auto", "manual"],
                    help="if this controller process dies: the job's agent starts a new one "
                         "(auto, default) or waits for `trainmover controller --resume` (manual)")
@@ -151,26 +161,91 @@ def _default_run_dir(name: str) -> str:
     return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from trainmover.control.coordinator import run_job
+# the flags that define a job: with --resume, the job's own settings (job.json) apply
+JOB_FLAGS = ("dp", "pp", "tp", "nproc", "workers", "steps", "seed", "compile", "data",
+             "data_format", "threads", "inject", "run_dir", *RUNTIME_FLAGS)
 
-    cfg = build_config(args)
-    injects = build_injects(args, cfg)
-    run_dir = args.run_dir or _default_run_dir(cfg.name)
-    summary = run_job(cfg, run_dir, quiet=args.quiet, injects=injects)
+
+def _resume_coordinator(args: argparse.Namespace):
+    from trainmover.control.coordinator import Coordinator, resumable
+
+    given = [f for f in JOB_FLAGS if getattr(args, f, None) not in (None, False, [])]
+    if getattr(args, "recipe", None) not in (None, "demo"):
+        given.append("recipe")
+    if given:
+        raise ValueError(f"--resume continues the job with its own settings (job.json): "
+                         f"drop {', '.join('--' + f.replace('_', '-') for f in given)}")
+    cfg, step = resumable(args.resume)
+    return Coordinator(cfg, args.resume, args.quiet, resume_from=step)
+
+
+def run_until_done(coord) -> dict:
+    """Run a job in this process. The first SIGTERM, SIGINT (Ctrl-C) or SIGHUP (the terminal
+    closed) stops it gracefully (a checkpoint, then every process exits: resumable with
+    --resume); a second one stops every process at once (committed progress and
+    checkpoints stay intact)."""
+    import signal
+
+    def handler(signum, _frame):
+        name = signal.Signals(signum).name
+        if coord.stop_asked:
+            print(f"trainmover: {name} again: stopping every process now", file=sys.stderr,
+                  flush=True)
+            coord.stop()
+        else:
+            print(f"trainmover: {name}: stopping gracefully (a checkpoint, then every process "
+                  f"exits); send it again to stop at once", file=sys.stderr, flush=True)
+            coord.request_stop(name)
+
+    previous = {sig: signal.signal(sig, handler)
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        return coord.run()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from trainmover.control.coordinator import Coordinator
+
+    if args.resume:
+        coord = _resume_coordinator(args)
+    else:
+        cfg = build_config(args)
+        injects = build_injects(args, cfg)
+        run_dir = args.run_dir or _default_run_dir(cfg.name)
+        coord = Coordinator(cfg, run_dir, quiet=args.quiet, injects=injects)
+    summary = run_until_done(coord)
     print(json.dumps(summary, indent=2))
     return 0
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from trainmover.control.coordinator import run_job
+    from trainmover.control.coordinator import Coordinator
 
-    cfg = build_launch_config(args, python_command(args.command))
-    injects = build_injects(args, cfg)
-    run_dir = args.run_dir or _default_run_dir(cfg.name)
-    summary = run_job(cfg, run_dir, quiet=args.quiet, injects=injects)
+    if args.resume:
+        if args.command:
+            raise ValueError("--resume continues the job's own training command: drop the "
+                             "command after '--'")
+        coord = _resume_coordinator(args)
+    else:
+        cfg = build_launch_config(args, python_command(args.command))
+        injects = build_injects(args, cfg)
+        run_dir = args.run_dir or _default_run_dir(cfg.name)
+        coord = Coordinator(cfg, run_dir, quiet=args.quiet, injects=injects)
+    summary = run_until_done(coord)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from trainmover.control.client import request_stop
+
+    summary = request_stop(args.run_dir, args.reason, wait=not args.no_wait,
+                           timeout_s=args.timeout)
+    print(json.dumps(summary, indent=2))
+    return 0 if summary.get("status") in ("stopped", "requested", "finished") else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -277,6 +352,9 @@ def make_parser() -> argparse.ArgumentParser:
     launch.add_argument("--threads", type=int, help="intra-op threads per worker "
                                                     "(default: cores / processes)")
     launch.add_argument("--run-dir", help="output directory (default: runs/<script>-<time>)")
+    launch.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue a stopped job from its newest intact checkpoint, with "
+                             "its own settings and command")
     _runtime_args(launch)
     launch.set_defaults(fn=cmd_launch, command=[])
     demo = sub.add_parser("demo", help="a small multi-worker job on the built-in corpus")
@@ -297,6 +375,13 @@ def make_parser() -> argparse.ArgumentParser:
     mig.add_argument("--no-wait", action="store_true", help="return once the request is queued")
     mig.add_argument("--timeout", type=float, default=600.0)
     mig.set_defaults(fn=cmd_migrate)
+    stop = sub.add_parser("stop", help="stop a running job gracefully (a checkpoint, then "
+                                         "every process exits); continue it with --resume")
+    stop.add_argument("--run-dir", required=True, help="run directory of a running job")
+    stop.add_argument("--reason", default="trainmover stop", help="recorded in the events")
+    stop.add_argument("--no-wait", action="store_true", help="return once the request is sent")
+    stop.add_argument("--timeout", type=float, default=600.0)
+    stop.set_defaults(fn=cmd_stop)
     agent = sub.add_parser(
         "agent", help="serve one more host of a job (its workers and standbys)",
         description="Run on every host but the controller's (host 0), e.g. from srun or a "
@@ -333,6 +418,14 @@ def make_parser() -> argparse.ArgumentParser:
     ex.add_argument("--repeats", type=int, default=3)
     ex.add_argument("--out", default="benchmarks/results")
     ex.set_defaults(fn=cmd_bench)
+    ck = bsub.add_parser("checkpoint", help="periodic checkpoints' cost to the step, per "
+                                            "interval, against checkpoints off")
+    ck.add_argument("--intervals", default="10,50", help="comma list of checkpoint intervals")
+    ck.add_argument("--steps", type=int, default=130)
+    ck.add_argument("--repeats", type=int, default=3)
+    ck.add_argument("--recipe", default="demo")
+    ck.add_argument("--out", default="benchmarks/results")
+    ck.set_defaults(fn=cmd_bench)
     hosts = bsub.add_parser("hosts", help="planned migration across hosts vs within a host "
                                           "(network namespaces: needs root)")
     hosts.add_argument("--repeats", type=int, default=3)

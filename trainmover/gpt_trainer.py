@@ -12,8 +12,10 @@ from trainmover.train.engine import Engine
 def main() -> None:
     rt = trainmover.init()
     cfg = rt.config
-    batches = BatchSource(load_tokens(cfg.data), cfg.model.seq_len, cfg.train.global_batch,
-                          cfg.train.seed, cfg.model.vocab_size)
+    data = load_tokens(cfg.data)
+    rt.declare_data(data.sha256, data.description)
+    batches = BatchSource(data, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
+                          cfg.model.vocab_size)
     engine = Engine(cfg, rt.role, rt.comm_groups, batches, rt.device)
     engine.on_point = rt.fault_point
     engine.on_batch = rt.fingerprint

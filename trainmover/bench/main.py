@@ -551,6 +551,12 @@ def main(args) -> int:
 
         bench_example(args.nproc, args.steps, args.repeats, args.out)
         return 0
+    if args.bench == "checkpoint":
+        from trainmover.bench.checkpoint import bench_checkpoint
+
+        intervals = [int(x) for x in args.intervals.split(",")]
+        bench_checkpoint(intervals, args.steps, args.repeats, args.recipe, args.out)
+        return 0
     if args.bench == "hosts":
         from trainmover.bench.hosts import bench_hosts
         from trainmover.bench.netns import available

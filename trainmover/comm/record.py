@@ -25,6 +25,7 @@ import torch
 
 from trainmover.comm.groups import CommGroups, Group, _DoneWork
 from trainmover.core.config import JobConfig
+from trainmover.core.identity import script_digest
 from trainmover.core.topology import Layout, Role, StageKind, split_layers
 
 FORMAT = 1
@@ -92,15 +93,6 @@ def manifest_for(cfg: JobConfig, key: str, role: Role) -> dict:
     else:
         out["script_sha256"] = script_digest(cfg.process.command)
     return out
-
-
-def script_digest(command: list[str]) -> str | None:
-    """The training script's own code: a recording replays only against the script that
-    made it (a module run with -m is covered by its import path, not hashed)."""
-    if not command or command[0] == "-m" or not os.path.isfile(command[0]):
-        return None
-    with open(command[0], "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def recording_dir(cfg: JobConfig, run_dir: str) -> str:

@@ -61,7 +61,7 @@ class Restarts:
                         failures=[f.__dict__ for f in failures], action="restart")
         for w in ctx.membership.workers:
             ctx.fence(w, f"restart after {reason}")
-        step = latest_complete(ctx.run_dir)
+        step = latest_complete(ctx.run_dir, [r.name for r in ctx.membership.layout.roles()])
         if step is None:
             raise JobFailed(f"{reason}: no complete checkpoint to restart from")
         self.restart(step, cause=failures[0].kind)

@@ -1,5 +1,6 @@
-"""Talking to a running job from another process (``trainmover migrate``): the job's store
-address is in ``<run dir>/control.json``; requests and answers go through the store."""
+"""Talking to a running job from another process (``trainmover migrate``, ``trainmover
+stop``): the job's store address is in ``<run dir>/control.json``; requests and answers go
+through the store."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,14 @@ import torch.distributed as dist
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
+from trainmover.core.proc import pid_alive
 
 # How often a waiting `trainmover migrate` looks for the answer: a person is waiting, and a
 # store read ten times a second costs the job nothing.
 ANSWER_POLL_S = 0.1
+# The controller writes the summary just after the job's agent exits (it stops the agent
+# first): how long `trainmover stop` waits for it once the agent is gone.
+SUMMARY_WAIT_S = 30.0
 
 
 def connect(run_dir: str) -> AuthStore:
@@ -54,3 +59,31 @@ def request_migration(run_dir: str, workers: list[str], to: list[str] | None = N
                 return status
         time.sleep(ANSWER_POLL_S)
     return {**status, "status": "timeout", "reason": f"no answer within {timeout_s} s"}
+
+
+def request_stop(run_dir: str, reason: str = "trainmover stop", wait: bool = True,
+                 timeout_s: float = 600.0) -> dict:
+    """Ask the job to stop gracefully; with ``wait``, block until every process of it exited
+    and return its summary (``stopped``, ``resume_step``)."""
+    store = connect(run_dir)
+    t_asked = time.time()
+    store.set(P.STOP_REQUEST_KEY, P.write_message(P.StopAsk(reason)))
+    if not wait:
+        return {"status": "requested"}
+    with open(os.path.join(run_dir, "control.json")) as f:
+        agent = json.load(f)["agent_pid"]
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(agent):
+        if time.monotonic() > deadline:
+            return {"status": "timeout", "reason": f"the job still runs after {timeout_s} s"}
+        time.sleep(ANSWER_POLL_S)
+    path = os.path.join(run_dir, "summary.json")
+    deadline = time.monotonic() + SUMMARY_WAIT_S
+    while not (os.path.exists(path) and os.path.getmtime(path) >= t_asked):
+        if time.monotonic() > deadline:
+            return {"status": "failed", "reason": f"the job ended without a summary: see "
+                                                  f"{run_dir}/events.jsonl"}
+        time.sleep(ANSWER_POLL_S)
+    with open(path) as f:
+        summary = json.load(f)
+    return {"status": "stopped" if summary.get("stopped") else "finished", **summary}

@@ -25,9 +25,15 @@ def worker_names(n: int, prefix: str = "w") -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
 
 
+# The controller keeps this many of the newest metrics records in memory (the downtime of an
+# event is measured from the records around it, within steps of it; the file keeps them all):
+# a job of 10^6 steps must not hold 10^6 records in the controller.
+RECORDS_KEPT = 2000
+
+
 @dataclass
 class Progress:
-    """Tails metrics.jsonl; prints one line per committed step."""
+    """Tails metrics.jsonl; prints one line per committed step; keeps the newest records."""
 
     path: str
     total_steps: int
@@ -59,6 +65,8 @@ class Progress:
                 continue
             rec = json.loads(line)
             self.records.append(rec)
+            if len(self.records) > 2 * RECORDS_KEPT:
+                del self.records[:-RECORDS_KEPT]
             if self.enabled:
                 loss = rec.get("loss")
                 total = f"/{self.total_steps}" if self.total_steps else ""

@@ -43,7 +43,9 @@ from trainmover.control.health import Failure, Health
 from trainmover.control.migrations import ActiveMigration, MigrationRequest, Migrations
 from trainmover.control.processes import AgentClient, ProcView
 from trainmover.control.recovery import ActiveRecovery, Recovery
+from trainmover.control.replicas import Replicas
 from trainmover.control.retention import Retention
+from trainmover.control.stopping import Stopping
 from trainmover.control.supervision import ProcessWatch
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
@@ -51,8 +53,9 @@ from trainmover.core.auth import AuthStore, create_secret, load_secret
 from trainmover.core.codec import Codec
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog, read_jsonl
+from trainmover.core import identity
 from trainmover.core.faults import Inject
-from trainmover.core.files import read_digest
+from trainmover.core.files import latest_complete, read_digest, step_dir, usable_checkpoints
 from trainmover.core.proc import pid_alive
 from trainmover.core.topology import Layout, Role
 
@@ -64,7 +67,10 @@ class Coordinator:
     ``Coordinator.resume(run_dir)`` takes over a running job whose controller died."""
 
     def __init__(self, cfg: JobConfig, run_dir: str, quiet: bool = False,
-                 injects: list[Inject] | None = None, timeout_s: float | None = None):
+                 injects: list[Inject] | None = None, timeout_s: float | None = None,
+                 resume_from: int | None = None):
+        """``resume_from``: continue a stopped job of this run dir from its step-K checkpoint
+        (``resume_job`` checks and chooses it)."""
         self.cfg = cfg = JobConfig.from_dict(cfg.to_dict())   # the job's own copy
         self.run_dir = os.path.abspath(run_dir)
         self.quiet = quiet
@@ -82,6 +88,10 @@ class Coordinator:
         self.recovery = Recovery(self.ctx, self.health, self.migrations, self.baseline,
                                  self.retention)
         self.watch = ProcessWatch(self.ctx)
+        self.stopping = Stopping(self.ctx)
+        self.replicas = Replicas(self.ctx)
+        self.resume_from = resume_from
+        self._data_kept = False
         self._saved: str | None = None
         self._saved_at = float("-inf")
         self._agent_proc: subprocess.Popen | None = None
@@ -111,6 +121,15 @@ class Coordinator:
     def restarts(self) -> list[dict]:
         return self.baseline.restarts
 
+    @property
+    def stop_asked(self) -> bool:
+        return self.stopping.asked
+
+    def request_stop(self, reason: str = "api") -> None:
+        """Thread-safe (a signal handler may call it): stop gracefully, a checkpoint taken
+        a few steps ahead; ``run()`` then returns a summary with ``stopped``."""
+        self.stopping.request(reason)
+
     def request_migration(self, workers: list[str], targets: list[str] | None = None,
                           naive: bool = False, source: str = "api") -> Future:
         """Thread-safe; the future gets the migration's final result."""
@@ -121,17 +140,21 @@ class Coordinator:
         ctx = self.ctx
         if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
             raise ValueError(f"--run-dir {self.run_dir!r} is a file, not a directory")
-        if os.path.exists(os.path.join(self.run_dir, "job.json")):
+        if os.path.exists(os.path.join(self.run_dir, "job.json")) and self.resume_from is None:
             raise ValueError(f"run dir {self.run_dir!r} already holds a job; choose a new "
-                             f"--run-dir")
+                             f"--run-dir, or continue it with --resume")
         self._place_on_gpus()
         # the run dir holds the job's secret, logs and checkpoints: its owner's alone
         os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
-        self._secret = create_secret(self.run_dir)
+        self._secret = create_secret(self.run_dir) if self.resume_from is None else \
+            load_secret(self.run_dir)
         with open(os.path.join(self.run_dir, "job.json"), "w") as f:
             json.dump(self.cfg.to_dict(), f, indent=2)
+        if self.resume_from is None:
+            identity.write_identity(self.run_dir, identity.of_job(self.cfg.to_dict(),
+                                                                  self.cfg.process.command))
         ctx.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), worker="coordinator")
         host = self.cfg.process.store_host
         # the store's socket is opened here and inherited by the agent, which starts the
@@ -146,7 +169,9 @@ class Coordinator:
         workers = worker_names(self.cfg.layout.num_roles)
         standbys = worker_names(self.cfg.standby.count, "s")
         ctx.membership = C.Membership.initial(self.cfg.layout, workers, standbys)
-        initial = [ctx.spawn_request(n, standby=False) for n in workers] + \
+        restart = {} if self.resume_from is None else {"resume_step": self.resume_from}
+        ctx.committed = (self.resume_from or 0) - 1
+        initial = [ctx.spawn_request(n, standby=False, **restart) for n in workers] + \
                   [ctx.spawn_request(n, standby=True) for n in standbys]
         # host 0's agent starts its processes from a file, before it serves the store; the
         # other hosts' agents find theirs queued in the store when they connect
@@ -169,6 +194,11 @@ class Coordinator:
             json.dump({"store": ctx.store_addr, "agent_pid": self._agent_proc.pid}, f)
         os.replace(control + ".tmp", control)
         self._connect()
+        if self.resume_from is not None:
+            ctx.store.set(P.RESUMED_KEY, str(self.resume_from))
+            known = identity.read_identity(self.run_dir)
+            if known is not None and known.data_sha256:
+                ctx.store.set(identity.DATA_KEY, known.data_sha256)   # the first run's data
         for name, role in ctx.membership.workers.items():
             ctx.put(P.membership_key(name), role.name)
 
@@ -216,6 +246,7 @@ class Coordinator:
         return {"ctx": snapshot_of(self.ctx), "migrations": snapshot_of(self.migrations),
                 "recovery": snapshot_of(self.recovery), "baseline": snapshot_of(self.baseline),
                 "watch": snapshot_of(self.watch), "retention": snapshot_of(self.retention),
+                "stopping": snapshot_of(self.stopping), "replicas": snapshot_of(self.replicas),
                 "injects": self.injects}
 
     def _flush(self, force: bool = False) -> None:
@@ -285,6 +316,8 @@ class Coordinator:
         restore_into(self.baseline, state["baseline"])
         restore_into(self.watch, state["watch"])
         restore_into(self.retention, state["retention"])
+        restore_into(self.stopping, state["stopping"])
+        restore_into(self.replicas, state["replicas"])
         self.injects = state["injects"]
         ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
         self._connect(probe)   # one client: the one that read the snapshot
@@ -311,12 +344,19 @@ class Coordinator:
             ctx.events.emit("job_started", layout=cfg.layout.as_dict(),
                             workers=len(ctx.membership.workers),
                             standbys=len(ctx.membership.standbys), store=ctx.store_addr,
-                            agent_pid=self._agent_proc.pid)
+                            agent_pid=self._agent_proc.pid, resumed_from=self.resume_from)
             ctx.progress.say(f"job {cfg.name!r} {cfg.layout} on "
                              f"{len(ctx.membership.workers)} workers + "
                              f"{len(ctx.membership.standbys)} standby, "
                              f"{cfg.model.num_params() / 1e6:.2f}M parameters, run dir "
-                             f"{self.run_dir}")
+                             f"{self.run_dir}" + ("" if self.resume_from is None else
+                                                  f", resumed at step {self.resume_from}"))
+            if not cfg.checkpoint.every and cfg.layout.dp == 1:
+                why = ("checkpoints are off (checkpoint.every=0) and no role has a "
+                       "data-parallel replica: a failed worker cannot be recovered and the job "
+                       "cannot be resumed")
+                ctx.events.emit("no_recovery_source", reason=why, level="warning")
+                ctx.progress.say(f"warning: {why}")
         else:
             ctx.events.emit("controller_resumed", incarnation=self.incarnation,
                             pid=os.getpid(), last_step=ctx.progress.last_step,
@@ -337,6 +377,12 @@ class Coordinator:
                     raise JobFailed(f"job exceeded its timeout of {self.timeout_s} s")
                 time.sleep(cfg.controller.poll_s)
             self._flush(force=True)
+            # read while the store is up: stopping the processes takes it down
+            stop_step = self.stopping.stop_step() if self.stopping.requested else None
+            if not self._stop_requested.is_set() and cfg.layout.dp > 1 and \
+                    read_digest(self.run_dir) is not None:
+                ctx.progress.poll()
+                self.replicas.compare(ctx.progress.last_step + 1)   # the final states
         except Superseded:
             self.started.set()
             raise
@@ -364,6 +410,8 @@ class Coordinator:
             return {"stopped": True, "steps": ctx.progress.last_step + 1,
                     "wall_s": round(wall, 3), "migrations": self.migrations.finished,
                     "restarts": self.baseline.report(), "recoveries": self.recovery.done}
+        if self.stopping.requested and read_digest(self.run_dir) is None:
+            return self._stopped(wall, stop_step)
         summary = self._finish(wall)
         ctx.events.emit("job_done", wall_s=round(wall, 3),
                         weights_sha256=summary["weights_sha256"])
@@ -393,6 +441,9 @@ class Coordinator:
         ctx.progress.poll()
         self.watch.check_exits(self.recovery.failed_workers)
         self.watch.update_standbys()
+        self.watch.fence_hung_standbys(self.health.hung_standbys())
+        if not self.stopping.requested:
+            self.watch.replenish()
         if self.cfg.health.recover:
             self.recovery.poll()
         now = time.monotonic()
@@ -400,14 +451,35 @@ class Coordinator:
         if from_store:
             self._requests_read_at = now
         self.migrations.collect(from_store)
+        self.stopping.collect(from_store)
+        if from_store:
+            self._keep_data_identity()
         self._fire_injects()
         if self.recovery.active is None and self._job_finished():
             return True
         if self.recovery.active is None:
-            self.migrations.poll()
+            self.migrations.poll(start_new=not self.stopping.requested)
+        self.stopping.poll(busy=self.migrations.active is not None or
+                           self.recovery.active is not None)
         self._finish_downtimes()
         self.retention.poll()
+        self.replicas.poll()
         return False
+
+    def _keep_data_identity(self) -> None:
+        """Once a process declared the job's data, record its digest in the run dir: a
+        resumed job checks its data against it."""
+        if self._data_kept:
+            return
+        store = self.ctx.store
+        if not store.check([identity.DATA_KEY]):
+            return
+        known = identity.read_identity(self.run_dir)
+        digest = store.get(identity.DATA_KEY).decode()
+        if known is not None and known.data_sha256 != digest:
+            known.data_sha256 = digest
+            identity.write_identity(self.run_dir, known)
+        self._data_kept = True
 
     def _job_finished(self) -> bool:
         """Every role holder exited cleanly (checked before migrations advance: a joiner
@@ -475,6 +547,32 @@ class Coordinator:
                 self._agent_proc.kill()
                 self._agent_proc.wait()
 
+    def _stopped(self, wall_s: float, step: int | None) -> dict:
+        """The end of a graceful stop: every worker wrote the checkpoint taken before the
+        agreed step and exited. The summary says where ``--resume`` continues."""
+        ctx = self.ctx
+        newest = latest_complete(self.run_dir, [r.name for r in self.cfg.layout.roles()])
+        if step is None or newest != step:
+            raise JobFailed(f"the graceful stop did not complete the step-{step} checkpoint "
+                            f"(the newest complete one is step {newest}); committed progress "
+                            f"and checkpoints are intact")
+        summary = {
+            "name": self.cfg.name, "stopped": True, "reason": self.stopping.reason,
+            "resume_step": step, "checkpoint": step_dir(self.run_dir, step),
+            "steps": step, "wall_s": round(wall_s, 3),
+            "layout": self.cfg.layout.as_dict(),
+            "membership": {w: r.name for w, r in sorted(ctx.membership.workers.items())},
+            "migrations": self.migrations.finished, "restarts": self.baseline.report(),
+            "recoveries": self.recovery.done,
+        }
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        ctx.events.emit("job_stopped", wall_s=round(wall_s, 3), resume_step=step,
+                        reason=self.stopping.reason)
+        ctx.progress.say(f"stopped at step {step} ({self.stopping.reason}); continue with "
+                         f"`trainmover run --resume {self.run_dir}`")
+        return summary
+
     def _finish(self, wall_s: float) -> dict:
         cfg = self.cfg
         final = read_digest(self.run_dir)
@@ -497,6 +595,10 @@ class Coordinator:
             "standbys": cfg.standby.count,
             "membership": {w: r.name for w, r in sorted(self.ctx.membership.workers.items())},
             "weights_sha256": digest,
+            # every data-parallel replica ended (and, with health.verify_every, was at each
+            # check) in the same state; None: the job has no replicas
+            "replicas_agree": self.replicas.agree(),
+            "replica_checks": self.replicas.checked,
             "checkpoint": ckpt_dir,
             "wall_s": round(wall_s, 3),
             "mean_step_time_s": statistics.fmean(steady) if steady else None,
@@ -520,3 +622,35 @@ def run_job(cfg: JobConfig, run_dir: str, quiet: bool = False, timeout_s: float 
     """Run a job to completion and return its summary (also written to summary.json).
     ``cfg`` must already be validated: nothing here should fail on user input."""
     return Coordinator(cfg, run_dir, quiet, injects, timeout_s).run()
+
+
+def resumable(run_dir: str) -> tuple[JobConfig, int]:
+    """The job of a stopped (or failed, or killed) run dir and the step it continues from:
+    the newest complete checkpoint whose files look intact (each file's sha256 is checked
+    again as it loads; a mismatch is recovered from like a failure). Raises ValueError,
+    naming what is wrong, before anything starts."""
+    run_dir = os.path.abspath(run_dir)
+    path = os.path.join(run_dir, "job.json")
+    if not os.path.exists(path):
+        raise ValueError(f"--resume {run_dir!r}: no job there (no job.json)")
+    if read_digest(run_dir) is not None:
+        raise ValueError(f"--resume {run_dir!r}: the job already finished (final/digest.json)")
+    control = os.path.join(run_dir, "control.json")
+    if os.path.exists(control):
+        with open(control) as f:
+            agent = json.load(f).get("agent_pid")
+        if agent and pid_alive(agent):
+            raise ValueError(f"--resume {run_dir!r}: the job is still running (its agent, PID "
+                             f"{agent}); stop it first (`trainmover stop --run-dir {run_dir}`)")
+    with open(path) as f:
+        cfg = JobConfig.from_dict(json.load(f))
+    known = identity.read_identity(run_dir)
+    if known is not None:
+        identity.compare(known, identity.of_job(cfg.to_dict(), cfg.process.command),
+                         f"--resume {run_dir!r}")
+    usable, skipped = usable_checkpoints(run_dir, [r.name for r in cfg.layout.roles()])
+    if not usable:
+        why = "; ".join(f"step {k}: {r}" for k, r in sorted(skipped.items()))
+        raise ValueError(f"--resume {run_dir!r}: no complete checkpoint to continue from"
+                         + (f" (skipped: {why})" if why else ""))
+    return cfg, usable[-1]

@@ -42,6 +42,8 @@ class Health:
         self._host_beats: dict[int, tuple[int, float]] = {}          # count, seen at
         self._looked_at = 0.0
         self._reports_seen: tuple[int, int] = (-1, 0)                 # epoch, count
+        self._standbys_looked_at = 0.0
+        self._unbeaten: dict[tuple[str, int], float] = {}             # first seen without a beat
 
     def detect(self, handled: set[str]) -> list[Failure]:
         """New failures among the active workers, other than the ``handled`` ones."""
@@ -96,6 +98,32 @@ class Health:
                 out += [Failure(w, "host", now, f"host {ctx.procs.procs[w].node} lost")
                         for w in ctx.membership.workers
                         if w not in handled and ctx.procs.procs[w].node in lost]
+        return out
+
+    def hung_standbys(self) -> list[tuple[str, str]]:
+        """Standbys, free or reserved as a joiner, alive by their process but silent:
+        ``(name, why)``. By the same bound as a worker: the heartbeat timeout once it beat,
+        the start-up timeout from when its PID was known until its first beat."""
+        ctx, health, now = self.ctx, self.ctx.cfg.health, time.time()
+        if now - self._standbys_looked_at < health.check_interval_s:
+            return []
+        self._standbys_looked_at = now
+        out = []
+        for name, st in list(ctx.membership.standbys.items()):
+            if st is C.StandbyState.DEAD or not ctx.procs.known(name) or \
+                    not ctx.procs.running(name) or ctx.procs.procs[name].node in ctx.procs.lost:
+                continue
+            beat = self._beat(name)
+            if beat is None:
+                pid = ctx.procs.pid(name)
+                if pid is None:
+                    continue
+                since = self._unbeaten.setdefault((name, pid), now)
+                if now - since > health.startup_timeout_s:
+                    out.append((name, f"no heartbeat {now - since:.1f} s after it started"))
+                continue
+            if now - beat > health.heartbeat_timeout_s:
+                out.append((name, f"no heartbeat for {now - beat:.2f} s"))
         return out
 
     def _check_hosts(self, now: float, beating: set[int], hung: set[int]) -> set[int]:

@@ -113,9 +113,10 @@ class Migrations:
             self.answer(req, {"status": "failed", "reason": str(exc)})
 
     # --- the state machine ---------------------------------------------------------------------
-    def poll(self) -> None:
-        """One round: start the next pending migration, or advance the one in flight."""
-        if self.active is None and self.pending:
+    def poll(self, start_new: bool = True) -> None:
+        """One round: start the next pending migration (unless not ``start_new``: the job is
+        stopping), or advance the one in flight."""
+        if self.active is None and self.pending and start_new:
             self._start(self.pending.pop(0))
         if self.active is not None:
             self._advance()

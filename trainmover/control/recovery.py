@@ -26,7 +26,7 @@ from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.events import JsonlWriter
-from trainmover.core.files import latest_complete
+from trainmover.core.files import usable_checkpoints
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ActiveRecovery:
 class Recovery:
     """Polled on every supervision round."""
 
-    STATE = ("active", "done", "count", "failed_workers", "awaiting")
+    STATE = ("active", "done", "count", "failed_workers", "awaiting", "skipped_checkpoints")
 
     def __init__(self, ctx: JobContext, health: Health, migrations: Migrations,
                  restarts: Restarts, retention: Retention):
@@ -64,6 +64,7 @@ class Recovery:
         self.failed_workers: set[str] = set()
         self.awaiting: list[ActiveRecovery] = []   # done, downtime not yet known
         self._committed_read_at = float("-inf")
+        self.skipped_checkpoints: list[int] = []   # reported once each
 
     # --- the state machine ------------------------------------------------------------------
     def poll(self) -> None:
@@ -145,6 +146,15 @@ class Recovery:
             if dead:
                 self._abandon(rec, f"joiner {', '.join(dead)} died")
                 return
+            if ctx.store.add(P.failure_count_key(ctx.epoch), 0) > 0:
+                # a participant could not carry out its part (a corrupt checkpoint, a group
+                # build that failed) and waits for another plan
+                failed = {w: r for w in sorted(ctx.membership.workers)
+                          if (r := read_failure_report(ctx, ctx.epoch, w)) is not None}
+                self._abandon(rec, "; ".join(f"{w} failed while recovering: {r.error}"
+                                             for w, r in failed.items()) or
+                              "a participant failed while recovering")
+                return
             participants = set(rec.plan.joiners) | {w for w in ctx.membership.workers
                                                    if w not in rec.failures}
             count = ctx.store.add(P.recovered_count_key(rec.recovery_id), 0)
@@ -180,7 +190,7 @@ class Recovery:
         holders = {w: r for w, r in m.workers.items() if w not in rec.failures}
         dirty = C.dirty_groups(m.layout, {w: r.accounting for w, r in rec.reports.items()},
                                holders)
-        ckpt = latest_complete(ctx.run_dir)
+        ckpt = self.newest_checkpoint()
         short = len(rec.failures) - len(m.free_standbys())
         if short > 0 and ctx.cfg.recovery.replace_without_standby:
             self._start_replacements(rec, short)
@@ -225,6 +235,19 @@ class Recovery:
         ctx.epoch = new_epoch
         ctx.committed = resume - 1
         ctx.reached("recovery")
+
+    def newest_checkpoint(self) -> int | None:
+        """The newest complete checkpoint that looks intact; each one skipped is reported
+        once (an event and a line), with why."""
+        ctx = self.ctx
+        usable, skipped = usable_checkpoints(
+            ctx.run_dir, [r.name for r in ctx.membership.layout.roles()])
+        for step, why in sorted(skipped.items()):
+            if step not in self.skipped_checkpoints:
+                self.skipped_checkpoints.append(step)
+                ctx.events.emit("checkpoint_skipped", step=step, reason=why, level="warning")
+                ctx.progress.say(f"warning: the step-{step} checkpoint is skipped: {why}")
+        return usable[-1] if usable else None
 
     def _start_replacements(self, rec: ActiveRecovery, count: int) -> None:
         """No free standby for every failed role: start new standby processes (on a cluster,

@@ -1,6 +1,8 @@
 """The controller's driver for processes: exits that end the job (a script that misuses the
-runtime, a standby that refused to serve, a worker exit nothing recovers from) and each free
-standby's readiness (cold, warming, warm), as the standbys report it."""
+runtime, a standby that refused to serve, a worker exit nothing recovers from), each free
+standby's readiness (cold, warming, warm), as the standbys report it, and the standby pool:
+a hung standby is fenced (a joiner's migration or recovery then gives it up, as when a
+joiner dies), and with ``standby.replenish`` the pool is kept at ``standby.count``."""
 from __future__ import annotations
 
 import time
@@ -12,11 +14,12 @@ from trainmover.core import protocol as P
 
 
 class ProcessWatch:
-    STATE = ("warm_for",)
+    STATE = ("warm_for", "replenished")
 
     def __init__(self, ctx: JobContext):
         self.ctx = ctx
         self.warm_for: dict[str, list[str]] = {}    # standby -> stage structures it rehearsed
+        self.replenished = 0                        # standbys started to refill the pool
         self._standbys_read_at = 0.0
 
     def check_exits(self, recovered: set[str]) -> None:
@@ -27,12 +30,14 @@ class ProcessWatch:
             code = p.code
             if code in (None, 0):
                 continue
-            if code == P.EXIT_USAGE:
-                raise JobFailed(f"{name}: the training script misuses the runtime (exit code "
-                                f"{code}); last log lines:\n{ctx.procs.tail(name)}")
             report = self._standby_report(name) if p.standby else None
             if report is not None and report.state == "refused":
                 raise JobFailed(f"standby {name} refused to serve: {report.reason}")
+            if code == P.EXIT_USAGE:
+                raise JobFailed(f"{name}: stopped on an error no restart fixes (the training "
+                                f"script misuses the runtime, or the job's script, "
+                                f"configuration or data changed; exit code {code}); last log "
+                                f"lines:\n{ctx.procs.tail(name)}")
             if p.standby and name not in ctx.membership.workers:
                 if ctx.membership.standbys.get(name) not in (C.StandbyState.DEAD, None):
                     ctx.membership.standbys[name] = C.StandbyState.DEAD
@@ -45,6 +50,35 @@ class ProcessWatch:
                 continue
             raise JobFailed(f"worker {name} exited with code {code}; last log lines:\n"
                             f"{ctx.procs.tail(name)}")
+
+    def fence_hung_standbys(self, hung: list[tuple[str, str]]) -> None:
+        """Kill standbys that stopped beating: a free one leaves the pool; a reserved one
+        (a joiner) then exits, which aborts its migration or abandons its recovery plan."""
+        ctx = self.ctx
+        for name, why in hung:
+            ctx.fence(name, f"standby hung: {why}")
+            state = ctx.membership.standbys.get(name)
+            ctx.events.emit("standby_hung", name=name, reason=why,
+                            state=None if state is None else state.value, level="warning")
+            ctx.progress.say(f"standby {name} hung ({why}): fenced")
+            if state is not C.StandbyState.RESERVED:
+                ctx.membership.standbys[name] = C.StandbyState.DEAD
+
+    def replenish(self) -> None:
+        """Start standbys until the pool has ``standby.count`` live ones (see module doc)."""
+        ctx, cfg = self.ctx, self.ctx.cfg.standby
+        if not cfg.replenish:
+            return
+        live = [s for s, st in ctx.membership.standbys.items()
+                if st is not C.StandbyState.DEAD and s not in ctx.membership.workers]
+        while len(live) < cfg.count and self.replenished < cfg.replenish_max:
+            name = ctx.new_standby(C.StandbyState.STARTING)
+            ctx.spawn(name, standby=True)
+            self.replenished += 1
+            live.append(name)
+            ctx.events.emit("standby_replenished", name=name, pool=len(live),
+                            replenished=self.replenished)
+            ctx.progress.say(f"standby pool below {cfg.count}: started {name}")
 
     def update_standbys(self) -> None:
         """Follow each free standby's readiness as it reports it."""

@@ -265,9 +265,15 @@ class StandbyConfig:
     # batch (published by the job's worker of that role when it runs the step) before it
     # skips the check, with an event.
     fingerprint_wait_s: float = 30.0
+    # Keep ``count`` standbys in the pool: start a new standby process whenever one dies, is
+    # fenced as hung, or is consumed by a migration or recovery (on a cluster: the host's
+    # agent starts it in the freed slot), at most ``replenish_max`` over the job (a standby
+    # that dies at every start must not become a crash loop).
+    replenish: bool = False
+    replenish_max: int = 16
 
     def validate(self) -> None:
-        _non_negative("standby", count=self.count)
+        _non_negative("standby", count=self.count, replenish_max=self.replenish_max)
         _positive("standby", warmup_iterations=self.warmup_iterations)
         _seconds("standby", recording_poll_s=self.recording_poll_s,
                  fingerprint_wait_s=self.fingerprint_wait_s)
@@ -297,6 +303,11 @@ class HealthConfig:
     # How often the controller reads heartbeats and failure reports from the store (process
     # exits are seen every supervision round): detection latency against store load.
     check_interval_s: float = 0.05
+    # Every this many steps (0: only at the end) each role posts its state's digest and the
+    # controller compares the data-parallel replicas' (a mismatch is an error event and
+    # ``replicas_agree: false`` in the summary). Hashing the whole state costs a pass over
+    # it: off by default between the ends.
+    verify_every: int = 0
 
     def silence_s(self) -> float:
         """How long a heartbeat may pause before the step watchdog may call it silent: a few
@@ -314,6 +325,7 @@ class HealthConfig:
             raise ValueError(f"health.stall_factor must be >= 1 and stall_floor_s > 0, got "
                              f"{self.stall_factor!r} and {self.stall_floor_s!r}")
         _positive("health", silence_beats=self.silence_beats)
+        _non_negative("health", verify_every=self.verify_every)
         _seconds("health", silence_floor_s=self.silence_floor_s,
                  check_interval_s=self.check_interval_s)
 
@@ -335,10 +347,13 @@ class RecoveryConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Asynchronous per-role checkpoints every ``every`` steps (0: off): a copy to host
-    memory at the step boundary, written in the background. And the final checkpoint."""
+    """Asynchronous per-role checkpoints every ``every`` steps (0: off) and of the initial
+    state: a copy to host memory at the step boundary, written in the background, each file
+    listed with its size and sha256 in the checkpoint's manifest. And the final checkpoint.
+    On by default: a role without a live data-parallel replica is recovered from the newest
+    one (``benchmarks/results/checkpoint_cost.md`` measures the cost of the interval)."""
 
-    every: int = 0
+    every: int = 50
     keep: int = 2      # complete checkpoints kept on disk (older ones are deleted)
     # At the end, the holder of role dp0.pp0.tp0 waits this long for every other
     # data-parallel-rank-0 role's final state before assembling the canonical checkpoint.

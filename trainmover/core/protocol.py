@@ -126,6 +126,13 @@ def checkpoint_key(epoch: int, step: int) -> str:
 
 REQUEST_COUNT_KEY = "req/count"
 MIGRATION_COUNT_KEY = "mig/count"
+STOP_REQUEST_KEY = "stop/request"   # StopAsk from `trainmover stop`
+
+
+def stop_step_key(stop_id: int) -> str:
+    """The step a graceful stop happens at, agreed by the workers (first proposal wins a
+    compare-and-set, as a migration's switch step)."""
+    return f"stop/{stop_id}/at"
 
 
 def encode(obj) -> str:
@@ -189,6 +196,17 @@ starts at step 1, as a joiner starts at some step after 0, and compares its batc
 
 def batch_fingerprint_key(structure: str, step: int) -> str:
     return f"fp/{structure}/{step}"
+
+
+def replica_digest_key(step: int, role: str) -> str:
+    """A role's state digest taken before ``step`` (the job's end: ``train.steps``), which
+    the controller compares across data-parallel replicas."""
+    return f"verify/{step}/{role}"
+
+
+RESUMED_KEY = "job/resumed_from"
+"""Set when the job continues a stopped one (the step): its workers start past the
+fingerprinted steps, so no fingerprint will come to compare a standby's with."""
 
 
 # --- messages -------------------------------------------------------------------------------
@@ -377,9 +395,17 @@ class Recover:
     send_state: SendState | None = None
 
 
+@dataclass(frozen=True)
+class Stop:
+    """To every worker: stop gracefully at the step agreed under ``stop_id`` (a few steps
+    ahead): write the checkpoint taken before it, then exit."""
+
+    stop_id: int
+
+
 COMMANDS = {"prepare": Prepare, "leave": Leave, "assign_migration": AssignMigration,
-            "assign_recovery": AssignRecovery, "recover": Recover}
-Command = Prepare | Leave | AssignMigration | AssignRecovery | Recover
+            "assign_recovery": AssignRecovery, "recover": Recover, "stop": Stop}
+Command = Prepare | Leave | AssignMigration | AssignRecovery | Recover | Stop
 encode_command, decode_command = _tagged(COMMANDS, "command")
 
 
@@ -449,6 +475,14 @@ class MigrationAsk:
 
     workers: list[str]
     to: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class StopAsk:
+    """``stop/request``: a graceful stop asked for from outside the job (``trainmover
+    stop``)."""
+
+    reason: str = "trainmover stop"
 
 
 # --- the agent's requests and records ----------------------------------------------------------

@@ -6,6 +6,9 @@ to one ``torch.save`` file with ``dcp_to_torch_save`` (what ``load_canonical`` d
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
 import shutil
 import tempfile
@@ -13,7 +16,8 @@ import warnings
 
 import torch
 
-from trainmover.core.files import COMPLETE, complete_steps, local_path, step_dir
+from trainmover.core.files import (COMPLETE, CORRUPT, MANIFEST_VERSION, complete_steps,
+                                   entry_path, local_path, read_manifest, step_dir)
 
 
 def save_canonical(state: dict[str, torch.Tensor], path: str) -> None:
@@ -40,26 +44,71 @@ def load_canonical(path: str) -> dict[str, torch.Tensor]:
         return torch.load(out, weights_only=True)
 
 
-# --- per-role local checkpoints (the restart baseline reloads these) -------------------------
+# --- per-role local checkpoints -------------------------------------------------------------
 
+class CheckpointCorrupt(ValueError):
+    """A checkpoint file does not match its manifest (truncated, altered, or missing)."""
 
 
 def load_local(run_dir: str, step: int, role_name: str) -> dict[str, torch.Tensor]:
+    """A role's state from the step's checkpoint, verified against the manifest (size and
+    sha256). A mismatch marks the whole checkpoint ``CORRUPT`` (so no process picks it
+    again: the controller falls back to an older one) and raises ``CheckpointCorrupt``."""
+    manifest = read_manifest(run_dir, step)
+    if manifest is None:
+        raise CheckpointCorrupt(f"the step-{step} checkpoint has no readable manifest "
+                                f"({step_dir(run_dir, step)}/{COMPLETE})")
+    entry = manifest["files"].get(role_name)
     path = local_path(run_dir, step, role_name)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint of role {role_name} before step {step}: {path}")
-    return torch.load(path, weights_only=True)
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        blob, why = None, f"{role_name}.pt cannot be read: {exc}"
+    if entry is None:
+        why = f"the manifest has no file for role {role_name}"
+    elif blob is not None and len(blob) != entry["bytes"]:
+        why = f"{role_name}.pt has {len(blob)} bytes, the manifest says {entry['bytes']}"
+    elif blob is not None and hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+        why = f"{role_name}.pt's sha256 differs from the manifest's"
+    elif blob is not None:
+        return torch.load(io.BytesIO(blob), weights_only=True)
+    mark_corrupt(run_dir, step, why)
+    raise CheckpointCorrupt(f"step-{step} checkpoint is corrupt: {why}")
+
+
+def mark_corrupt(run_dir: str, step: int, reason: str) -> None:
+    marker = os.path.join(step_dir(run_dir, step), CORRUPT)
+    tmp = f"{marker}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(reason + "\n")
+    os.replace(tmp, marker)
+
+
+class _HashingWriter:
+    """A file that hashes what is written to it (torch.save writes sequentially), so the
+    manifest's sha256 costs no second read."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
 
 
 # --- periodic asynchronous checkpoints (the failure fallback) --------------------------------
-
-
-
-
-
-
-
-
 
 class AsyncCheckpointer:
     """Checkpoints one role's local state every few steps without making training wait for
@@ -67,14 +116,17 @@ class AsyncCheckpointer:
     part), a background thread writes it (temporary file, then rename), and the role that
     completes a step's set writes its ``COMPLETE`` marker (atomically, last). A crash at any
     point leaves either a complete checkpoint or one that ``latest_complete`` ignores; the
-    previous complete one is kept until a newer one is complete."""
+    previous complete one is kept until a newer one is complete. Each file's size and
+    sha256 go into the ``COMPLETE`` marker, the checkpoint's manifest, checked on load."""
 
-    def __init__(self, run_dir: str, role_name: str, num_roles: int, store, keep: int):
-        self.run_dir, self.role_name, self.num_roles = run_dir, role_name, num_roles
+    def __init__(self, run_dir: str, role_name: str, role_names: list[str], store, keep: int):
+        self.run_dir, self.role_name = run_dir, role_name
+        self.role_names, self.num_roles = sorted(role_names), len(role_names)
         self.store, self.keep = store, keep
         self._thread = None
         self.on_write = None  # fault-injection hook: called with the path being written
         self.step: int | None = None
+        self.saved_step: int | None = None   # the last checkpoint step taken
         # Completion is counted per epoch: after a rollback the same step is written again,
         # and only a full set written in one epoch may be marked complete.
         self.epoch = 0
@@ -87,6 +139,7 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         self.wait()  # at most one write in flight per role
         snapshot = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        self.saved_step = step
         self._thread = threading.Thread(target=self._write, args=(step, snapshot, self.epoch),
                                         name=f"ckpt-{step}", daemon=True)
         self._thread.start()
@@ -98,15 +151,31 @@ class AsyncCheckpointer:
         path = local_path(self.run_dir, step, self.role_name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp"
-        torch.save(snapshot, tmp)
+        with open(tmp, "wb") as f:
+            out = _HashingWriter(f)
+            torch.save(snapshot, out)
         if self.on_write is not None:
             self.on_write(tmp)  # a crash here: the data is on disk but never committed
         os.replace(tmp, path)
+        _write_json(entry_path(self.run_dir, step, self.role_name),
+                    {"bytes": out.size, "sha256": out.sha.hexdigest(), "epoch": epoch})
         if self.store.add(P.checkpoint_key(epoch, step), 1) == self.num_roles:
-            marker = os.path.join(step_dir(self.run_dir, step), COMPLETE)
-            with open(f"{marker}.tmp", "w") as f:
-                f.write(f"{step}\n")
-            os.replace(f"{marker}.tmp", marker)
+            # every role wrote its file and entry in this epoch: gather the manifest
+            files = {}
+            for role in self.role_names:
+                with open(entry_path(self.run_dir, step, role)) as f:
+                    entry = json.load(f)
+                files[role] = {"bytes": entry["bytes"], "sha256": entry["sha256"]}
+            # a step written again (after a rollback) is new: an old verdict is void
+            try:
+                os.remove(os.path.join(step_dir(self.run_dir, step), CORRUPT))
+            except FileNotFoundError:
+                pass
+            _write_json(os.path.join(step_dir(self.run_dir, step), COMPLETE),
+                        {"version": MANIFEST_VERSION, "step": step, "epoch": epoch,
+                         "files": files})
+            # nobody adds to this count again: every role wrote in this epoch
+            self.store.delete_key(P.checkpoint_key(epoch, step))
             self._prune(step)
 
     def _prune(self, newest: int) -> None:

@@ -28,6 +28,7 @@ from trainmover.comm.groups import StoreAddress  # noqa: E402  (import time is m
 from trainmover.comm.record import (RecordingInvalid, SandboxMismatch,  # noqa: E402
                                     manifest_for, recording_dir, recording_path,
                                     representative_roles, structure_depths)
+from trainmover.core import identity  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.worker import context as context_mod  # noqa: E402
 from trainmover.worker.context import Join, Shadow, Start, WorkerContext  # noqa: E402
@@ -114,7 +115,7 @@ def warm_up(ctx: WorkerContext) -> None:
             print(f"warning: {ctx.name} cannot warm {key} ({exc}); it stays cold for it",
                   file=sys.stderr, flush=True)
             continue
-        except DataNotDeterministic as exc:
+        except (DataNotDeterministic, identity.IdentityMismatch) as exc:
             ctx.events.emit("standby_refused", structure=key, reason=str(exc), level="error")
             ctx.set_standby_state("refused", reason=str(exc)[:2000])
             raise
@@ -142,9 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     ctx = WorkerContext(args.run_dir, args.name, args.store, args.standby, args.epoch, T_START)
     context_mod.install(ctx)
     try:
+        job = identity.read_identity(args.run_dir)
+        if job is not None:
+            identity.compare(job, identity.of_job(ctx.cfg.to_dict(), ctx.cfg.process.command),
+                             ctx.name)
         if args.standby:
             return run_standby(ctx)
         return run_active(ctx, args.resume_step, args.generation)
+    except identity.IdentityMismatch as exc:
+        ctx.events.emit("identity_mismatch", error=str(exc), level="error")
+        if args.standby:
+            ctx.set_standby_state("refused", reason=str(exc)[:2000])
+        print(f"trainmover: {ctx.name}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except UsageError as exc:
         ctx.events.emit("usage_error", error=str(exc), level="error")
         print(f"trainmover: {ctx.name}: {exc}", file=sys.stderr, flush=True)

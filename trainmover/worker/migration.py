@@ -104,6 +104,7 @@ class Participation:
 
 
 LEAVE = "leave"
+STOP = "stop"
 
 
 class Migrations:
@@ -119,6 +120,7 @@ class Migrations:
         self.retired: list[Group] = []
         self.state = None   # the registered TrainState (what a leaver hands over)
         self.on_point = lambda point, step: None   # fault injection (faults.hit)
+        self.stop_at: int | None = None   # a graceful stop's agreed step
 
     # --- the per-step hook ---------------------------------------------------------------
     def at_boundary(self, step: int) -> str | None:
@@ -129,6 +131,11 @@ class Migrations:
                              name="retire-groups").start()
         for cmd in self.commands.poll():
             self._accept(cmd, step)
+        if self.stop_at is not None and step >= self.stop_at:
+            if step > self.stop_at:
+                raise RuntimeError(f"{self.name} is at step {step}, past the agreed stop "
+                                   f"step {self.stop_at}")
+            return STOP
         if not self.active:
             return None  # the common case: one queue look-up, nothing else
         for mid in list(self.active):
@@ -140,6 +147,14 @@ class Migrations:
 
     # --- commands ------------------------------------------------------------------------
     def _accept(self, cmd: P.Command, step: int) -> None:
+        if isinstance(cmd, P.Stop):
+            # the same agreement as a switch step: the first proposal wins, a margin ahead
+            proposal = str(step + P.SWITCH_MARGIN_STEPS)
+            self.stop_at = int(self.store.compare_set(P.stop_step_key(cmd.stop_id), "",
+                                                      proposal))
+            self.events.emit("stop_accepted", stop_id=cmd.stop_id, stop_step=self.stop_at,
+                             step=step)
+            return
         if not isinstance(cmd, (P.Prepare, P.Leave)):
             self.events.emit("command_dropped", command=type(cmd).__name__,
                              reason="not a command for an active worker", level="warning")

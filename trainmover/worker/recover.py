@@ -22,7 +22,7 @@ import time
 from trainmover.comm.groups import AbortSignal, CommGroups, Group, StepAborted
 from trainmover.core import protocol as P
 from trainmover.core.topology import Role
-from trainmover.train.checkpoint import load_local
+from trainmover.train.checkpoint import CheckpointCorrupt, load_local
 from trainmover.worker.liveness import AbortWatcher, is_step_failure
 from trainmover.worker.migration import transfer_spec
 
@@ -101,7 +101,9 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
                 sent = state.send(channel, 1, cmd.resume_step)
                 channel.shutdown()
         except Exception as err:  # noqa: BLE001 - sorted by is_step_failure
-            if not is_step_failure(err, ctx.abort):
+            # a corrupt checkpoint file is marked so; the controller plans again from an
+            # older one
+            if not (is_step_failure(err, ctx.abort) or isinstance(err, CheckpointCorrupt)):
                 raise
             ctx.epoch = cmd.epoch
             report_failure(ctx, cmd.resume_step, f"{type(err).__name__}: {err}", groups)

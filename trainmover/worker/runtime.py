@@ -39,13 +39,14 @@ from trainmover.comm.record import (Recorder, load_into, load_recording, manifes
                                     recording_dir, recording_path, representative_roles,
                                     rewind, sandbox_groups, save_recording, structure_depths)
 from trainmover.core import protocol as P
+from trainmover.core.identity import DATA_KEY, data_mismatch
 from trainmover.core.config import JobConfig
 from trainmover.core.events import JsonlWriter
 from trainmover.core.topology import Layout, Role
 from trainmover.train.checkpoint import AsyncCheckpointer, load_local
 from trainmover.train.ddp import DataParallel
 from trainmover.train.final import write_final_shard
-from trainmover.train.state import TrainState
+from trainmover.train.state import TrainState, state_digest
 from trainmover.worker import context as context_mod
 from trainmover.worker import migration as M
 from trainmover.worker import recover as R
@@ -262,6 +263,17 @@ class Runtime:
         return self.role.pp == self.layout.pp - 1
 
     # --- the model and its state -------------------------------------------------------------
+    def declare_data(self, sha256: str, description: str = "the data") -> None:
+        """The digest of the data this process trains on (e.g. of its token files). The first
+        process of the job to declare sets the job's; any other process (a joiner started
+        later, a resumed job) that declares another is refused with ``IdentityMismatch``,
+        before it trains or warms up on other tokens."""
+        if not isinstance(sha256, str) or not sha256:
+            raise UsageError(f"rt.declare_data(sha256): a non-empty string, got {sha256!r}")
+        job = self.ctx.store.compare_set(DATA_KEY, "", sha256).decode()
+        if job != sha256:
+            raise data_mismatch(self.name, job, sha256, description)
+
     def data_parallel(self, module: torch.nn.Module, bucket_mb: float = 25.0) -> DataParallel:
         """Wrap ``module`` for data-parallel training over this worker's replicas (the
         runtime's ``DistributedDataParallel``; see ``train/ddp.py``)."""
@@ -394,6 +406,10 @@ class Runtime:
         if step not in P.FINGERPRINT_STEPS or cur.batch_digest is None:
             return
         key = P.batch_fingerprint_key(structure, step)
+        if self.ctx.store.check([P.RESUMED_KEY]):
+            self.ctx.events.emit("fingerprint_skipped", step=step, structure=structure,
+                                 reason="resumed job")
+            return
         try:
             self.ctx.store.wait([key], timedelta(seconds=self.config.standby.fingerprint_wait_s))
         except Exception:  # noqa: BLE001 - the job has not run that step yet (or ended)
@@ -435,8 +451,8 @@ class _Loop:
         self.migrations.state = rt.state
         self.migrations.on_point = lambda point, step: rt.fault_point(point, step)
         self.checkpointer = AsyncCheckpointer(
-            rt.run_dir, rt.role.name, rt.layout.num_roles, self.ctx.stores.get(),
-            cfg.checkpoint.keep) if cfg.checkpoint.every else None
+            rt.run_dir, rt.role.name, [r.name for r in rt.layout.roles()],
+            self.ctx.stores.get(), cfg.checkpoint.keep) if cfg.checkpoint.every else None
         if self.checkpointer is not None:
             self.checkpointer.on_write = lambda path: self.ctx.fault(
                 "checkpoint", self.checkpointer.step)
@@ -511,11 +527,19 @@ class _Loop:
         self.structure = self._record_key(step)
         record_key = self.structure
         self._start_epoch()
+        if self.checkpointer is not None and step == 0:
+            # the initial state: the recovery source of last resort for a role without a
+            # replica when no later checkpoint is complete yet (written in the background)
+            self.checkpointer.step, self.checkpointer.epoch = None, ctx.epoch
+            self.checkpointer.save(0, rt.state.local_state()[0])
         tolerant = self.vote is not None
         while step < self.total:
-            if self.migrations.at_boundary(step) == M.LEAVE:
+            outcome = self.migrations.at_boundary(step)
+            if outcome == M.LEAVE:
                 ctx.events.emit("worker_left", step=step)
                 raise Departed()
+            if outcome == M.STOP:
+                self._stop(step)
             if step == cfg.baseline.restart_at_step and step != start_step:
                 if self.checkpointer is not None:
                     self.checkpointer.wait()  # the checkpoint the restart loads
@@ -554,11 +578,23 @@ class _Loop:
                 tensors, _ = rt.state.local_state()
                 self.checkpointer.step = step  # the step just completed (fault points key on it)
                 self.checkpointer.epoch = ctx.epoch
-                self.checkpointer.save(step + 1, tensors)
+                sync_s = self.checkpointer.save(step + 1, tensors)
+                ctx.events.emit("checkpoint_taken", step=step + 1, sync_s=round(sync_s, 6))
             if self.metrics is not None:
                 self._write_metrics(step, step_time, cur.metrics)
+            every = cfg.health.verify_every
+            if every and (step + 1) % every == 0:
+                self._post_digest(step + 1)
             step += 1
         self._finish()
+
+    def _post_digest(self, step: int) -> None:
+        """This role's state digest before ``step``, for the controller to compare across
+        data-parallel replicas (``control/replicas.py``)."""
+        if self.rt.layout.dp < 2:
+            return
+        digest = state_digest(self.rt.state.entries()[0])
+        self.ctx.store.set(P.replica_digest_key(step, self.rt.role.name), digest)
 
     def vote_on(self, cur: StepInFlight) -> bool:
         """The commit point's decision for the step in flight (see ``Runtime.commit``)."""
@@ -596,10 +632,27 @@ class _Loop:
         self._start_epoch(watching=True)
         return resume
 
+    def _stop(self, step: int) -> None:
+        """A graceful stop at ``step``: the checkpoint taken before it (unless the periodic
+        one just was), written before the process exits; ``Departed`` ends the script."""
+        rt, ctx = self.rt, self.ctx
+        ck = self.checkpointer or AsyncCheckpointer(
+            rt.run_dir, rt.role.name, [r.name for r in rt.layout.roles()],
+            ctx.stores.get(), self.cfg.checkpoint.keep)
+        ck.wait()
+        if ck.saved_step != step:
+            ck.step, ck.epoch = None, ctx.epoch
+            ck.save(step, rt.state.local_state()[0])
+            ck.wait()
+        ctx.events.emit("worker_stopped", step=step)
+        rt.comm_groups.shutdown()
+        raise Departed()
+
     def _finish(self) -> None:
         rt, ctx = self.rt, self.ctx
         if self.checkpointer is not None:
             self.checkpointer.wait()
+        self._post_digest(self.total)
         if rt.role.dp == 0:
             write_final_shard(rt.run_dir, rt.role, rt.state, ctx.stores.get(), rt.layout,
                               self.cfg.checkpoint.final_timeout_s)

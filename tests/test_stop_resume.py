@@ -1,0 +1,135 @@
+"""Stop and resume: a graceful stop (``trainmover stop``, SIGTERM of ``trainmover run``)
+checkpoints a few steps ahead and ends every process of the job; ``--resume`` continues from
+that checkpoint and ends bit-identical to a run that never stopped."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from trainmover.api import Job
+from trainmover.cli import build_config, make_parser
+from trainmover.control.client import request_stop
+from trainmover.control.coordinator import run_job
+from trainmover.core.events import read_jsonl
+from trainmover.core.files import check_checkpoint, complete_steps
+from trainmover.core.proc import pid_alive
+
+from mp_harness import wait_for
+from test_failures import job
+
+STEPS = 30
+
+
+def committed(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return max((r["step"] for r in read_jsonl(path)), default=-1) if os.path.exists(path) else -1
+
+
+def agent_pid(run_dir):
+    with open(os.path.join(run_dir, "control.json")) as f:
+        return json.load(f)["agent_pid"]
+
+
+def started_pids(run_dir):
+    return [e["pid"] for e in read_jsonl(os.path.join(run_dir, "events.jsonl"))
+            if e["event"] == "process_started"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("base") / "run")
+    return run_job(job(steps=STEPS, standbys=1), run_dir, quiet=True,
+                   timeout_s=300)["weights_sha256"]
+
+
+@pytest.mark.timeout(400)
+def test_trainmover_stop_then_resume_is_bit_identical(tmp_path, baseline):
+    run_dir = str(tmp_path / "run")
+    running = Job(job(steps=STEPS, standbys=1), run_dir, timeout_s=300).start()
+    wait_for(lambda: committed(run_dir) >= 8, 200, "step 8")
+    answer = {}
+    asker = threading.Thread(target=lambda: answer.update(request_stop(run_dir, "test")))
+    asker.start()
+    stopped = running.wait(200)
+    asker.join(60)
+    assert stopped["stopped"] and stopped["reason"] == "test"
+    step = stopped["resume_step"]
+    # the order takes effect a few steps ahead of the step it was seen at
+    assert 9 < step < STEPS
+    assert complete_steps(run_dir)[-1] == step and check_checkpoint(run_dir, step) is None
+    assert committed(run_dir) == step - 1            # nothing past the stop was committed
+    assert answer["status"] == "stopped" and answer["resume_step"] == step
+    assert not pid_alive(agent_pid(run_dir))
+    assert not [p for p in started_pids(run_dir) if pid_alive(p)]
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    assert sorted(e["worker"] for e in events if e["event"] == "worker_stopped") == \
+        ["w0", "w1", "w2", "w3"]
+
+    resumed = Job.resume(run_dir, timeout_s=300).start().wait(320)
+    assert resumed["steps"] == STEPS and not resumed.get("stopped")
+    assert resumed["weights_sha256"] == baseline
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    (start,) = [e for e in events if e["event"] == "job_started" and e["resumed_from"]]
+    assert start["resumed_from"] == step
+    loaded = [e["step"] for e in events if e["event"] == "checkpoint_loaded"]
+    assert loaded == [step] * 4
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "trainmover", *args], capture_output=True,
+                          text=True, timeout=kw.pop("timeout", 300), **kw)
+
+
+CLI_JOB = ["--recipe", "tiny", "--dp", "1", "--pp", "2", "--tp", "1", "--steps", str(STEPS),
+           "--standbys", "1", "--checkpoint-every", "4", "--quiet"]
+
+
+@pytest.mark.timeout(500)
+def test_sigterm_stops_trainmover_run_gracefully_and_run_resume_continues(tmp_path):
+    """SIGTERM to `trainmover run` (what a scheduler or a closed terminal sends): a graceful
+    stop, exit code 0, nothing left running; `trainmover run --resume` ends with the weights
+    of the same job run without stopping."""
+    base = run_job(build_config(make_parser().parse_args(["run", *CLI_JOB])),
+                   str(tmp_path / "base"), quiet=True, timeout_s=300)
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "trainmover", "run", *CLI_JOB,
+                             "--run-dir", run_dir], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: committed(run_dir) >= 6, 200, "step 6")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "SIGTERM: stopping gracefully" in err
+    summary = json.loads(out)
+    assert summary["stopped"] and summary["reason"] == "SIGTERM"
+    assert not pid_alive(agent_pid(run_dir))
+    assert not [p for p in started_pids(run_dir) if pid_alive(p)]
+
+    bad = cli("run", "--resume", run_dir, "--steps", "40")
+    assert bad.returncode == 2 and "drop --steps" in bad.stderr
+    done = cli("run", "--resume", run_dir, "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["weights_sha256"] == base["weights_sha256"]
+    again = cli("run", "--resume", run_dir)
+    assert again.returncode == 2 and "already finished" in again.stderr
+
+
+def test_resume_refuses_a_run_dir_without_a_job_or_a_checkpoint(tmp_path):
+    empty = cli("run", "--resume", str(tmp_path))
+    assert empty.returncode == 2 and "no job there" in empty.stderr
+    run_dir = tmp_path / "run"
+    (run_dir / "ckpt" / "step4").mkdir(parents=True)
+    cfg = job(steps=STEPS)
+    (run_dir / "job.json").write_text(json.dumps(cfg.to_dict()))
+    (run_dir / "ckpt" / "step4" / "COMPLETE").write_text("4\n")   # no manifest
+    none = cli("run", "--resume", str(run_dir))
+    assert none.returncode == 2 and "no complete checkpoint" in none.stderr
+    assert "step 4: no readable manifest" in none.stderr
