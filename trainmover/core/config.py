@@ -351,7 +351,7 @@ class CheckpointConfig:
     state: a copy to host memory at the step boundary, written in the background, each file
     listed with its size and sha256 in the checkpoint's manifest. And the final checkpoint.
     On by default: a role without a live data-parallel replica is recovered from the newest
-    one (``benchmarks/results/checkpoint_cost.md`` measures the cost of the interval)."""
+    one (``trainmover bench checkpoint`` measures the cost of an interval)."""
 
     every: int = 50
     keep: int = 2      # complete checkpoints kept on disk (older ones are deleted)
