@@ -450,15 +450,18 @@ class _Loop:
                                        self.ctx.events)
         self.migrations.state = rt.state
         self.migrations.on_point = lambda point, step: rt.fault_point(point, step)
-        self.checkpointer = AsyncCheckpointer(
-            rt.run_dir, rt.role.name, [r.name for r in rt.layout.roles()],
-            self.ctx.stores.get(), cfg.checkpoint.keep) if cfg.checkpoint.every else None
+        self.checkpointer = self._new_checkpointer() if cfg.checkpoint.every else None
         if self.checkpointer is not None:
             self.checkpointer.on_write = lambda path: self.ctx.fault(
                 "checkpoint", self.checkpointer.step)
         self.metrics = JsonlWriter(os.path.join(rt.run_dir, "metrics.jsonl")) \
             if rt.is_reporter else None
         self.on_first_step = None
+
+    def _new_checkpointer(self) -> AsyncCheckpointer:
+        rt = self.rt
+        return AsyncCheckpointer(rt.run_dir, rt.role.name, [r.name for r in rt.layout.roles()],
+                                 self.ctx.stores.get(), self.cfg.checkpoint.keep)
 
     # --- where the run starts -----------------------------------------------------------------
     def _start(self) -> int:
@@ -636,9 +639,7 @@ class _Loop:
         """A graceful stop at ``step``: the checkpoint taken before it (unless the periodic
         one just was), written before the process exits; ``Departed`` ends the script."""
         rt, ctx = self.rt, self.ctx
-        ck = self.checkpointer or AsyncCheckpointer(
-            rt.run_dir, rt.role.name, [r.name for r in rt.layout.roles()],
-            ctx.stores.get(), self.cfg.checkpoint.keep)
+        ck = self.checkpointer or self._new_checkpointer()
         ck.wait()
         if ck.saved_step != step:
             ck.step, ck.epoch = None, ctx.epoch
