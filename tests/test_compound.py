@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from trainmover.control.coordinator import run_job
+from trainmover.control.coordinator import JobFailed, run_job
 from trainmover.core.events import read_jsonl
 from trainmover.core.faults import Inject
 
@@ -144,3 +144,27 @@ def test_a_hung_standby_is_fenced_and_the_pool_replenished(tmp_path, baseline):
     (rec,) = summary["recoveries"]
     assert rec["pairs"][0]["joiner"] == "s1" and rec["replacements"] == []
     assert summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", ["w0", "w3"], ids=["assembler", "replica"])
+def test_a_crash_after_the_last_commit_finishes_the_job(tmp_path, baseline, victim):
+    """A worker dies after the job's last step was committed, before applying it: nothing
+    is recovered (every role's state is final). If it held role dp0.pp0.tp0 (it writes its
+    share of the final state and assembles the whole), its replica does that instead."""
+    cfg = with_faults(job(), Inject("crash", 15, victim, "optimizer"))
+    summary, events = run(tmp_path, cfg)
+    assert fired(events) == [(victim, "optimizer")]
+    (after,) = [e for e in events if e["event"] == "failure_after_last_step"]
+    assert after["workers"] == [victim]
+    assert summary["recoveries"] == [] and summary["steps"] == 16
+    stand_ins = [e["worker"] for e in events if e["event"] == "final_shard_instead"]
+    assert stand_ins == (["w2"] if victim == "w0" else [])
+    assert summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
+def test_a_crash_after_the_last_commit_without_a_replica_stops_resumably(tmp_path):
+    cfg = with_faults(job(dp=1, pp=2, standbys=1), Inject("crash", 15, "w0", "optimizer"))
+    with pytest.raises(JobFailed, match="trainmover run --resume"):
+        run(tmp_path, cfg)

@@ -485,7 +485,9 @@ class Coordinator:
         """Every role holder exited cleanly (checked before migrations advance: a joiner
         whose leaver finished the job first loses its channel, which is not a failure)."""
         ctx = self.ctx
-        if not all(ctx.procs.exit_code(w) == 0 for w in ctx.membership.workers):
+        failed = self.recovery.failed_workers   # failed after the last step: stood in for
+        if not all(ctx.procs.exit_code(w) == 0 for w in ctx.membership.workers
+                   if w not in failed):
             return False
         if self.baseline.due():
             self.baseline.restart()

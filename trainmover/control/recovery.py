@@ -74,7 +74,8 @@ class Recovery:
                 ctx.cfg.health.check_interval_s:
             self._committed_read_at = now
             self._advance_committed()
-        new = self.health.detect(set(self.active.failures) if self.active else set())
+        handled = set(self.active.failures) if self.active else set()
+        new = self.health.detect(handled | self.failed_workers)
         if new and self.active is None:
             self._start(new)
         elif new:
@@ -111,6 +112,8 @@ class Recovery:
         ctx.store.set(P.abort_key(ctx.epoch), reason)
         last = decide_abort(ctx.store, ctx.epoch, ctx.committed + 1)
         ctx.committed = last
+        if self._all_committed(set(f.worker for f in failures)):
+            return self._after_the_last_step(failures)
         self.active = ActiveRecovery(self.count, ctx.epoch, {f.worker: f for f in failures},
                                      t, last)
         ctx.events.emit("failure_detected", recovery_id=self.count, epoch=ctx.epoch,
@@ -123,6 +126,10 @@ class Recovery:
         rec = self.active
         ctx = self.ctx
         if rec.state == "collecting":
+            if self._all_committed(set(rec.failures)):
+                # the survivors finished the last step meanwhile: nothing to recover
+                self.active = None
+                return self._after_the_last_step(list(rec.failures.values()))
             survivors = [w for w in ctx.membership.workers if w not in rec.failures]
             missing = []
             for w in survivors:
@@ -160,6 +167,49 @@ class Recovery:
             count = ctx.store.add(P.recovered_count_key(rec.recovery_id), 0)
             if count >= len(participants):
                 self._complete(rec)
+
+    def _all_committed(self, failed: set[str]) -> bool:
+        """The job's last step is committed: known from the step count, or because a
+        survivor finished its steps (a script's count may be unknown to the controller)."""
+        ctx = self.ctx
+        total = ctx.cfg.train.steps
+        if total and ctx.committed >= total - 1:
+            return True
+        return any(ctx.store.check([P.finished_key(w)])
+                   for w in ctx.membership.workers if w not in failed)
+
+    def _after_the_last_step(self, failures: list[Failure]) -> None:
+        """A failure after the job's last step was committed: every role's state is final,
+        so nothing is recovered. A failed holder of a data-parallel-rank-0 role (whose
+        share of the final state may be missing) is stood in for by a live replica, which
+        writes that share (and assembles the whole, for dp0.pp0.tp0); the job then ends
+        as usual. Without a replica the final state cannot be assembled: the job stops,
+        resumable from its checkpoints."""
+        ctx = self.ctx
+        names = sorted(f.worker for f in failures)
+        for f in failures:
+            ctx.fence(f.worker, f"{f.kind} after the last step")
+        ctx.events.emit("failure_after_last_step", workers=names,
+                        failures=[f.__dict__ for f in failures])
+        holders = ctx.membership.workers
+        for w in names:
+            role = holders[w]
+            if role.dp != 0:
+                continue
+            replica = next((x for x, r in sorted(holders.items())
+                            if r.pp == role.pp and r.tp == role.tp and r.dp > 0
+                            and x not in names and ctx.procs.exit_code(x) in (None, 0)), None)
+            if replica is None:
+                raise JobFailed(
+                    f"{w} ({role}) failed after the job's last step was committed, before its "
+                    f"share of the final state was surely written, and its role has no live "
+                    f"replica: continue with `trainmover run --resume {ctx.run_dir}` (the last "
+                    f"steps are replayed from the newest checkpoint)")
+            ctx.put(P.final_need_key(role.name), replica)
+            ctx.progress.say(f"{w} ({role}) {[f.kind for f in failures if f.worker == w][0]} "
+                             f"after the last step: its replica {replica} writes its share of "
+                             f"the final state")
+        self.failed_workers |= set(names)
 
     def _abandon(self, rec: ActiveRecovery, reason: str) -> None:
         """The plan sent for ``rec`` cannot complete (one of its joiners, or a survivor,

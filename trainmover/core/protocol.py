@@ -183,6 +183,13 @@ def final_shards_key() -> str:
     return "final/shards"
 
 
+def final_need_key(role: str) -> str:
+    """Set by the controller when the holder of data-parallel-rank-0 ``role`` died after the
+    job's last step was committed: names the replica that writes that role's final state
+    instead (and assembles the whole, for role dp0.pp0.tp0)."""
+    return f"final/need/{role}"
+
+
 EXIT_USAGE = 3
 """A worker's exit code when the training script misuses the runtime (state not registered,
 commit point skipped, data not a function of the step): a bug to fix, not a failure to

@@ -42,6 +42,7 @@ from trainmover.core import protocol as P
 from trainmover.core.identity import DATA_KEY, data_mismatch
 from trainmover.core.config import JobConfig
 from trainmover.core.events import JsonlWriter
+from trainmover.core.files import DIGEST_FILE, final_dir
 from trainmover.core.topology import Layout, Role
 from trainmover.train.checkpoint import AsyncCheckpointer, load_local
 from trainmover.train.ddp import DataParallel
@@ -81,6 +82,10 @@ def reporter_role(layout: Layout) -> Role:
     """The role that writes metrics.jsonl: it holds the loss (last stage) and is unique."""
     return Role(0, layout.pp - 1, 0)
 
+
+# How often a replica, done with its steps, looks whether the final state is assembled or it
+# must write its share (a wait of about the final assembly, once per job).
+FINAL_WAIT_POLL_S = 0.05
 
 _OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
         "min": torch.distributed.ReduceOp.MIN}
@@ -591,6 +596,23 @@ class _Loop:
             step += 1
         self._finish()
 
+    def _stand_by_for_final(self) -> None:
+        """A replica waits until the job's final state is assembled: if the holder of its
+        data-parallel-rank-0 role died after the last commit, the controller names it to
+        write that role's share instead (the state is the same)."""
+        rt, ctx = self.rt, self.ctx
+        mine = Role(0, rt.role.pp, rt.role.tp)
+        key = P.final_need_key(mine.name)
+        digest = os.path.join(final_dir(rt.run_dir), DIGEST_FILE)
+        deadline = time.monotonic() + self.cfg.checkpoint.final_timeout_s
+        while not os.path.exists(digest) and time.monotonic() < deadline:
+            if ctx.store.check([key]) and ctx.store.get(key).decode() == rt.name:
+                ctx.events.emit("final_shard_instead", role=mine.name)
+                write_final_shard(rt.run_dir, mine, rt.state, ctx.stores.get(), rt.layout,
+                                  self.cfg.checkpoint.final_timeout_s)
+                return
+            time.sleep(FINAL_WAIT_POLL_S)
+
     def _post_digest(self, step: int) -> None:
         """This role's state digest before ``step``, for the controller to compare across
         data-parallel replicas (``control/replicas.py``)."""
@@ -653,11 +675,15 @@ class _Loop:
         rt, ctx = self.rt, self.ctx
         if self.checkpointer is not None:
             self.checkpointer.wait()
+        # every step is committed: a failure from here on needs no recovery (the
+        # controller sees this key), only someone to write the final state
+        ctx.store.set(P.finished_key(rt.name), "1")
         self._post_digest(self.total)
         if rt.role.dp == 0:
             write_final_shard(rt.run_dir, rt.role, rt.state, ctx.stores.get(), rt.layout,
                               self.cfg.checkpoint.final_timeout_s)
+        else:
+            self._stand_by_for_final()
         ctx.events.emit("worker_done", steps=self.total)
-        ctx.store.set(P.finished_key(rt.name), "1")  # not a hang from here on
         rt.comm_groups.shutdown()
         rt.finished = True
