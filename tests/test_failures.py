@@ -133,7 +133,7 @@ def test_checkpoint_fallback_rolls_everyone_back_bit_identical(tmp_path):
     """No data-parallel replica (DP1): the failed role's state comes from the checkpoint and
     every rank rolls back to it; a crash while writing a later checkpoint leaves the earlier
     one the newest that loads."""
-    base_cfg = job(dp=1, pp=2, tp=2, standbys=1, checkpoint_every=2)
+    base_cfg = job(dp=1, pp=2, tp=2, standbys=1, checkpoint_every=2, snapshot_every=0)
     base = run_job(base_cfg, str(tmp_path / "base"), quiet=True, timeout_s=300)
     cfg = with_faults(base_cfg, Inject("crash", 7, "w1", "checkpoint"))
     run_dir = tmp_path / "run"

@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
@@ -116,6 +117,7 @@ class Agent:
         self._controller_lost_at: float | None = None
         self._controller_read_at = 0.0
         self._beat_at = 0.0
+        self.snapshots: SnapshotServer | None = None   # the peer-snapshot holder, if used
 
     # --- processes ---------------------------------------------------------------------------
     def spawn(self, req: P.AgentSpawn) -> None:
@@ -149,6 +151,7 @@ class Agent:
     def _env(self, req: P.AgentSpawn) -> dict:
         cfg = self.cfg
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINMOVER_GLOO_HOST=self.address,
+                   TRAINMOVER_NODE=str(self.node),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
                                                   str(cfg.threads_per_worker())))
         if req.gpu is not None:
@@ -293,9 +296,17 @@ class Agent:
                 continue
             self.store.set(P.agent_proc_key(c.name),
                            P.write_message(P.ProcRecord(c.proc.pid, c.incarnation)))
+        if self.cfg.takes_snapshots():
+            self.snapshots = SnapshotServer(
+                self.address, load_secret(self.run_dir), self.cfg.snapshot.keep,
+                self.cfg.snapshot.io_timeout_s,
+                on_error=lambda why: self.events.emit("snapshot_request_refused", error=why,
+                                                      level="warning")).start()
+            self.store.set(P.agent_key(self.node, "snapshots"), self.snapshots.address)
         self.store.set(P.agent_key(self.node, "info"),
                        P.write_message(P.AgentInfo(os.getpid(), self.node, self.address)))
-        self.events.emit("agent_started", node=self.node, address=self.address, pid=os.getpid())
+        self.events.emit("agent_started", node=self.node, address=self.address, pid=os.getpid(),
+                         snapshots=self.snapshots.address if self.snapshots else None)
         try:
             return self._loop()
         except Exception as exc:  # noqa: BLE001 - a lost store ends every host but host 0

@@ -96,6 +96,7 @@ class JobContext:
         self.events = events
         self.progress = progress
         self.store = None                    # set once connected
+        self.secret: bytes | None = None     # the job's secret (snapshot holders), with it
         self.store_addr = ""
         self.procs = AgentClient(None, os.path.join(run_dir, "logs"))
         self.membership: C.Membership | None = None

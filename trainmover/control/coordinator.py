@@ -237,6 +237,7 @@ class Coordinator:
             host, int(port), is_master=False,
             timeout=timedelta(seconds=self.cfg.comm.store_timeout_s)), self._secret)
         ctx.procs.store, ctx.procs.events = ctx.store, ctx.events
+        ctx.secret = self._secret
         self.incarnation = ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
         ctx.store.set(P.CONTROLLER_KEY,
                       P.write_message(P.ControllerInfo(os.getpid(), self.incarnation)))
@@ -353,8 +354,12 @@ class Coordinator:
                                                   f", resumed at step {self.resume_from}"))
             if not cfg.checkpoint.every and cfg.layout.dp == 1:
                 why = ("checkpoints are off (checkpoint.every=0) and no role has a "
-                       "data-parallel replica: a failed worker cannot be recovered and the job "
-                       "cannot be resumed")
+                       "data-parallel replica: " + (
+                           "a failed worker is recovered only from the in-memory snapshots "
+                           "(lost with their host) and the job cannot be resumed"
+                           if cfg.takes_snapshots() else
+                           "a failed worker cannot be recovered and the job cannot be "
+                           "resumed"))
                 ctx.events.emit("no_recovery_source", reason=why, level="warning")
                 ctx.progress.say(f"warning: {why}")
         else:

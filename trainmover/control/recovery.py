@@ -27,6 +27,7 @@ from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.events import JsonlWriter
 from trainmover.core.files import usable_checkpoints
+from trainmover.core.snapshots import SnapshotClient, SnapshotUnavailable, usable_snapshot
 
 
 @dataclass
@@ -49,7 +50,8 @@ class ActiveRecovery:
 class Recovery:
     """Polled on every supervision round."""
 
-    STATE = ("active", "done", "count", "failed_workers", "awaiting", "skipped_checkpoints")
+    STATE = ("active", "done", "count", "failed_workers", "awaiting", "skipped_checkpoints",
+             "skipped_snapshots")
 
     def __init__(self, ctx: JobContext, health: Health, migrations: Migrations,
                  restarts: Restarts, retention: Retention):
@@ -65,6 +67,9 @@ class Recovery:
         self.awaiting: list[ActiveRecovery] = []   # done, downtime not yet known
         self._committed_read_at = float("-inf")
         self.skipped_checkpoints: list[int] = []   # reported once each
+        # snapshot steps a plan failed with (an unreachable or broken copy): not used again,
+        # the next plan takes an older snapshot or a checkpoint
+        self.skipped_snapshots: list[int] = []
 
     # --- the state machine ------------------------------------------------------------------
     def poll(self) -> None:
@@ -217,6 +222,8 @@ class Recovery:
         survivor out of the group builds, transfers or step it is in, and a new recovery
         for the same failed roles starts collecting their reports in that epoch."""
         ctx = self.ctx
+        if rec.plan.rollback_source == "snapshot":
+            self.skipped_snapshots.append(rec.plan.rollback_step)
         for j in rec.plan.joiners:
             if ctx.procs.running(j):
                 ctx.procs.kill(j)
@@ -240,12 +247,19 @@ class Recovery:
         holders = {w: r for w, r in m.workers.items() if w not in rec.failures}
         dirty = C.dirty_groups(m.layout, {w: r.accounting for w, r in rec.reports.items()},
                                holders)
-        ckpt = self.newest_checkpoint()
+        # a rollback goes no further than the step after the last committed one (a copy of a
+        # later step is left from a trajectory an earlier rollback undid)
+        newest = rec.last_committed + 1
+        ckpt = self.newest_checkpoint(newest)
+        snap, holders = self.newest_snapshot(newest) if any(
+            C.replica_of(m, m.workers[w], set(rec.failures)) is None for w in rec.failures) \
+            else (None, {})
         short = len(rec.failures) - len(m.free_standbys())
         if short > 0 and ctx.cfg.recovery.replace_without_standby:
             self._start_replacements(rec, short)
         try:
-            plan = C.plan_recovery(m, rec.recovery_id, sorted(rec.failures), dirty, ckpt)
+            plan = C.plan_recovery(m, rec.recovery_id, sorted(rec.failures), dirty, ckpt,
+                                   snapshot_step=snap)
         except C.RecoveryImpossible as exc:
             raise JobFailed(f"cannot recover from {sorted(rec.failures)}: {exc}. Committed "
                             f"progress (step {rec.last_committed}) and checkpoints are intact.")
@@ -275,20 +289,23 @@ class Recovery:
                 {s.name: plan.generations[s.name] for s in m.layout.groups_of(p.role).values()
                  if s.name in plan.generations},
                 P.StateSource("replica", channel, rec.recovery_id) if channel
-                else P.StateSource("checkpoint", step=plan.rollback_step)))
-        for w in ctx.membership.workers:
+                else P.StateSource(plan.rollback_source, step=plan.rollback_step,
+                                   address=holders.get(p.role.name))))
+        from_snapshot = plan.rollback_source == "snapshot"
+        for w, role in ctx.membership.workers.items():
             if w in rec.failures:
                 continue
             ctx.send(w, P.Recover(
                 rec.recovery_id, new_epoch, resume, plan.rollback_step,
-                {g: plan.generations[g] for g in plan.stayers.get(w, [])}, senders.get(w)))
+                {g: plan.generations[g] for g in plan.stayers.get(w, [])}, senders.get(w),
+                rollback_from=holders[role.name] if from_snapshot else None))
         ctx.epoch = new_epoch
         ctx.committed = resume - 1
         ctx.reached("recovery")
 
-    def newest_checkpoint(self) -> int | None:
-        """The newest complete checkpoint that looks intact; each one skipped is reported
-        once (an event and a line), with why."""
+    def newest_checkpoint(self, at_most: int | None = None) -> int | None:
+        """The newest complete checkpoint (of a step up to ``at_most``) that looks intact;
+        each one skipped is reported once (an event and a line), with why."""
         ctx = self.ctx
         usable, skipped = usable_checkpoints(
             ctx.run_dir, [r.name for r in ctx.membership.layout.roles()])
@@ -297,7 +314,34 @@ class Recovery:
                 self.skipped_checkpoints.append(step)
                 ctx.events.emit("checkpoint_skipped", step=step, reason=why, level="warning")
                 ctx.progress.say(f"warning: the step-{step} checkpoint is skipped: {why}")
+        usable = [s for s in usable if at_most is None or s <= at_most]
         return usable[-1] if usable else None
+
+    def newest_snapshot(self, at_most: int) -> tuple[int | None, dict[str, str]]:
+        """The newest step up to ``at_most`` of which every role's peer snapshot is held by
+        a live holder, and each role's holder (``host:port``). Asks every live host's holder
+        what it holds (a round trip each; one that does not answer is passed over)."""
+        ctx = self.ctx
+        if not ctx.cfg.takes_snapshots() or ctx.secret is None:
+            return None, {}
+        cfg = ctx.cfg.snapshot
+        held = {}
+        for node in range(ctx.procs.nnodes):
+            key = P.agent_key(node, "snapshots")
+            if node in ctx.procs.lost or not ctx.store.check([key]):
+                continue
+            address = ctx.store.get(key).decode()
+            try:
+                held[address] = SnapshotClient(address, ctx.secret, cfg.connect_timeout_s,
+                                               cfg.connect_timeout_s).list()
+            except SnapshotUnavailable as exc:
+                ctx.events.emit("snapshot_holder_unavailable", node=node, error=str(exc),
+                                level="warning")
+        for entries in held.values():
+            entries[:] = [e for e in entries if e.step not in self.skipped_snapshots]
+        found = usable_snapshot(held, [r.name for r in ctx.membership.layout.roles()],
+                                at_most)
+        return (None, {}) if found is None else found
 
     def _start_replacements(self, rec: ActiveRecovery, count: int) -> None:
         """No free standby for every failed role: start new standby processes (on a cluster,

@@ -366,6 +366,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class SnapshotConfig:
+    """In-memory peer snapshots of a job whose roles have no data-parallel replica (``dp``
+    of 1): every ``every`` steps (0: off) each worker copies its state to host memory at the
+    step boundary and sends it, in the background, to the snapshot holder of the next host
+    (the agent there; with one host, this host's agent). A failure then rolls the job back
+    at most ``every`` steps, from memory; disk checkpoints are the fallback when the holder
+    is gone. A job with replicas recovers from them and takes none."""
+
+    every: int = 10
+    keep: int = 2      # snapshot steps each holder keeps per role (older ones are dropped)
+    # Reaching a holder, and one transfer to or from it; the controller lists the holders
+    # when it plans a recovery (a holder that does not answer in time is passed over).
+    connect_timeout_s: float = 2.0
+    io_timeout_s: float = 60.0
+
+    def validate(self) -> None:
+        _non_negative("snapshot", every=self.every)
+        _positive("snapshot", keep=self.keep)
+        _seconds("snapshot", connect_timeout_s=self.connect_timeout_s,
+                 io_timeout_s=self.io_timeout_s)
+
+
+@dataclass
 class ControllerConfig:
     """The controller process: its supervision rounds, how it stops processes, and what
     happens when it dies. It may die without stopping training (the agent hosts the store and
@@ -471,14 +494,20 @@ class JobConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
     faults: list = field(default_factory=list)  # faults.WorkerFault as dicts (tests, chaos)
 
+    def takes_snapshots(self) -> bool:
+        """Whether workers send peer snapshots (``SnapshotConfig``): only roles without a
+        data-parallel replica need them."""
+        return self.snapshot.every > 0 and self.layout.dp == 1
+
     def validate(self) -> "JobConfig":
         for section in (self.process, self.comm, self.standby, self.health, self.recovery,
-                        self.checkpoint, self.controller, self.agent):
+                        self.checkpoint, self.snapshot, self.controller, self.agent):
             section.validate()
         self.baseline.validate(self.checkpoint)
         self.hosts.validate(self.layout.num_roles, self.layout.tp)

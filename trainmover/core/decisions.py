@@ -261,16 +261,19 @@ class RecoveryPlan:
 
     ``sources`` maps each failed role to where its state comes from: ``replica:<worker>``
     (a live data-parallel replica, which holds exactly the same state after a committed
-    step) or ``checkpoint``. If any role has no replica, every role rolls back to the
-    checkpoint (``rollback_step``), since the survivors are ahead of it."""
+    step), ``snapshot`` (the in-memory peer snapshot) or ``checkpoint`` (on disk). If any
+    role has no replica, every role rolls back to the newer of the newest complete snapshot
+    and checkpoint (``rollback_step``; a snapshot on a tie: no disk is read), since the
+    survivors are ahead of it."""
 
     recovery_id: int
     pairs: list[Pair]                       # failed worker -> joiner (a standby)
-    sources: dict[str, str]                 # role name -> "replica:<worker>" | "checkpoint"
-    rollback_step: int | None               # resume step of a checkpoint rollback, or None
+    sources: dict[str, str]                 # role -> "replica:<worker>"|"snapshot"|"checkpoint"
+    rollback_step: int | None               # resume step of a rollback, or None
     generations: dict[str, int]             # groups rebuilt -> their new generation
     stayers: dict[str, list[str]]           # live worker -> its groups being rebuilt
     groups_total: int
+    rollback_source: str | None = None      # "snapshot" | "checkpoint", with rollback_step
 
     @property
     def failed(self) -> list[str]:
@@ -285,6 +288,7 @@ class RecoveryPlan:
                 "pairs": [{"failed": p.leaver, "joiner": p.joiner, "role": p.role.name}
                           for p in self.pairs],
                 "sources": self.sources, "rollback_step": self.rollback_step,
+                "rollback_source": self.rollback_source,
                 "groups_rebuilt": len(self.generations), "groups_total": self.groups_total,
                 "rebuilt_groups": sorted(self.generations)}
 
@@ -298,8 +302,11 @@ def replica_of(m: Membership, role: Role, exclude: set[str]) -> str | None:
 
 
 def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set[str],
-                  checkpoint_step: int | None, busy: set[str] = frozenset()) -> RecoveryPlan:
+                  checkpoint_step: int | None, busy: set[str] = frozenset(),
+                  snapshot_step: int | None = None) -> RecoveryPlan:
     """Decide joiners, state sources and the groups to rebuild after ``failed`` workers died.
+    ``snapshot_step`` and ``checkpoint_step``: the newest complete peer snapshot and disk
+    checkpoint, if any.
 
     Rebuilt: every group of a failed role, plus every *dirty* group (one on which some
     survivor had an operation in flight when the step was aborted: its sequence of
@@ -318,14 +325,18 @@ def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set
     for p in pairs:
         replica = replica_of(m, p.role, dead)
         sources[p.role.name] = f"replica:{replica}" if replica else "checkpoint"
-    rollback = None
+    rollback = rollback_source = None
     if any(src == "checkpoint" for src in sources.values()):
-        if checkpoint_step is None:
+        if checkpoint_step is None and snapshot_step is None:
             raise RecoveryImpossible(
                 f"role(s) {[r for r, s in sources.items() if s == 'checkpoint']} have no live "
-                f"data-parallel replica and there is no complete checkpoint")
-        rollback = checkpoint_step
-        sources = {r: "checkpoint" for r in sources}  # everyone goes back together
+                f"data-parallel replica and there is no complete snapshot or checkpoint")
+        if snapshot_step is not None and (checkpoint_step is None or
+                                          snapshot_step >= checkpoint_step):
+            rollback, rollback_source = snapshot_step, "snapshot"
+        else:
+            rollback, rollback_source = checkpoint_step, "checkpoint"
+        sources = {r: rollback_source for r in sources}  # everyone goes back together
     layout = m.layout
     rebuild = dict(layout.affected_groups(*[p.role for p in pairs]))
     comm = layout.communicator_groups()
@@ -334,7 +345,7 @@ def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set
             rebuild[name] = comm[name]
     generations = {name: m.next_generation[name] for name in rebuild}
     return RecoveryPlan(recovery_id, pairs, sources, rollback, generations,
-                        _members(m, rebuild, dead), len(comm))
+                        _members(m, rebuild, dead), len(comm), rollback_source)
 
 
 

@@ -153,6 +153,7 @@ AGENT_KEYS = {
     "req/count": "requests queued for the host's agent",
     "info": "AgentInfo: the host's agent is serving",
     "hb": "the agent's heartbeat counter (hosts other than 0)",
+    "snapshots": "host:port of the host's peer-snapshot holder (core/snapshots.py)",
     "fenced": "the host was declared lost: its agent stops its processes and exits",
     "done": "the agent stopped every process at the job's end",
     "done_ack": "the controller read 'done' (host 0's agent may now take the store down)",
@@ -356,15 +357,16 @@ class AssignMigration:
 @dataclass(frozen=True)
 class StateSource:
     """Where a recovery joiner's state comes from: a live replica over a channel, or the
-    checkpoint taken before ``step``."""
+    peer snapshot (held at ``address``) or the checkpoint taken before ``step``."""
 
-    kind: str                           # "replica" | "checkpoint"
+    kind: str                           # "replica" | "snapshot" | "checkpoint"
     transfer_group: str | None = None
     transfer_generation: int | None = None
     step: int | None = None
+    address: str | None = None          # "snapshot": the holder, host:port
 
     def __post_init__(self) -> None:
-        if self.kind not in ("replica", "checkpoint"):
+        if self.kind not in ("replica", "snapshot", "checkpoint"):
             raise MessageError(f"state source kind {self.kind!r}")
 
 
@@ -391,8 +393,9 @@ class SendState:
 
 @dataclass(frozen=True)
 class Recover:
-    """To a survivor: rebuild ``groups``, roll back to ``rollback_step`` if given, send state
-    if asked, and resume at ``resume_step`` in ``epoch``."""
+    """To a survivor: rebuild ``groups``, roll back to ``rollback_step`` if given (from the
+    peer snapshot held at ``rollback_from``, else from the checkpoint), send state if asked,
+    and resume at ``resume_step`` in ``epoch``."""
 
     recovery_id: int
     epoch: int
@@ -400,6 +403,7 @@ class Recover:
     rollback_step: int | None
     groups: dict[str, int]
     send_state: SendState | None = None
+    rollback_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ A survivor's step was doomed (a peer died or hung, or the job aborted the step):
 optimizer did not run, so it still holds the state after the last committed step. It reports
 what it saw (the error, whether its own communicator failed, each group's operation
 accounting, from which the controller tells clean groups from dirty ones), waits for the
-plan, rebuilds the groups the plan names, rolls back to a checkpoint if told to, sends its
+plan, rebuilds the groups the plan names, rolls back to a snapshot or checkpoint if told to, sends its
 state to a joiner if it is the replica of a failed role, and resumes at the plan's step.
 
 A joiner (a standby the plan promotes) builds the failed role's groups, then takes the
-role's state from a live data-parallel replica or from the checkpoint.
+role's state from a live data-parallel replica, the peer snapshot or the checkpoint.
 
 Every wait here is abortable: if the controller abandons the plan (a joiner or another
 survivor failed meanwhile), it aborts the plan's epoch and every wait raises ``StepAborted``;
@@ -21,8 +21,10 @@ import time
 
 from trainmover.comm.groups import AbortSignal, CommGroups, Group, StepAborted
 from trainmover.core import protocol as P
+from trainmover.core.snapshots import SnapshotUnavailable
 from trainmover.core.topology import Role
 from trainmover.train.checkpoint import CheckpointCorrupt, load_local
+from trainmover.train.snapshot import fetch_snapshot
 from trainmover.worker.liveness import AbortWatcher, is_step_failure
 from trainmover.worker.migration import transfer_spec
 
@@ -92,7 +94,8 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
                 for name, gen in sorted(cmd.groups.items())})
             migrations.retired.extend(groups.install(built))
             if cmd.rollback_step is not None:
-                state.load(load_local(ctx.run_dir, cmd.rollback_step, role.name))
+                state.load(rollback_state(ctx, role.name, cmd.rollback_step,
+                                          cmd.rollback_from))
             sent = None
             if cmd.send_state:
                 s = cmd.send_state
@@ -101,9 +104,10 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
                 sent = state.send(channel, 1, cmd.resume_step)
                 channel.shutdown()
         except Exception as err:  # noqa: BLE001 - sorted by is_step_failure
-            # a corrupt checkpoint file is marked so; the controller plans again from an
-            # older one
-            if not (is_step_failure(err, ctx.abort) or isinstance(err, CheckpointCorrupt)):
+            # a corrupt checkpoint file is marked so, a snapshot that cannot be had is
+            # reported: the controller plans again from an older source
+            if not (is_step_failure(err, ctx.abort) or
+                    isinstance(err, (CheckpointCorrupt, SnapshotUnavailable))):
                 raise
             ctx.epoch = cmd.epoch
             report_failure(ctx, cmd.resume_step, f"{type(err).__name__}: {err}", groups)
@@ -117,6 +121,20 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
                     sent_bytes=None if sent is None else sent["bytes"],
                     duration_s=round(time.perf_counter() - t0, 4))
     return cmd.resume_step, cmd
+
+
+def rollback_state(ctx, role_name: str, step: int, holder: str | None) -> dict:
+    """A role's state before ``step``: from the peer snapshot at ``holder`` (memory, no
+    disk), else from the disk checkpoint (verified against its manifest)."""
+    if holder is None:
+        return load_local(ctx.run_dir, step, role_name)
+    cfg = ctx.cfg.snapshot
+    t0 = time.perf_counter()
+    state = fetch_snapshot(holder, ctx.stores.secret, role_name, step, cfg.connect_timeout_s,
+                           cfg.io_timeout_s)
+    ctx.events.emit("snapshot_fetched", step=step, holder=holder,
+                    duration_s=round(time.perf_counter() - t0, 4))
+    return state
 
 
 # --- the joiner ----------------------------------------------------------------------------------
@@ -147,7 +165,8 @@ def joiner_restore(ctx, role: Role, command: P.AssignRecovery, state, channel: G
         channel.shutdown()
     else:
         start_step = source.step
-        state.load(load_local(ctx.run_dir, start_step, role.name))
+        state.load(rollback_state(ctx, role.name, start_step,
+                                  source.address if source.kind == "snapshot" else None))
     if start_step != command.resume_step:
         raise RuntimeError(f"{ctx.name}: state for step {start_step}, expected "
                            f"{command.resume_step}")

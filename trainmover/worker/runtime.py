@@ -45,6 +45,7 @@ from trainmover.core.events import JsonlWriter
 from trainmover.core.files import DIGEST_FILE, final_dir
 from trainmover.core.topology import Layout, Role
 from trainmover.train.checkpoint import AsyncCheckpointer, load_local
+from trainmover.train.snapshot import PeerSnapshotter
 from trainmover.train.ddp import DataParallel
 from trainmover.train.final import write_final_shard
 from trainmover.train.state import TrainState, state_digest
@@ -456,6 +457,11 @@ class _Loop:
         self.migrations.state = rt.state
         self.migrations.on_point = lambda point, step: rt.fault_point(point, step)
         self.checkpointer = self._new_checkpointer() if cfg.checkpoint.every else None
+        self.snapshotter = PeerSnapshotter(
+            rt.role.name, self.ctx.stores.get(), self.ctx.stores.secret,
+            int(os.environ.get("TRAINMOVER_NODE", "0")), cfg.hosts.nnodes,
+            cfg.snapshot.connect_timeout_s, cfg.snapshot.io_timeout_s,
+            self.ctx.events.emit) if cfg.takes_snapshots() else None
         if self.checkpointer is not None:
             self.checkpointer.on_write = lambda path: self.ctx.fault(
                 "checkpoint", self.checkpointer.step)
@@ -540,6 +546,8 @@ class _Loop:
             # replica when no later checkpoint is complete yet (written in the background)
             self.checkpointer.step, self.checkpointer.epoch = None, ctx.epoch
             self.checkpointer.save(0, rt.state.local_state()[0])
+        if self.snapshotter is not None and step == 0:
+            self.snapshotter.send(0, ctx.epoch, rt.state.local_state()[0])
         tolerant = self.vote is not None
         while step < self.total:
             outcome = self.migrations.at_boundary(step)
@@ -588,6 +596,8 @@ class _Loop:
                 self.checkpointer.epoch = ctx.epoch
                 sync_s = self.checkpointer.save(step + 1, tensors)
                 ctx.events.emit("checkpoint_taken", step=step + 1, sync_s=round(sync_s, 6))
+            if self.snapshotter is not None and (step + 1) % cfg.snapshot.every == 0:
+                self.snapshotter.send(step + 1, ctx.epoch, rt.state.local_state()[0])
             if self.metrics is not None:
                 self._write_metrics(step, step_time, cur.metrics)
             every = cfg.health.verify_every
