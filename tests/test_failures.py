@@ -87,6 +87,27 @@ def test_hang_is_detected_within_the_bound_and_fenced(tmp_path, baseline, watchd
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("point", ["forward", "optimizer"])
+def test_a_wedged_main_thread_is_fenced_though_its_heartbeat_thread_runs(tmp_path, baseline,
+                                                                         point):
+    """w1's main thread blocks forever (its other threads run on, so a plain heartbeat
+    would go on beating): in ``forward`` its peers wait for it in a collective, at
+    ``optimizer`` (after the commit) in the next step's. After ``health.main_stall_s`` it
+    stops beating, says where it is stuck, and is fenced and replaced like a hung process;
+    the peers that waited on it all that time are not taken for wedged."""
+    cfg = with_faults(job(health_main_stall_s=3.0), Inject("wedge", 6, "w1", point))
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    rec = check_recovered(summary, "hang", "replica:")
+    assert list(rec["failures"]) == ["w1"]
+    stalled = [e for e in read_jsonl(str(tmp_path / "run" / "events.jsonl"))
+               if e["event"] == "main_thread_stalled"]
+    assert [e["worker"] for e in stalled] == ["w1"]
+    assert stalled[0]["stalled_s"] > 3.0 and any("faults.py" in line
+                                                 for line in stalled[0]["stack"])
+    assert summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
 def test_communicator_error_is_localized_and_replaced(tmp_path, baseline):
     cfg = with_faults(job(), Inject("commerr", 7, "w3", "backward"))
     summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)

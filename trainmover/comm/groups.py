@@ -71,6 +71,10 @@ class AbortSignal:
         self._event = threading.Event()
         self.reason = ""
         self.in_step = False
+        # Every wait of the thread that owns the signal (the worker's main thread) polls it:
+        # when it last did is a sign that thread is alive though blocked (``MainProgress``).
+        self._owner = threading.get_ident()
+        self.polled_at = time.monotonic()
 
     def set(self, reason: str) -> None:
         if not self._event.is_set():
@@ -82,6 +86,8 @@ class AbortSignal:
         self._event.clear()
 
     def is_set(self) -> bool:
+        if threading.get_ident() == self._owner:
+            self.polled_at = time.monotonic()
         return self._event.is_set()
 
     def doom(self, error: BaseException) -> bool:

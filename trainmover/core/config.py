@@ -308,6 +308,12 @@ class HealthConfig:
     # ``replicas_agree: false`` in the summary). Hashing the whole state costs a pass over
     # it: off by default between the ends.
     verify_every: int = 0
+    # A worker whose main thread shows no progress for this long while it trains (no step
+    # started, no wait polled: wedged in a deadlock or a stuck data loader) stops beating,
+    # so it is fenced as hung, and reports where that thread is stuck. Must exceed the
+    # longest stretch between steps without a runtime wait (a first step's compilation, an
+    # evaluation). 0: not judged.
+    main_stall_s: float = 600.0
 
     def silence_s(self) -> float:
         """How long a heartbeat may pause before the step watchdog may call it silent: a few
@@ -326,6 +332,10 @@ class HealthConfig:
                              f"{self.stall_factor!r} and {self.stall_floor_s!r}")
         _positive("health", silence_beats=self.silence_beats)
         _non_negative("health", verify_every=self.verify_every)
+        if self.main_stall_s and self.main_stall_s < 2.0:
+            # a survivor waiting for its recovery plan shows progress once a second
+            raise ValueError(f"health.main_stall_s={self.main_stall_s!r} must be 0 (off) or "
+                             f">= 2 s")
         _seconds("health", silence_floor_s=self.silence_floor_s,
                  check_interval_s=self.check_interval_s)
 

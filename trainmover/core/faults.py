@@ -14,6 +14,8 @@
   phase 1, for a migration or a recovery), ``standby`` (a standby registered and waits; the
   step is not checked), ``recover`` (a survivor received its part of a recovery plan);
 - ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12;
+- ``wedge@12:w3`` w3's main thread blocks forever inside step 12 (same points) while its
+  other threads, the heartbeat's included, run on: a deadlock, a stuck data loader;
 - ``crash@12:controller[:POINT]`` the controller process SIGKILLs itself (training goes on;
   the agent restarts it, or an operator resumes it): at the first supervision round at or
   after step 12 (``boundary``, default), or once it reached a point of a migration or
@@ -27,8 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("migrate", "crash", "hang", "commerr")
-WORKER_KINDS = ("crash", "hang", "commerr")
+KINDS = ("migrate", "crash", "hang", "commerr", "wedge")
+WORKER_KINDS = ("crash", "hang", "commerr", "wedge")
 CONTROLLER = "controller"
 JOINER = "joiner"   # whichever standby is promoted first (warm-up order decides which)
 CONTROLLER_POINTS = ("boundary", "migration_prepare", "migration_switch", "recovery")
@@ -178,3 +180,7 @@ def hit(faults: list[dict], worker: str, point: str, step: int | None = None,
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "commerr" and on_commerr is not None:
             on_commerr()
+        elif kind == "wedge":
+            import time
+            while True:        # releases the GIL: every other thread runs on
+                time.sleep(3600)

@@ -22,7 +22,7 @@ from trainmover.core import protocol as P
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
 from trainmover.core.topology import Role
-from trainmover.worker.liveness import Heartbeat
+from trainmover.worker.liveness import Heartbeat, MainProgress
 from trainmover.worker.migration import CommandChannel
 
 
@@ -79,9 +79,11 @@ class WorkerContext:
         self.builder = GroupBuilder(self.stores, self.device, cfg.comm.group_timeout_s,
                                     abort_signal=self.abort if cfg.health.recover else None,
                                     backend=cfg.comm.backend)
-        self.heartbeat = Heartbeat(self.stores, name, cfg.health.heartbeat_interval_s) \
+        self.progress = MainProgress(self.abort)
+        self.heartbeat = Heartbeat(self.stores, name, cfg.health.heartbeat_interval_s,
+                                   self.progress, cfg.health.main_stall_s, self.events) \
             if cfg.health.recover else None
-        self.commands = CommandChannel(self.stores, name)
+        self.commands = CommandChannel(self.stores, name, on_wait=self.progress.tick)
         self.launch: Launch | None = None
         self.runtime = None          # the Runtime of the script run in progress
         self.shadow_times: list[float] = []   # the current shadow run's step times

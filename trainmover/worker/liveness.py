@@ -13,28 +13,93 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 
 from trainmover.core import protocol as P
 from trainmover.comm.groups import AbortSignal, CommError, StepAborted, StoreClients
 
 
+class MainProgress:
+    """Whether the worker's main thread, the one that trains, still makes progress: a
+    heartbeat thread beats on even when that thread is wedged (a deadlock in a data loader,
+    a lock never released), which would leave the job waiting on it forever.
+
+    Signs of life: a step started (``tick``), and every poll of a wait by that thread (the
+    waits of collectives, transfers, group builds and recovery poll the abort signal; the
+    command channel ticks as it waits). A wait the controller always ends (the commit
+    vote's) counts as progress while it lasts (``waiting``). Judged only while ``armed``
+    (the training loop); ``stalled_s`` is how long no sign was seen."""
+
+    def __init__(self, signal: AbortSignal):
+        self.signal = signal
+        self.armed = False
+        self._at = time.monotonic()
+        self._waiting = False
+
+    def tick(self) -> None:
+        self._at = time.monotonic()
+
+    def arm(self, on: bool) -> None:
+        self.tick()
+        self.armed = on
+
+    @contextlib.contextmanager
+    def waiting(self):
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
+            self.tick()
+
+    def stalled_s(self) -> float:
+        if not self.armed or self._waiting:
+            return 0.0
+        return time.monotonic() - max(self._at, self.signal.polled_at)
+
+
+def main_thread_stack(limit: int = 12) -> list[str]:
+    """Where the main thread is now (the innermost ``limit`` frames), for the operator."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return [] if frame is None else \
+        [line.rstrip() for line in traceback.format_stack(frame)[-limit:]]
+
+
 class Heartbeat:
-    def __init__(self, stores: StoreClients, worker: str, interval_s: float):
+    """Bumps the worker's heartbeat key every ``interval_s``, unless the main thread made no
+    progress for ``stall_s`` (``MainProgress``; 0: not judged): then it reports where that
+    thread is stuck (``main_thread_stalled``, once) and stops beating, so the controller
+    fences the worker as hung, as it would a stopped process."""
+
+    def __init__(self, stores: StoreClients, worker: str, interval_s: float,
+                 progress: MainProgress | None = None, stall_s: float = 0.0, events=None):
         self.worker, self.interval_s = worker, interval_s
+        self.progress, self.stall_s, self.events = progress, stall_s, events
         self._stores = stores
         threading.Thread(target=self._loop, name=f"heartbeat-{worker}", daemon=True).start()
 
     def _loop(self) -> None:
         store = self._stores.get()
+        reported = False
         while True:
-            try:
-                store.add(P.heartbeat_key(self.worker, os.getpid()), 1)
-            except Exception:  # noqa: BLE001 - the store is gone: the job is over
-                return
+            stalled = self.progress.stalled_s() if self.progress and self.stall_s else 0.0
+            if stalled > self.stall_s:
+                if not reported and self.events is not None:
+                    self.events.emit("main_thread_stalled", stalled_s=round(stalled, 3),
+                                     stack=main_thread_stack(), level="error")
+                reported = True
+            else:
+                reported = False
+                try:
+                    store.add(P.heartbeat_key(self.worker, os.getpid()), 1)
+                except Exception:  # noqa: BLE001 - the store is gone: the job is over
+                    return
             time.sleep(self.interval_s)
 
 
@@ -71,10 +136,11 @@ class CommitVote:
     round trips per step; ``votes`` counts voters of the current epoch only."""
 
     def __init__(self, stores: StoreClients, num_voters: int, epoch: int,
-                 reporter: str | None = None):
+                 reporter: str | None = None, progress: MainProgress | None = None):
         self.store = stores.get()
         self.num_voters, self.epoch = num_voters, epoch
         self.reporter = reporter  # set on the worker whose metrics record the step
+        self.progress = progress  # ticked while waiting for the decision
 
     def __call__(self, step: int, info: dict) -> bool:
         if self.reporter is not None:
@@ -86,7 +152,13 @@ class CommitVote:
         decision = P.commit_key(self.epoch, step, "decision")
         if votes == self.num_voters:
             self.store.compare_set(decision, "", "commit")
-        self.store.wait([decision])
+        if self.progress is None:
+            self.store.wait([decision])
+        else:
+            # waiting for a slow (or wedged) peer's vote is not being wedged: the controller
+            # ends this wait by deciding the step, whatever the peers do
+            with self.progress.waiting():
+                self.store.wait([decision])
         return self.store.get(decision) == b"commit"
 
 

@@ -30,10 +30,11 @@ STORE_CHECK_S = 1.0
 class CommandChannel:
     """Waits for this worker's commands in a daemon thread; the training loop polls a queue."""
 
-    def __init__(self, stores: StoreClients, worker: str):
+    def __init__(self, stores: StoreClients, worker: str, on_wait=None):
         self.worker = worker
         self.queue: queue.Queue = queue.Queue()
         self._stores = stores
+        self.on_wait = on_wait   # called as ``next`` waits (a sign its thread is alive)
         threading.Thread(target=self._loop, name=f"commands-{worker}", daemon=True).start()
 
     def _loop(self) -> None:
@@ -73,6 +74,8 @@ class CommandChannel:
     def next(self) -> dict:
         """Block until a command arrives; raise if the job's store has gone away."""
         while True:
+            if self.on_wait is not None:
+                self.on_wait()
             try:
                 return self.queue.get(timeout=STORE_CHECK_S)
             except queue.Empty:

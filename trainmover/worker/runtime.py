@@ -519,7 +519,7 @@ class _Loop:
             ctx.abort.clear()
             AbortWatcher(ctx.stores, ctx.abort, ctx.epoch)
         self.vote = CommitVote(ctx.stores, self.rt.layout.num_roles, ctx.epoch,
-                               self.rt.name if self.rt.is_reporter else None)
+                               self.rt.name if self.rt.is_reporter else None, ctx.progress)
 
     def _record_key(self, start: int) -> str | None:
         """The structure this worker records step 0 of, if it is that structure's
@@ -549,7 +549,18 @@ class _Loop:
         if self.snapshotter is not None and step == 0:
             self.snapshotter.send(0, ctx.epoch, rt.state.local_state()[0])
         tolerant = self.vote is not None
+        ctx.progress.arm(True)    # from here the main thread must keep showing progress
+        try:
+            yield from self._steps(step, start_step, record_key, tolerant)
+        finally:
+            ctx.progress.arm(False)
+        self._finish()
+
+    def _steps(self, step: int, start_step: int, record_key: str | None,
+               tolerant: bool) -> Iterator[int]:
+        rt, ctx, cfg = self.rt, self.ctx, self.cfg
         while step < self.total:
+            ctx.progress.tick()
             outcome = self.migrations.at_boundary(step)
             if outcome == M.LEAVE:
                 ctx.events.emit("worker_left", step=step)
@@ -604,7 +615,6 @@ class _Loop:
             if every and (step + 1) % every == 0:
                 self._post_digest(step + 1)
             step += 1
-        self._finish()
 
     def _stand_by_for_final(self) -> None:
         """A replica waits until the job's final state is assembled: if the holder of its
