@@ -168,3 +168,20 @@ def test_a_crash_after_the_last_commit_without_a_replica_stops_resumably(tmp_pat
     cfg = with_faults(job(dp=1, pp=2, standbys=1), Inject("crash", 15, "w0", "optimizer"))
     with pytest.raises(JobFailed, match="trainmover run --resume"):
         run(tmp_path, cfg)
+
+
+@pytest.mark.timeout(300)
+def test_a_joiner_that_dies_at_the_switch_is_recovered(tmp_path, baseline):
+    """w1 hands its role to a standby; the joiner dies with the state in hand, before its
+    first step (the leaver has left). The dead joiner held the role: the migration is
+    settled with that pair committed, and the role is recovered from its replica."""
+    cfg = with_faults(job(), Inject("crash", 6, "joiner", "joiner_start"))
+    summary, events = run(tmp_path, cfg, Inject("migrate", 6, "w1"))
+    ((joiner, point),) = fired(events)
+    assert point == "joiner_start"
+    (mig,) = summary["migrations"]
+    assert mig["status"] == "interrupted" and mig["committed_pairs"] == ["w1"]
+    (rec,) = summary["recoveries"]
+    assert rec["failures"] == {joiner: "crash"}
+    assert rec["sources"] == {"dp0.pp1.tp0": "replica:w3"}
+    assert summary["weights_sha256"] == baseline

@@ -16,7 +16,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from trainmover.control.context import JobContext
-from trainmover.control.errors import JobFailed
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
@@ -197,8 +196,7 @@ class Migrations:
                                   joiners=set(plan.joiners))
         if state is mig.state:
             if dead and mig.state is C.MigrationState.SWITCHING:
-                raise JobFailed(f"joiner {sorted(dead)[0]} died during the switch of migration "
-                                f"{mid}")
+                self._joiner_died_at_switch(sorted(dead))
             return
         if state is C.MigrationState.SWITCHING:
             self._go(mig)
@@ -223,12 +221,27 @@ class Migrations:
         self.answer(mig.request, result)
         self.active = None
 
-    def settle(self, reason: str) -> None:
+    def _joiner_died_at_switch(self, dead: list[str]) -> None:
+        """A joiner died after the switch was ordered. Its pair is settled like any pair a
+        failure interrupts: if its leaver had handed the state over, the dead joiner holds
+        the role and the recovery (which sees it dead) restores the role from its usual
+        source. If not, the leaver keeps its role, but stayers may already have switched to
+        groups that include the dead joiner (a stayer can pass the switch boundary while
+        this runs): the leaver is fenced too, so that one recovery rebuilds that role's
+        groups for everyone, whichever side of the boundary each stayer is on."""
+        ctx, mid = self.ctx, self.active.plan.migration_id
+        reason = f"joiner {', '.join(dead)} died during the switch of migration {mid}"
+        ctx.events.emit("joiner_died_at_switch", migration_id=mid, joiners=dead)
+        for leaver in self.settle(reason):
+            ctx.fence(leaver, f"its migration's joiner died at the switch (migration {mid})")
+
+    def settle(self, reason: str) -> list[str]:
         """A failure interrupted the migration in flight (if any): pairs whose state already
         moved are committed (their joiners now take part in the recovery as role holders),
-        the others are abandoned."""
+        the others are abandoned. Returns the leavers of the abandoned pairs (still their
+        roles' holders)."""
         if self.active is None:
-            return
+            return []
         ctx, mig = self.ctx, self.active
         plan, mid = mig.plan, mig.plan.migration_id
         # per pair, the leaver's "handover" and this "abort" race on one compare-and-set
@@ -236,7 +249,8 @@ class Migrations:
                   if ctx.store.compare_set(P.mig_key(mid, "outcome", p.leaver), "",
                                            "abort") == b"handover"}
         if not handed:
-            return self.abort(reason)
+            self.abort(reason)
+            return [p.leaver for p in plan.pairs]
         ctx.membership, done, rest = C.settle_on_failure(ctx.membership, plan, handed)
         for p in done:
             ctx.put(P.membership_key(p.joiner), p.role.name)
@@ -255,6 +269,7 @@ class Migrations:
         self.finished.append(result)
         self.answer(mig.request, result)
         self.active = None
+        return [p.leaver for p in rest]
 
     def job_finished(self) -> None:
         """Every role holder finished: complete a migration that switched in the same round,

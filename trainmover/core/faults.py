@@ -11,7 +11,8 @@
 - the same kinds at a point of a migration or of a standby's life, the first time it is
   passed at or after step 12: ``prepare`` (a leaver or stayer starts phase 1), ``switch``
   (a leaver or stayer reached the switch boundary), ``joiner_prepare`` (a joiner starts
-  phase 1, for a migration or a recovery), ``standby`` (a standby registered and waits; the
+  phase 1, for a migration or a recovery), ``joiner_start`` (a joiner has the role's state
+  and is about to train: a migration's leaver has left), ``standby`` (a standby registered and waits; the
   step is not checked), ``recover`` (a survivor received its part of a recovery plan);
 - ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12;
 - ``wedge@12:w3`` w3's main thread blocks forever inside step 12 (same points) while its
@@ -77,11 +78,12 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
                 raise ValueError(f"inject {inj}: unknown controller point {inj.arg!r} "
                                  f"(known: {', '.join(CONTROLLER_POINTS)})")
             continue
-        standby_point = inj.kind in WORKER_KINDS and inj.arg in ("joiner_prepare", "standby")
+        standby_point = inj.kind in WORKER_KINDS and inj.arg in STANDBY_POINTS
         if inj.target == JOINER:
-            if inj.kind not in WORKER_KINDS or inj.arg != "joiner_prepare":
+            if inj.kind not in WORKER_KINDS or inj.arg not in ("joiner_prepare", "joiner_start"):
                 raise ValueError(f"inject {inj}: the target {JOINER!r} (whichever standby is "
-                                 f"promoted first) goes with the point 'joiner_prepare'")
+                                 f"promoted first) goes with the point 'joiner_prepare' or "
+                                 f"'joiner_start'")
             continue
         if inj.target not in workers and not (standby_point and inj.target in standbys):
             raise ValueError(f"inject {inj}: unknown worker {inj.target!r}")
@@ -118,9 +120,9 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
 STEP_POINTS = ("forward", "backward", "allreduce", "optimizer", "checkpoint")
 # passed at most once per migration or process, at a step only known approximately: they
 # fire the first time they are passed at or after the fault's step
-EVENT_POINTS = ("prepare", "switch", "joiner_prepare", "standby", "recover")
+EVENT_POINTS = ("prepare", "switch", "joiner_prepare", "joiner_start", "standby", "recover")
 POINTS = STEP_POINTS + EVENT_POINTS
-STANDBY_POINTS = ("joiner_prepare", "standby")   # passed by standbys only
+STANDBY_POINTS = ("joiner_prepare", "joiner_start", "standby")   # passed by standbys only
 # where a worker's own communicators are in use, so that failing them is meaningful
 COMMERR_POINTS = ("forward", "backward", "allreduce", "optimizer", "prepare", "switch")
 

@@ -506,6 +506,7 @@ class _Loop:
             def first(step_time_s: float) -> None:
                 M.joiner_started(ctx.store, ctx.events, rt.name, mid, report, start,
                                  step_time_s)
+        ctx.fault("joiner_start", start)
         self.on_first_step = first
         return start
 
