@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow test-gpu bench-step clean
+.PHONY: install demo test test-slow test-gpu bench-step soak clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,12 @@ test-gpu:
 
 bench-step: install
 	$(BIN)/trainmover bench step
+
+# Not in CI: a 30-minute job disrupted every ~20 s, then run again without events
+# (benchmarks/results/soak.md). SOAK_MINUTES=5 for a shorter one.
+SOAK_MINUTES ?= 30
+soak: install
+	$(BIN)/trainmover bench soak --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -431,6 +431,14 @@ def make_parser() -> argparse.ArgumentParser:
     ck.add_argument("--recipe", default="demo")
     ck.add_argument("--out", default="benchmarks/results")
     ck.set_defaults(fn=cmd_bench)
+    soak = bsub.add_parser("soak", help="a long job disrupted every ~20 s (crash, hang, "
+                                        "migration, controller and standby kills), checked "
+                                        "against the same job without events")
+    soak.add_argument("--minutes", type=float, default=30.0)
+    soak.add_argument("--interval", type=float, default=20.0, help="seconds between events")
+    soak.add_argument("--seed", type=int, default=1)
+    soak.add_argument("--out", default="benchmarks/results")
+    soak.set_defaults(fn=cmd_bench)
     hosts = bsub.add_parser("hosts", help="planned migration across hosts vs within a host "
                                           "(network namespaces: needs root)")
     hosts.add_argument("--repeats", type=int, default=3)

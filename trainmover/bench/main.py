@@ -557,6 +557,11 @@ def main(args) -> int:
         intervals = [int(x) for x in args.intervals.split(",")]
         bench_checkpoint(intervals, args.steps, args.repeats, args.recipe, args.out)
         return 0
+    if args.bench == "soak":
+        from trainmover.bench.soak import bench_soak
+
+        result = bench_soak(args.minutes, args.interval, args.seed, args.out)
+        return 0 if result["passed"] else 1
     if args.bench == "hosts":
         from trainmover.bench.hosts import bench_hosts
         from trainmover.bench.netns import available
