@@ -15,7 +15,7 @@ from trainmover.core.topology import Layout
 # the runtime flags of run, demo and launch -> the setting each overrides (JobConfig.override)
 RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
                  "checkpoint_every": "checkpoint_every", "keep_checkpoints": "checkpoint_keep",
-                 "snapshot_every": "snapshot_every",
+                 "snapshot_every": "snapshot_every", "stragglers": "straggler_policy",
                  "controller_restart": "controller_restart", "verify_every": "health_verify_every",
                  "nnodes": "hosts_nnodes", "nproc_per_node": "hosts_nproc_per_node",
                  "store_host": "process_store_host", "store_port": "process_store_port"}
@@ -104,6 +104,9 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
                    help="a job without data-parallel replicas (dp 1) sends each role's state "
                         "to another host's memory every N steps (default 10; 0: off): a "
                         "failure replays at most N steps and reads no disk")
+    p.add_argument("--stragglers", choices=["off", "alert", "migrate"],
+                   help="slow workers: not watched, reported (default), or also moved to a "
+                        "warm standby when staying slow would cost more than moving")
     p.add_argument("--verify-every", type=int, metavar="N",
                    help="compare the data-parallel replicas' state digests every N steps "
                         "(default 0: at the end only)")

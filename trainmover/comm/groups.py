@@ -196,6 +196,7 @@ class Work:
         if self._done:
             return
         work, signal = self._work, self._group.abort_signal
+        t0 = time.perf_counter()
         try:
             if signal is not None and self._op in ("send", "recv"):
                 # gloo's point-to-point works only complete inside wait(): a helper thread of
@@ -221,8 +222,15 @@ class Work:
                 raise
             self._done = True
             return
+        group = self._group
+        waited = time.perf_counter() - t0
+        if group.slow_factor > 1.0:
+            # an injected slow link (``slowlink``): this member's operations take longer
+            time.sleep((group.slow_factor - 1.0) * waited)
+            waited *= group.slow_factor
+        group.wait_s += waited
         self._done = True
-        self._group.pending -= 1
+        group.pending -= 1
         if self._after is not None:
             self._after()
 
@@ -284,6 +292,10 @@ class Group:
         # every member still agrees on the sequence of operations (a clean group is kept).
         self.issued = {"coll": 0, "sent": 0, "recv": 0}
         self.pending = 0
+        # seconds this member spent blocked in the group's operations (the straggler
+        # detector's "wait"; compute is the step's time minus it), and an injected slowdown
+        self.wait_s = 0.0
+        self.slow_factor = 1.0
         self._waiter_thread: _Waiter | None = None
         if pg is None and spec.size != 1 and not sandbox:
             raise ValueError(f"group {spec.name} has {spec.size} members but no communicator")

@@ -46,6 +46,7 @@ from trainmover.control.recovery import ActiveRecovery, Recovery
 from trainmover.control.replicas import Replicas
 from trainmover.control.retention import Retention
 from trainmover.control.stopping import Stopping
+from trainmover.control.stragglers import Stragglers
 from trainmover.control.supervision import ProcessWatch
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
@@ -90,6 +91,7 @@ class Coordinator:
         self.watch = ProcessWatch(self.ctx)
         self.stopping = Stopping(self.ctx)
         self.replicas = Replicas(self.ctx)
+        self.stragglers = Stragglers(self.ctx, self.migrations)
         self.resume_from = resume_from
         self._data_kept = False
         self._saved: str | None = None
@@ -248,6 +250,7 @@ class Coordinator:
                 "recovery": snapshot_of(self.recovery), "baseline": snapshot_of(self.baseline),
                 "watch": snapshot_of(self.watch), "retention": snapshot_of(self.retention),
                 "stopping": snapshot_of(self.stopping), "replicas": snapshot_of(self.replicas),
+                "stragglers": snapshot_of(self.stragglers),
                 "injects": self.injects}
 
     def _flush(self, force: bool = False) -> None:
@@ -319,6 +322,8 @@ class Coordinator:
         restore_into(self.retention, state["retention"])
         restore_into(self.stopping, state["stopping"])
         restore_into(self.replicas, state["replicas"])
+        if "stragglers" in state:     # a snapshot taken before stragglers were watched
+            restore_into(self.stragglers, state["stragglers"])
         self.injects = state["injects"]
         ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
         self._connect(probe)   # one client: the one that read the snapshot
@@ -463,6 +468,7 @@ class Coordinator:
         if self.recovery.active is None and self._job_finished():
             return True
         if self.recovery.active is None:
+            self.stragglers.poll()
             self.migrations.poll(start_new=not self.stopping.requested)
         self.stopping.poll(busy=self.migrations.active is not None or
                            self.recovery.active is not None)
@@ -611,7 +617,7 @@ class Coordinator:
             "mean_step_time_s": statistics.fmean(steady) if steady else None,
             "migrations": self.migrations.finished,
             "restarts": self.baseline.report(),
-            "recoveries": self.recovery.done,
+            "recoveries": self.recovery.done, "stragglers": self.stragglers.found,
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -6,7 +6,8 @@ The rule, per key family (``core/protocol.py``):
   same epoch is committed, no worker is at step ``s`` any more (a worker cannot start a step
   before the previous one is decided) and the controller has read ``s``'s decision; the keys
   of an epoch that ended (a recovery or restart moved on) go once the new epoch commits;
-- ``hb/<worker>/<pid>``: when the agent reports that process's exit;
+- ``hb/<worker>/<pid>``: when the agent reports that process's exit; ``perf/<worker>`` (one
+  per worker, overwritten every window) too;
 - ``mig/<id>/*`` of a migration that completed, once its accounting is written; those of an
   aborted migration stay (a participant may still be waiting to read ``abort``);
 - ``fail/<epoch>/<worker>`` and ``recovery/<id>/recovered_count``, once the recovery's
@@ -64,6 +65,7 @@ class Retention:
     def process_exited(self, name: str, pid: int | None) -> None:
         if pid is not None:
             self.ctx.store.delete_key(P.heartbeat_key(name, pid))
+        self.ctx.store.delete_key(P.perf_key(name))
 
     def migration_done(self, migration_id: int, participants: list[str],
                        leavers: list[str]) -> None:

@@ -399,6 +399,50 @@ class SnapshotConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """Slow workers (``core/stragglers.py``): each worker publishes the median compute time
+    (step time minus time blocked in its groups) of every ``window`` steps; the controller
+    compares it with the worker's data-parallel peers of the same stage and shard (without
+    peers: with its own baseline) and calls a worker a straggler when it was at least
+    ``1 + min_shift`` times slower in the median of its last ``min_windows`` windows. ``policy``: ``off`` (not measured),
+    ``alert`` (an event and a line), ``migrate`` (also hand its role to a warm standby when
+    staying slow to the end would cost more than ``migration_cost_s``, or the measured cost
+    of this job's migrations; the slow process leaves the job)."""
+
+    policy: str = "alert"
+    window: int = 8
+    min_shift: float = 0.15
+    min_windows: int = 5
+    settle_windows: int = 2        # a worker's first windows in a role are not judged
+    baseline_windows: int = 3      # without peers: the windows that make the own baseline
+    # after a straggler's migration, no other one for this many steps (the job settles)
+    cooldown_steps: int = 50
+    migration_cost_s: float = 1.0  # assumed until a migration of this job was measured
+    check_interval_s: float = 0.5  # how often the controller reads the measurements
+    # compute is measured as "cpu" (the main thread's CPU time: immune to descheduling, for
+    # CPU jobs), "wall" (step time minus waits: GPU kernels) or "auto" (cpu on CPU devices)
+    measure: str = "auto"
+
+    def cpu_measure(self, device_type: str) -> bool:
+        return self.measure == "cpu" or (self.measure == "auto" and device_type == "cpu")
+
+    def validate(self) -> None:
+        if self.measure not in ("auto", "cpu", "wall"):
+            raise ValueError(f"straggler.measure={self.measure!r}: expected auto, cpu or wall")
+        if self.policy not in ("off", "alert", "migrate"):
+            raise ValueError(f"straggler.policy={self.policy!r}: expected off, alert or "
+                             f"migrate")
+        _positive("straggler", window=self.window, min_windows=self.min_windows,
+                  baseline_windows=self.baseline_windows)
+        _non_negative("straggler", settle_windows=self.settle_windows,
+                      cooldown_steps=self.cooldown_steps)
+        if not 0 < self.min_shift < 10:
+            raise ValueError(f"straggler.min_shift={self.min_shift!r} must be in (0, 10)")
+        _seconds("straggler", migration_cost_s=self.migration_cost_s,
+                 check_interval_s=self.check_interval_s)
+
+
+@dataclass
 class ControllerConfig:
     """The controller process: its supervision rounds, how it stops processes, and what
     happens when it dies. It may die without stopping training (the agent hosts the store and
@@ -505,6 +549,7 @@ class JobConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
@@ -517,7 +562,8 @@ class JobConfig:
 
     def validate(self) -> "JobConfig":
         for section in (self.process, self.comm, self.standby, self.health, self.recovery,
-                        self.checkpoint, self.snapshot, self.controller, self.agent):
+                        self.checkpoint, self.snapshot, self.straggler, self.controller,
+                        self.agent):
             section.validate()
         self.baseline.validate(self.checkpoint)
         self.hosts.validate(self.layout.num_roles, self.layout.tp)

@@ -15,6 +15,9 @@
   and is about to train: a migration's leaver has left), ``standby`` (a standby registered and waits; the
   step is not checked), ``recover`` (a survivor received its part of a recovery plan);
 - ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12;
+- ``slow@12:w3:1.3`` w3 computes 1.3 times slower from step 12 on (a sick machine: the
+  runtime stretches its steps before the commit point); ``slowlink@12:w3:1.3``: w3's
+  communication takes 1.3 times as long from step 12 on;
 - ``wedge@12:w3`` w3's main thread blocks forever inside step 12 (same points) while its
   other threads, the heartbeat's included, run on: a deadlock, a stuck data loader;
 - ``crash@12:controller[:POINT]`` the controller process SIGKILLs itself (training goes on;
@@ -30,8 +33,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("migrate", "crash", "hang", "commerr", "wedge")
+KINDS = ("migrate", "crash", "hang", "commerr", "wedge", "slow", "slowlink")
 WORKER_KINDS = ("crash", "hang", "commerr", "wedge")
+SLOW_KINDS = ("slow", "slowlink")   # from a step on, for as long as the worker holds its role
 CONTROLLER = "controller"
 JOINER = "joiner"   # whichever standby is promoted first (warm-up order decides which)
 CONTROLLER_POINTS = ("boundary", "migration_prepare", "migration_switch", "recovery")
@@ -50,6 +54,18 @@ class Inject:
 
 _SYNTAX = re.compile(r"(?P<kind>[a-z]+)@(?P<step>\d+):(?P<target>[A-Za-z0-9_.-]+)"
                      r"(?::(?P<arg>[A-Za-z0-9_.-]+))?")
+
+
+def slow_factor(inj: Inject) -> float:
+    """The factor of a ``slow``/``slowlink`` inject (its ARG): a number over 1."""
+    try:
+        factor = float(inj.arg) if inj.arg is not None else None
+    except ValueError:
+        factor = None
+    if factor is None or not 1.0 < factor <= 100.0:
+        raise ValueError(f"inject {inj}: the slowdown factor {inj.arg!r} must be a number "
+                         f"over 1 and at most 100, e.g. {inj.kind}@{inj.step}:{inj.target}:1.3")
+    return factor
 
 
 def parse_inject(text: str) -> Inject:
@@ -77,6 +93,11 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
             if inj.arg is not None and inj.arg not in CONTROLLER_POINTS:
                 raise ValueError(f"inject {inj}: unknown controller point {inj.arg!r} "
                                  f"(known: {', '.join(CONTROLLER_POINTS)})")
+            continue
+        if inj.kind in SLOW_KINDS:
+            if inj.target not in workers:
+                raise ValueError(f"inject {inj}: unknown worker {inj.target!r}")
+            slow_factor(inj)
             continue
         standby_point = inj.kind in WORKER_KINDS and inj.arg in STANDBY_POINTS
         if inj.target == JOINER:
@@ -133,11 +154,12 @@ class WorkerFault:
     point: str
     step: int | None = None   # None: the first time the point is passed
     kind: str = "crash"
+    factor: float | None = None   # slow kinds
 
     def validate(self) -> None:
         if self.point not in POINTS:
             raise ValueError(f"unknown fault point {self.point!r} (known: {', '.join(POINTS)})")
-        if self.kind not in WORKER_KINDS:
+        if self.kind not in WORKER_KINDS + SLOW_KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}")
 
 
@@ -145,7 +167,10 @@ def worker_faults(injects: list[Inject]) -> list[dict]:
     """The injects a worker carries out itself, in the form the job configuration holds."""
     out = []
     for inj in injects:
-        if inj.kind in WORKER_KINDS and inj.target != CONTROLLER:
+        if inj.kind in SLOW_KINDS:
+            out.append(WorkerFault(inj.target, "forward", inj.step, inj.kind,
+                                   slow_factor(inj)).__dict__)
+        elif inj.kind in WORKER_KINDS and inj.target != CONTROLLER:
             point = inj.arg or "forward"
             fault = WorkerFault(inj.target, point, inj.step, inj.kind)
             fault.validate()
@@ -163,6 +188,8 @@ def hit(faults: list[dict], worker: str, point: str, step: int | None = None,
     import signal
 
     for index, f in enumerate(faults):
+        if f.get("kind") in SLOW_KINDS:
+            continue   # not a point event: the runtime applies it (``slowdowns``)
         if f["point"] != point or f["worker"] not in (worker, JOINER):
             continue
         at = f.get("step")
@@ -186,3 +213,9 @@ def hit(faults: list[dict], worker: str, point: str, step: int | None = None,
             import time
             while True:        # releases the GIL: every other thread runs on
                 time.sleep(3600)
+
+
+def slowdowns(faults: list[dict], worker: str) -> dict[str, tuple[int, float]]:
+    """The worker's slow faults: kind -> (from step, factor)."""
+    return {f["kind"]: (f["step"], f["factor"]) for f in faults
+            if f.get("kind") in SLOW_KINDS and f["worker"] == worker}

@@ -184,6 +184,10 @@ def final_shards_key() -> str:
     return "final/shards"
 
 
+def perf_key(worker: str) -> str:
+    return f"perf/{worker}"
+
+
 def final_need_key(role: str) -> str:
     """Set by the controller when the holder of data-parallel-rank-0 ``role`` died after the
     job's last step was committed: names the replica that writes that role's final state
@@ -404,6 +408,22 @@ class Recover:
     groups: dict[str, int]
     send_state: SendState | None = None
     rollback_from: str | None = None
+
+
+@dataclass(frozen=True)
+class StepPerf:
+    """``perf/<worker>``: the worker's newest window of committed steps (medians), for the
+    straggler detector; overwritten every window."""
+
+    role: str
+    first_step: int
+    last_step: int
+    tenure_start: int                # the first step this process trained in this role
+    step_s: float
+    compute_s: float                 # step time minus the time blocked in its groups
+    wait_s: dict[str, float]         # time blocked per group slot (tp, dp, pp_prev, ...)
+    load1: float | None = None       # the host's 1-minute load average
+    steal: float | None = None       # share of CPU time stolen by the hypervisor
 
 
 @dataclass(frozen=True)

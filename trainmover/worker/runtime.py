@@ -42,6 +42,7 @@ from trainmover.core import protocol as P
 from trainmover.core.identity import DATA_KEY, data_mismatch
 from trainmover.core.config import JobConfig
 from trainmover.core.events import JsonlWriter
+from trainmover.core.faults import slowdowns
 from trainmover.core.files import DIGEST_FILE, final_dir
 from trainmover.core.topology import Layout, Role
 from trainmover.train.checkpoint import AsyncCheckpointer, load_local
@@ -54,6 +55,7 @@ from trainmover.worker import migration as M
 from trainmover.worker import recover as R
 from trainmover.worker.context import Join, Shadow, Start, WorkerContext
 from trainmover.worker.liveness import AbortWatcher, CommitVote
+from trainmover.worker.perf import StepMeter
 
 
 class UsageError(RuntimeError):
@@ -468,6 +470,7 @@ class _Loop:
         self.metrics = JsonlWriter(os.path.join(rt.run_dir, "metrics.jsonl")) \
             if rt.is_reporter else None
         self.on_first_step = None
+        self.meter: StepMeter | None = None   # set when the training loop starts
 
     def _new_checkpointer(self) -> AsyncCheckpointer:
         rt = self.rt
@@ -550,6 +553,10 @@ class _Loop:
         if self.snapshotter is not None and step == 0:
             self.snapshotter.send(0, ctx.epoch, rt.state.local_state()[0])
         tolerant = self.vote is not None
+        self.meter = StepMeter(ctx.store, rt.name, rt.role.name, step, cfg.straggler.window,
+                               slowdowns(cfg.faults, rt.name),
+                               publish=cfg.straggler.policy != "off",
+                               cpu_time=cfg.straggler.cpu_measure(ctx.device.type))
         ctx.progress.arm(True)    # from here the main thread must keep showing progress
         try:
             yield from self._steps(step, start_step, record_key, tolerant)
@@ -574,6 +581,7 @@ class _Loop:
                 ctx.events.emit("worker_stopped_for_restart", step=step)
                 rt.comm_groups.shutdown()
                 raise Departed()
+            self.meter.begin(step, rt.comm_groups)
             recorder = Recorder(rt.comm_groups).__enter__() \
                 if step == 0 and record_key is not None else None
             cur = rt.current = StepInFlight(
@@ -610,6 +618,7 @@ class _Loop:
                 ctx.events.emit("checkpoint_taken", step=step + 1, sync_s=round(sync_s, 6))
             if self.snapshotter is not None and (step + 1) % cfg.snapshot.every == 0:
                 self.snapshotter.send(step + 1, ctx.epoch, rt.state.local_state()[0])
+            self.meter.end(step, step_time, rt.comm_groups)
             if self.metrics is not None:
                 self._write_metrics(step, step_time, cur.metrics)
             every = cfg.health.verify_every
@@ -644,13 +653,19 @@ class _Loop:
 
     def vote_on(self, cur: StepInFlight) -> bool:
         """The commit point's decision for the step in flight (see ``Runtime.commit``)."""
+        if self.meter is not None:
+            self.meter.before_vote(cur.index, cur.t_start, self.rt.comm_groups)
         if self.vote is None:
             return True
         if self.ctx.abort.is_set():
             return False   # doomed: no vote; the controller aborts the step everywhere
         info = {k: v for k, v in cur.metrics.items() if v is not None}
-        info["step_time_s"] = time.perf_counter() - cur.t_start
-        return self.vote(cur.index, info)
+        t_vote = time.perf_counter()
+        info["step_time_s"] = t_vote - cur.t_start
+        decision = self.vote(cur.index, info)
+        if self.meter is not None:
+            self.meter.voted(time.perf_counter() - t_vote)
+        return decision
 
     def _write_metrics(self, step: int, step_time: float, metrics: dict) -> None:
         record = {"step": step, **metrics, "step_time_s": round(step_time, 6)}

@@ -1,0 +1,100 @@
+"""A worker's step measurements for the straggler detector (``core/stragglers.py``), and the
+injected slowdowns that tests and benchmarks use to make a straggler.
+
+Per committed step: the step's wall time, the time this worker spent blocked in each of its
+groups' operations (``Group.wait_s``) and in the commit vote (waiting for the others' votes),
+and its compute time: on a GPU the difference (kernels run while the host thread waits),
+on CPU the main thread's CPU time (``straggler.measure``), which a process descheduled by
+its neighbours does not inflate: with more processes than cores, wall-clock compute is
+mostly scheduling noise. Every
+``straggler.window`` steps the medians go to ``perf/<worker>`` (one key, overwritten), with
+the host's load and CPU steal where Linux tells them.
+"""
+from __future__ import annotations
+
+import os
+import time
+from statistics import median
+
+from trainmover.comm.groups import CommGroups
+from trainmover.core import protocol as P
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(total, steal) jiffies of the host, from /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    values = [int(x) for x in fields]
+    return sum(values), values[7] if len(values) > 7 else 0
+
+
+class StepMeter:
+    def __init__(self, store, name: str, role_name: str, tenure_start: int, window: int,
+                 slowdowns: dict[str, tuple[int, float]], publish: bool, cpu_time: bool):
+        self.store, self.name, self.role_name = store, name, role_name
+        self.cpu_time = cpu_time       # compute = the main thread's CPU time (else wall)
+        self._cpu_at = time.thread_time()
+        self.tenure_start, self.window, self.publish = tenure_start, window, publish
+        self.slow = slowdowns.get("slow")
+        self.slowlink = slowdowns.get("slowlink")
+        self._waits_at: dict[str, float] = {}
+        self._vote_s = 0.0
+        self._rows: list[tuple[int, float, float, dict[str, float]]] = []
+        self._cpu = _cpu_times()
+
+    def _active(self, fault: tuple[int, float] | None, step: int) -> float:
+        return fault[1] if fault is not None and step >= fault[0] else 1.0
+
+    def begin(self, step: int, groups: CommGroups) -> None:
+        link = self._active(self.slowlink, step)
+        self._waits_at, self._vote_s = {}, 0.0
+        self._cpu_at = time.thread_time()
+        for slot, g in groups.slots().items():
+            g.slow_factor = link
+            self._waits_at[slot] = g.wait_s
+
+    def _waited(self, groups: CommGroups) -> dict[str, float]:
+        out = {slot: g.wait_s - self._waits_at.get(slot, g.wait_s)
+               for slot, g in groups.slots().items()}
+        if self._vote_s:
+            out["vote"] = self._vote_s   # waiting for the other workers' commit votes
+        return out
+
+    def voted(self, seconds: float) -> None:
+        self._vote_s = seconds
+
+    def before_vote(self, step: int, t_start: float, groups: CommGroups) -> None:
+        """An injected compute slowdown: the step's compute so far, stretched (before the
+        commit point, so the peers wait for it as they would for a slow machine)."""
+        factor = self._active(self.slow, step)
+        if factor > 1.0:
+            # a slower processor: the step's computation so far, once more (factor - 1)
+            # times over, as CPU work (it shows in wall time and in CPU time alike)
+            target = time.thread_time() + (factor - 1.0) * (time.thread_time() - self._cpu_at)
+            while time.thread_time() < target:
+                pass
+
+    def end(self, step: int, step_s: float, groups: CommGroups) -> None:
+        if not self.publish:
+            return
+        waits = self._waited(groups)
+        compute = time.thread_time() - self._cpu_at if self.cpu_time else \
+            step_s - sum(waits.values())
+        self._rows.append((step, step_s, compute, waits))
+        if len(self._rows) < self.window:
+            return
+        rows, self._rows = self._rows, []
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        cpu, steal = _cpu_times(), None
+        if cpu is not None and self._cpu is not None and cpu[0] > self._cpu[0]:
+            steal = round((cpu[1] - self._cpu[1]) / (cpu[0] - self._cpu[0]), 4)
+        self._cpu = cpu
+        slots = sorted({s for r in rows for s in r[3]})
+        self.store.set(P.perf_key(self.name), P.write_message(P.StepPerf(
+            self.role_name, rows[0][0], rows[-1][0], self.tenure_start,
+            round(median(r[1] for r in rows), 6), round(median(r[2] for r in rows), 6),
+            {s: round(median(r[3].get(s, 0.0) for r in rows), 6) for s in slots},
+            None if load is None else round(load, 2), steal)))
