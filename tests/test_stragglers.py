@@ -168,3 +168,49 @@ def test_no_false_positive_for_a_slowdown_by_design(tmp_path, case):
     cfg = straggler_job("migrate", *[Inject("slow", onset, w, "1.5") for w in slowed])
     summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
     assert summary["stragglers"] == [] and summary["migrations"] == []
+
+
+# --- maintenance ---------------------------------------------------------------------------
+
+from trainmover.api import Job  # noqa: E402
+from trainmover.control.maintenance import drain  # noqa: E402
+from trainmover.control.status import read_status  # noqa: E402
+
+from mp_harness import wait_for  # noqa: E402
+
+
+def _warm(run_dir, n):
+    try:
+        return len(read_status(run_dir).free_standbys("warm")) >= n
+    except ValueError:   # no controller snapshot yet
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_drain_moves_two_workers_at_once(tmp_path, straggler_baseline):
+    run_dir = str(tmp_path / "run")
+    cfg = job(steps=STEPS, standbys=2, straggler_policy="off",
+              straggler_migration_cost_s=0.05)
+    running = Job(cfg, run_dir, timeout_s=280).start()
+    wait_for(lambda: _warm(run_dir, 2), 120, "two warm standbys")
+    with pytest.raises(ValueError, match=r"\['w9'\] hold no role"):
+        drain(run_dir, ["w0", "w9"], say=lambda line: None)
+    result = drain(run_dir, ["w0", "w3"], say=lambda line: None)
+    assert result["status"] == "done" and result["moved"] == ["w0", "w3"]
+    assert len(result["batches"]) == 1          # both in one migration, in parallel
+    summary = running.wait(280)
+    (mig,) = summary["migrations"]
+    assert sorted(p["leaver"] for p in mig["pairs"]) == ["w0", "w3"]
+    assert not {"w0", "w3"} & set(summary["membership"])
+    assert summary["weights_sha256"] == straggler_baseline
+
+
+@pytest.mark.timeout(300)
+def test_rolling_rebalance_moves_workers_in_turn(tmp_path, straggler_baseline):
+    cfg = job(steps=STEPS, standbys=1, straggler_policy="off",
+              maintenance_rebalance_every_s=2.0, standby_replenish=True)
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    done = [m for m in summary["migrations"] if m["status"] == "done"]
+    leavers = [m["pairs"][0]["leaver"] for m in done]
+    assert len(done) >= 2 and leavers[:2] == ["w0", "w1"], leavers   # roles in turn
+    assert summary["weights_sha256"] == straggler_baseline

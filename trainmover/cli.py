@@ -16,6 +16,7 @@ from trainmover.core.topology import Layout
 RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
                  "checkpoint_every": "checkpoint_every", "keep_checkpoints": "checkpoint_keep",
                  "snapshot_every": "snapshot_every", "stragglers": "straggler_policy",
+                 "rebalance_every": "maintenance_rebalance_every_s",
                  "controller_restart": "controller_restart", "verify_every": "health_verify_every",
                  "nnodes": "hosts_nnodes", "nproc_per_node": "hosts_nproc_per_node",
                  "store_host": "process_store_host", "store_port": "process_store_port"}
@@ -107,6 +108,9 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stragglers", choices=["off", "alert", "migrate"],
                    help="slow workers: not watched, reported (default), or also moved to a "
                         "warm standby when staying slow would cost more than moving")
+    p.add_argument("--rebalance-every", type=float, metavar="SECONDS",
+                   help="rolling maintenance: every SECONDS move the next worker (in turn) "
+                        "onto a warm standby (default 0: never)")
     p.add_argument("--verify-every", type=int, metavar="N",
                    help="compare the data-parallel replicas' state digests every N steps "
                         "(default 0: at the end only)")
@@ -293,6 +297,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0 if result.get("status") in ("done", "started", "queued") else 1
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    from trainmover.control.maintenance import drain
+
+    result = drain(args.run_dir, args.worker, args.host, timeout_s=args.timeout)
+    print(json.dumps({k: v for k, v in result.items() if k != "batches"}, indent=2))
+    return 0 if result["status"] == "done" else 1
+
+
 def _env_int(*names: str) -> int | None:
     for name in names:
         if os.environ.get(name):
@@ -383,6 +395,14 @@ def make_parser() -> argparse.ArgumentParser:
     mig.add_argument("--no-wait", action="store_true", help="return once the request is queued")
     mig.add_argument("--timeout", type=float, default=600.0)
     mig.set_defaults(fn=cmd_migrate)
+    dr = sub.add_parser("drain", help="move workers (or every worker of a host) to "
+                                      "standbys, as many at once as standbys allow, and "
+                                      "report when they are free (maintenance)")
+    dr.add_argument("--run-dir", required=True, help="run directory of a running job")
+    dr.add_argument("--worker", action="append", help="worker to move (repeatable)")
+    dr.add_argument("--host", type=int, help="move every worker of this host (its index)")
+    dr.add_argument("--timeout", type=float, default=600.0, help="per batch")
+    dr.set_defaults(fn=cmd_drain)
     stop = sub.add_parser("stop", help="stop a running job gracefully (a checkpoint, then "
                                          "every process exits); continue it with --resume")
     stop.add_argument("--run-dir", required=True, help="run directory of a running job")

@@ -87,3 +87,4 @@ def request_stop(run_dir: str, reason: str = "trainmover stop", wait: bool = Tru
     with open(path) as f:
         summary = json.load(f)
     return {"status": "stopped" if summary.get("stopped") else "finished", **summary}
+

@@ -42,6 +42,7 @@ from trainmover.control.errors import JobFailed, Superseded
 from trainmover.control.health import Failure, Health
 from trainmover.control.migrations import ActiveMigration, MigrationRequest, Migrations
 from trainmover.control.processes import AgentClient, ProcView
+from trainmover.control.rebalance import Rebalancer
 from trainmover.control.recovery import ActiveRecovery, Recovery
 from trainmover.control.replicas import Replicas
 from trainmover.control.retention import Retention
@@ -92,6 +93,7 @@ class Coordinator:
         self.stopping = Stopping(self.ctx)
         self.replicas = Replicas(self.ctx)
         self.stragglers = Stragglers(self.ctx, self.migrations)
+        self.rebalancer = Rebalancer(self.ctx, self.migrations)
         self.resume_from = resume_from
         self._data_kept = False
         self._saved: str | None = None
@@ -251,6 +253,7 @@ class Coordinator:
                 "watch": snapshot_of(self.watch), "retention": snapshot_of(self.retention),
                 "stopping": snapshot_of(self.stopping), "replicas": snapshot_of(self.replicas),
                 "stragglers": snapshot_of(self.stragglers),
+                "rebalancer": snapshot_of(self.rebalancer),
                 "injects": self.injects}
 
     def _flush(self, force: bool = False) -> None:
@@ -322,8 +325,9 @@ class Coordinator:
         restore_into(self.retention, state["retention"])
         restore_into(self.stopping, state["stopping"])
         restore_into(self.replicas, state["replicas"])
-        if "stragglers" in state:     # a snapshot taken before stragglers were watched
-            restore_into(self.stragglers, state["stragglers"])
+        for name, driver in (("stragglers", self.stragglers), ("rebalancer", self.rebalancer)):
+            if name in state:     # absent from a snapshot of an older version
+                restore_into(driver, state[name])
         self.injects = state["injects"]
         ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
         self._connect(probe)   # one client: the one that read the snapshot
@@ -469,6 +473,8 @@ class Coordinator:
             return True
         if self.recovery.active is None:
             self.stragglers.poll()
+            if not self.stopping.requested:
+                self.rebalancer.poll()
             self.migrations.poll(start_new=not self.stopping.requested)
         self.stopping.poll(busy=self.migrations.active is not None or
                            self.recovery.active is not None)

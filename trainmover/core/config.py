@@ -443,6 +443,19 @@ class StragglerConfig:
 
 
 @dataclass
+class MaintenanceConfig:
+    """Rolling maintenance: every ``rebalance_every_s`` seconds (0: never) the next worker in
+    a rotation over the roles is moved onto a warm standby (``control/rebalance.py``)."""
+
+    rebalance_every_s: float = 0.0
+
+    def validate(self) -> None:
+        if self.rebalance_every_s < 0:
+            raise ValueError(f"maintenance.rebalance_every_s={self.rebalance_every_s!r} must "
+                             f"be >= 0")
+
+
+@dataclass
 class ControllerConfig:
     """The controller process: its supervision rounds, how it stops processes, and what
     happens when it dies. It may die without stopping training (the agent hosts the store and
@@ -550,6 +563,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    maintenance: MaintenanceConfig = field(default_factory=MaintenanceConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
@@ -562,8 +576,8 @@ class JobConfig:
 
     def validate(self) -> "JobConfig":
         for section in (self.process, self.comm, self.standby, self.health, self.recovery,
-                        self.checkpoint, self.snapshot, self.straggler, self.controller,
-                        self.agent):
+                        self.checkpoint, self.snapshot, self.straggler, self.maintenance,
+                        self.controller, self.agent):
             section.validate()
         self.baseline.validate(self.checkpoint)
         self.hosts.validate(self.layout.num_roles, self.layout.tp)
