@@ -454,6 +454,16 @@ def make_parser() -> argparse.ArgumentParser:
     ck.add_argument("--recipe", default="demo")
     ck.add_argument("--out", default="benchmarks/results")
     ck.set_defaults(fn=cmd_bench)
+    src = bsub.add_parser("sources", help="a crash recovered from a replica, an in-memory "
+                                          "snapshot and a disk checkpoint, side by side")
+    src.add_argument("--repeats", type=int, default=3)
+    src.add_argument("--steps", type=int, default=60)
+    src.add_argument("--every", type=int, default=10,
+                     help="snapshot / checkpoint interval (steps)")
+    src.add_argument("--crash-step", type=int, default=27)
+    src.add_argument("--recipe", default="demo")
+    src.add_argument("--out", default="benchmarks/results")
+    src.set_defaults(fn=cmd_bench)
     soak = bsub.add_parser("soak", help="a long job disrupted every ~20 s (crash, hang, "
                                         "migration, controller and standby kills), checked "
                                         "against the same job without events")

@@ -557,6 +557,12 @@ def main(args) -> int:
         intervals = [int(x) for x in args.intervals.split(",")]
         bench_checkpoint(intervals, args.steps, args.repeats, args.recipe, args.out)
         return 0
+    if args.bench == "sources":
+        from trainmover.bench.sources import bench_sources
+
+        bench_sources(args.repeats, args.steps, args.every, args.crash_step, args.recipe,
+                      args.out)
+        return 0
     if args.bench == "soak":
         from trainmover.bench.soak import bench_soak
 

@@ -251,7 +251,7 @@ class Recovery:
         # later step is left from a trajectory an earlier rollback undid)
         newest = rec.last_committed + 1
         ckpt = self.newest_checkpoint(newest)
-        snap, holders = self.newest_snapshot(newest) if any(
+        snap, snapshot_at = self.newest_snapshot(newest) if any(
             C.replica_of(m, m.workers[w], set(rec.failures)) is None for w in rec.failures) \
             else (None, {})
         short = len(rec.failures) - len(m.free_standbys())
@@ -290,7 +290,7 @@ class Recovery:
                  if s.name in plan.generations},
                 P.StateSource("replica", channel, rec.recovery_id) if channel
                 else P.StateSource(plan.rollback_source, step=plan.rollback_step,
-                                   address=holders.get(p.role.name))))
+                                   address=snapshot_at.get(p.role.name))))
         from_snapshot = plan.rollback_source == "snapshot"
         for w, role in ctx.membership.workers.items():
             if w in rec.failures:
@@ -298,7 +298,7 @@ class Recovery:
             ctx.send(w, P.Recover(
                 rec.recovery_id, new_epoch, resume, plan.rollback_step,
                 {g: plan.generations[g] for g in plan.stayers.get(w, [])}, senders.get(w),
-                rollback_from=holders[role.name] if from_snapshot else None))
+                rollback_from=snapshot_at[role.name] if from_snapshot else None))
         ctx.epoch = new_epoch
         ctx.committed = resume - 1
         ctx.reached("recovery")

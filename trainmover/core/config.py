@@ -401,11 +401,12 @@ class SnapshotConfig:
 @dataclass
 class StragglerConfig:
     """Slow workers (``core/stragglers.py``): each worker publishes the median compute time
-    (step time minus time blocked in its groups) of every ``window`` steps; the controller
-    compares it with the worker's data-parallel peers of the same stage and shard (without
-    peers: with its own baseline) and calls a worker a straggler when it was at least
-    ``1 + min_shift`` times slower in the median of its last ``min_windows`` windows. ``policy``: ``off`` (not measured),
-    ``alert`` (an event and a line), ``migrate`` (also hand its role to a warm standby when
+    (its CPU time, or step time minus time blocked in its groups: ``measure``) of every
+    ``window`` steps; the controller compares it with the worker's data-parallel peers of the
+    same stage and shard (without peers: with its own baseline) and calls a worker a
+    straggler when it was at least ``1 + min_shift`` times slower in the median of its last
+    ``min_windows`` windows. ``policy``: ``off`` (not measured), ``alert`` (an event and a
+    line), ``migrate`` (also hand its role to a warm standby when
     staying slow to the end would cost more than ``migration_cost_s``, or the measured cost
     of this job's migrations; the slow process leaves the job)."""
 

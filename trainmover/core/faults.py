@@ -12,8 +12,9 @@
   passed at or after step 12: ``prepare`` (a leaver or stayer starts phase 1), ``switch``
   (a leaver or stayer reached the switch boundary), ``joiner_prepare`` (a joiner starts
   phase 1, for a migration or a recovery), ``joiner_start`` (a joiner has the role's state
-  and is about to train: a migration's leaver has left), ``standby`` (a standby registered and waits; the
-  step is not checked), ``recover`` (a survivor received its part of a recovery plan);
+  and is about to train: a migration's leaver has left), ``standby`` (a standby registered
+  and waits; the step is not checked), ``recover`` (a survivor received its part of a
+  recovery plan);
 - ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12;
 - ``slow@12:w3:1.3`` w3 computes 1.3 times slower from step 12 on (a sick machine: the
   runtime stretches its steps before the commit point); ``slowlink@12:w3:1.3``: w3's

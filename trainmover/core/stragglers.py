@@ -4,9 +4,10 @@ policy's cost rule. Pure: fed with each worker's per-window step measurements
 (``control/stragglers.py``) reads the measurements and acts.
 
 What is compared. Each worker measures, per step, its *compute* time: the step's wall time
-minus the time it spent blocked in its groups' operations. A slow worker's compute grows; the
-peers it delays wait longer but compute as before, so the slow one is told apart from the
-peers it holds up. Measurements come as the median over a window of ``window`` steps.
+minus the time it spent blocked in its groups' operations and the commit vote (on CPU, its
+main thread's CPU time, which descheduling does not inflate). A slow worker's compute
+grows; the peers it delays wait longer but compute as before, so the slow one is told apart
+from the peers it holds up. Measurements come as the median over a window of ``window`` steps.
 
 Against whom:
 - its *peers*: the workers of the other data-parallel replicas in the same pipeline stage and
@@ -19,10 +20,11 @@ Against whom:
 
 The rule: a worker is a *straggler* when the median, over its last ``min_windows`` windows,
 of its compute over the reference (the peers' median, else its baseline) is at least
-``1 + min_shift``: a minimum shift and a minimum duration (with 3 windows, 2 of them slow),
+``1 + min_shift``: a minimum shift and a minimum duration (with 5 windows, 3 of them slow),
 so one noisy window or a garbage-collection pause is not enough, nor does one lucky window
-hide a slow worker. It stays one until that median falls below ``1 + min_shift / 2``. ``score`` = reference / own compute, as
-the resiliency extension scores ranks (1.0: as fast as the reference; 0.77: 1.3x slower).
+hide a slow worker. It stays one until that median falls below ``1 + min_shift / 2``.
+``score`` = reference / own compute, as the resiliency extension scores ranks (1.0: as fast
+as the reference; 0.77: 1.3x slower).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ A survivor's step was doomed (a peer died or hung, or the job aborted the step):
 optimizer did not run, so it still holds the state after the last committed step. It reports
 what it saw (the error, whether its own communicator failed, each group's operation
 accounting, from which the controller tells clean groups from dirty ones), waits for the
-plan, rebuilds the groups the plan names, rolls back to a snapshot or checkpoint if told to, sends its
-state to a joiner if it is the replica of a failed role, and resumes at the plan's step.
+plan, rebuilds the groups the plan names, rolls back to a snapshot or checkpoint if told to,
+sends its state to a joiner if it is the replica of a failed role, and resumes at the plan's
+step.
 
 A joiner (a standby the plan promotes) builds the failed role's groups, then takes the
 role's state from a live data-parallel replica, the peer snapshot or the checkpoint.
