@@ -71,3 +71,38 @@ def test_the_controller_keeps_a_bounded_tail_of_the_metrics(tmp_path):
     assert RECORDS_KEPT <= len(progress.records) <= 2 * RECORDS_KEPT
     steps = [r["step"] for r in progress.records]
     assert steps == list(range(steps[0], 5 * RECORDS_KEPT + 7))
+
+
+@pytest.mark.timeout(400)
+def test_store_keys_do_not_grow_with_events(tmp_path):
+    """Migrations and crashes, with the standby pool replenished, leave nothing behind per
+    event: commands, agent requests and exit records, the replaced communicators'
+    rendezvous keys and the departed processes' own keys are deleted. Sampled after the
+    first event and after the fifth: the same count within a few keys (the second crash
+    fault's "fired" marker, the steps in flight; one event left behind would be tens)."""
+    injects = [Inject("migrate", 100, "w0"), Inject("migrate", 200, "w1"),
+               Inject("migrate", 300, "w2")]
+    # decided steps' keys deleted every step: their sawtooth (3 keys a step) would otherwise
+    # hide what events leave behind
+    cfg = with_faults(job(standby_replenish=True, controller_gc_every_steps=1),
+                      Inject("crash", 240, "w3", "forward"), Inject("crash", 330, "w3",
+                                                                   "forward"))
+    j = Job(cfg, str(tmp_path / "run"), timeout_s=350, injects=injects).start()
+    coord = j.coordinator
+    keys = {}
+
+    def settled(after_events: int) -> bool:
+        done = len(coord.migrations.finished) + len(coord.recovery.done)
+        return done >= after_events and coord.migrations.active is None and \
+            coord.recovery.active is None and not coord.recovery.awaiting
+
+    wait_for(lambda: settled(1) and coord.progress.last_step >= 150, 250, "the first event")
+    keys["first"] = coord.ctx.store.raw.num_keys()
+    wait_for(lambda: settled(4) and coord.progress.last_step >= STEPS - 30, 300,
+             "the other events")
+    keys["last"] = coord.ctx.store.raw.num_keys()
+    summary = j.wait(300)
+    events = [m["status"] for m in summary["migrations"]] + \
+        [r["status"] for r in summary["recoveries"]]
+    assert events.count("done") >= 4, summary["migrations"]
+    assert abs(keys["last"] - keys["first"]) < 12, keys

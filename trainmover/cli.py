@@ -297,6 +297,26 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0 if result.get("status") in ("done", "started", "queued") else 1
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from trainmover.control.client import connect
+    from trainmover.control.status import read_status, render
+
+    store = connect(args.run_dir)
+    while True:
+        st = read_status(args.run_dir, store)
+        if args.json:
+            print(json.dumps(dataclasses.asdict(st), indent=2))
+        else:
+            page = render(st)
+            print(("\x1b[H\x1b[2J" if args.watch and sys.stdout.isatty() else "") + page,
+                  flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     from trainmover.control.maintenance import drain
 
@@ -395,6 +415,13 @@ def make_parser() -> argparse.ArgumentParser:
     mig.add_argument("--no-wait", action="store_true", help="return once the request is queued")
     mig.add_argument("--timeout", type=float, default=600.0)
     mig.set_defaults(fn=cmd_migrate)
+    stat = sub.add_parser("status", help="a running job: roles, standbys, steps, what is in "
+                                          "flight, per-worker step times")
+    stat.add_argument("--run-dir", required=True, help="run directory of a running job")
+    stat.add_argument("--json", action="store_true", help="one JSON object (for scripts)")
+    stat.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    stat.add_argument("--interval", type=float, default=1.0, help="--watch refresh (s)")
+    stat.set_defaults(fn=cmd_status)
     dr = sub.add_parser("drain", help="move workers (or every worker of a host) to "
                                       "standbys, as many at once as standbys allow, and "
                                       "report when they are free (maintenance)")

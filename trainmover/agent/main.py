@@ -323,7 +323,12 @@ class Agent:
                 key = P.agent_request_key(self.node, self._next_request)
                 self._next_request += 1
                 try:
-                    req = P.decode_agent_request(self.store.get(key))
+                    raw = self.store.get(key)
+                    # handled once: deleted, and counted so that a resumed controller fills
+                    # only the holes after it
+                    self.store.delete_key(key)
+                    self.store.add(P.agent_key(self.node, "req/done"), 1)
+                    req = P.decode_agent_request(raw)
                 except P.MessageError as exc:
                     # never half-obeyed, never fatal: the agent hosts the job's store
                     self.events.emit("message_rejected", key=key, error=str(exc),

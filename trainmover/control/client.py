@@ -52,7 +52,10 @@ def request_migration(run_dir: str, workers: list[str], to: list[str] | None = N
     status = {"status": "queued"}
     while time.monotonic() < deadline:
         if store.check([P.request_key(index, "done")]):
-            return P.read_object(store.get(P.request_key(index, "done")))
+            answer = P.read_object(store.get(P.request_key(index, "done")))
+            for what in ("", "status", "done"):   # answered: nobody reads them again
+                store.delete_key(P.request_key(index, what))
+            return answer
         if store.check([P.request_key(index, "status")]):
             status = P.read_object(store.get(P.request_key(index, "status")))
             if not wait:

@@ -270,10 +270,12 @@ class Coordinator:
             self.recovery.active is not None or self.migrations.pending
         if force or busy or now - self._saved_at >= self.cfg.controller.snapshot_interval_s:
             self._saved_at = now
+            exits_seen = ctx.procs.exits_seen
             blob = SNAPSHOT_CODEC.dumps(self._snapshot())
             if blob != self._saved:
                 ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, blob)
                 self._saved = blob
+            self.retention.snapshot_saved(exits_seen)
         if not ctx.outbox:
             return
         for item in ctx.outbox:
@@ -340,7 +342,8 @@ class Coordinator:
         # the agent's queue: fill such holes with no-ops
         for node in range(ctx.procs.nnodes):
             count = ctx.store.add(P.agent_key(node, "req/count"), 0)
-            for i in range(1, count + 1):
+            done = ctx.store.add(P.agent_key(node, "req/done"), 0)
+            for i in range(done + 1, count + 1):
                 if not ctx.store.check([P.agent_request_key(node, i)]):
                     ctx.store.set(P.agent_request_key(node, i),
                                   P.encode_agent_request(P.AgentNoop()))

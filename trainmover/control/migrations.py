@@ -47,7 +47,8 @@ class ActiveMigration:
 
 
 class Migrations:
-    STATE = ("pending", "active", "finished", "awaiting_downtime", "store_requests_seen")
+    STATE = ("pending", "active", "finished", "awaiting_downtime", "store_requests_seen",
+             "keys_deleted")
 
     def __init__(self, ctx: JobContext, retention: Retention):
         self.ctx = ctx
@@ -58,6 +59,7 @@ class Migrations:
         self.finished: list[dict] = []
         self.awaiting_downtime: list[ActiveMigration] = []
         self.store_requests_seen = 0
+        self.keys_deleted: list[int] = []   # aborted migrations whose keys are deleted
 
     # --- requests ------------------------------------------------------------------------------
     def request(self, workers: list[str], targets: list[str] | None = None,
@@ -339,8 +341,18 @@ class Migrations:
                   "requested_to_done_s": time.time() - mig.t_start}
         self.finished.append(result)
         ctx.events.emit("migration_done", **result)
-        self.retention.migration_done(mid, list(plan.participants),
-                                      [p.leaver for p in plan.pairs])
+        self.retention.migration_accounted(mid, list(plan.participants),
+                                           [p.leaver for p in plan.pairs],
+                                           [(p.transfer_group, mid) for p in plan.pairs])
+        # the keys of migrations given up before this one: their participants moved on
+        for old in self.finished:
+            if old.get("status") in ("aborted", "interrupted") and \
+                    old["migration_id"] not in self.keys_deleted:
+                self.keys_deleted.append(old["migration_id"])
+                leavers = [p["leaver"] for p in old["pairs"]]
+                joiners = [p["joiner"] for p in old["pairs"]]
+                self.retention.migration_done(old["migration_id"],
+                                              old["stayers"] + leavers + joiners, leavers)
         if downtime is not None:
             ctx.progress.say(
                 f"migration {mid} done at step {mig.switch_step}: downtime {downtime:.3f} s "

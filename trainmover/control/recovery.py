@@ -281,7 +281,7 @@ class Recovery:
         for p in plan.pairs:
             src = plan.sources[p.role.name]
             replica = src.split(":", 1)[1] if src.startswith("replica:") else None
-            channel = f"rxfer.{replica}.{p.joiner}" if replica else None
+            channel = C.recovery_channel(replica, p.joiner) if replica else None
             if replica:
                 senders[replica] = P.SendState(p.joiner, channel, rec.recovery_id)
             ctx.send(p.joiner, P.AssignRecovery(
@@ -431,7 +431,10 @@ class Recovery:
         # each plan given up moved the recovery one epoch on: reports went to each of them
         self.retention.recovery_done(
             rec.recovery_id, list(range(rec.epoch - len(rec.abandoned), rec.epoch + 1)),
-            sorted(set(ctx.membership.workers) | set(rec.failures)))
+            sorted(set(ctx.membership.workers) | set(rec.failures)), sorted(rec.failures),
+            [(C.recovery_channel(src.split(":", 1)[1], p.joiner), rec.recovery_id)
+             for p in rec.plan.pairs
+             if (src := rec.plan.sources[p.role.name]).startswith("replica:")])
         if t_commit is not None:
             src = ", ".join(sorted(set(rec.plan.sources.values())))
             ctx.progress.say(

@@ -10,9 +10,20 @@ The rule, per key family (``core/protocol.py``):
   per worker, overwritten every window) too;
 - ``mig/<id>/*`` of a migration that completed, once its accounting is written; those of an
   aborted migration stay (a participant may still be waiting to read ``abort``);
-- ``fail/<epoch>/<worker>`` and ``recovery/<id>/recovered_count``, once the recovery's
-  accounting is written.
-Everything else is bounded by the number of processes, migrations and recoveries.
+- ``fail/<epoch>/<worker>``, ``recovery/<id>/recovered_count`` and the aborted epochs'
+  ``abort/<epoch>``, once the recovery's accounting is written;
+- ``agent/exit/<n>`` (exit records), once a controller snapshot that counts them as read is
+  saved (a resumed controller starts after them);
+- a process's own keys (``cmd/<name>/*``, ``membership/worker/<name>``, its standby state,
+  ``agent/proc/<name>``, ``perf/<name>``), once it is out of the job for good: a dead
+  standby at its exit, a migration's leaver when the migration is accounted, a failed worker
+  when its recovery is; commands are also deleted by the worker as it reads them, agent
+  requests by the agent, a `trainmover migrate` request's keys by the client that made it;
+- ``mig/<id>/*`` of an aborted or interrupted migration, when a later one is accounted;
+- a communicator's rendezvous keys (``groups/<name>/gen<g>/...``), once a migration or
+  recovery that replaced generation ``g`` is accounted (no one builds it again); a
+  transfer channel's, with its migration or recovery.
+Everything else is bounded by the job's size (roles, hosts, structures), not its length.
 """
 from __future__ import annotations
 
@@ -26,13 +37,15 @@ start a step before the previous one is decided), and an abort may decide the ne
 
 
 class Retention:
-    STATE = ("started", "cleared", "high")
+    STATE = ("started", "cleared", "high", "exits_deleted", "generations_deleted")
 
     def __init__(self, ctx: JobContext):
         self.ctx = ctx
         self.started: dict[str, int] = {}    # epoch -> its first step (its resume step)
         self.cleared: dict[str, int] = {}    # epoch -> first step whose keys may remain
         self.high: dict[str, int] = {}       # epoch -> highest step voted in it, at most
+        self.exits_deleted = 0               # exit records deleted up to this index
+        self.generations_deleted: dict[str, int] = {}   # group -> generations below deleted
 
     def poll(self) -> None:
         """Delete the commit keys of decided steps, every ``controller.gc_every_steps``."""
@@ -65,7 +78,38 @@ class Retention:
     def process_exited(self, name: str, pid: int | None) -> None:
         if pid is not None:
             self.ctx.store.delete_key(P.heartbeat_key(name, pid))
-        self.ctx.store.delete_key(P.perf_key(name))
+        m = self.ctx.membership
+        if m is not None and name in m.standbys and name not in m.workers:
+            self.process_gone(name)    # a standby that exited never comes back
+
+    def snapshot_saved(self, exits_seen: int) -> None:
+        """A controller snapshot counting ``exits_seen`` exit records as read was saved."""
+        for index in range(self.exits_deleted + 1, exits_seen + 1):
+            self.ctx.store.delete_key(P.agent_exit_key(index))
+        self.exits_deleted = max(self.exits_deleted, exits_seen)
+
+    def replaced_groups(self, channels: list[tuple[str, int]] = ()) -> None:
+        """Delete the rendezvous keys of every communicator generation older than the live
+        one, and of the given transfer channels (name, generation)."""
+        m, store = self.ctx.membership, self.ctx.store
+        specs = m.layout.communicator_groups()
+        for name, live in m.generations.items():
+            for gen in range(self.generations_deleted.get(name, 0), live):
+                for key in P.rendezvous_keys(name, gen, specs[name].size):
+                    store.delete_key(key)
+            self.generations_deleted[name] = max(live, self.generations_deleted.get(name, 0))
+        for name, gen in channels:
+            for key in P.rendezvous_keys(name, gen, 2):
+                store.delete_key(key)
+
+    def process_gone(self, name: str) -> None:
+        """``name`` is out of the job for good (see the module doc): its own keys go."""
+        store = self.ctx.store
+        for index in range(1, self.ctx.cmd_next.get(name, 1)):
+            store.delete_key(P.command_key(name, index))
+        for key in (P.membership_key(name), P.standby_state_key(name), P.agent_proc_key(name),
+                    P.perf_key(name)):
+            store.delete_key(key)
 
     def migration_done(self, migration_id: int, participants: list[str],
                        leavers: list[str]) -> None:
@@ -79,10 +123,23 @@ class Retention:
             for what in ("at_switch", "outcome"):
                 store.delete_key(P.mig_key(migration_id, what, w))
 
-    def recovery_done(self, recovery_id: int, epochs: list[int], workers: list[str]) -> None:
+    def migration_accounted(self, migration_id: int, participants: list[str],
+                            leavers: list[str], channels: list[tuple[str, int]]) -> None:
+        """A migration that completed: its keys, and its leavers' (they left the job)."""
+        self.migration_done(migration_id, participants, leavers)
+        for w in leavers:
+            self.process_gone(w)
+        self.replaced_groups(channels)
+
+    def recovery_done(self, recovery_id: int, epochs: list[int], workers: list[str],
+                      failed: list[str] = (), channels: list[tuple[str, int]] = ()) -> None:
         store = self.ctx.store
+        for w in failed:
+            self.process_gone(w)
+        self.replaced_groups(channels)
         store.delete_key(P.recovered_count_key(recovery_id))
         for epoch in epochs:
+            store.delete_key(P.abort_key(epoch))
             store.delete_key(P.failure_count_key(epoch))
             for w in workers:
                 store.delete_key(P.failure_key(epoch, w))

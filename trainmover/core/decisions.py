@@ -61,6 +61,11 @@ def _natural(name: str) -> tuple:
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
+def recovery_channel(replica: str, joiner: str) -> str:
+    """The transfer group a recovery's joiner takes its state on from a live replica."""
+    return f"rxfer.{replica}.{joiner}"
+
+
 @dataclass(frozen=True)
 class Pair:
     leaver: str

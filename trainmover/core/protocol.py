@@ -151,6 +151,7 @@ CONTROLLER_SNAPSHOT_KEY = "controller/snapshot"  # the controller's state, for a
 
 AGENT_KEYS = {
     "req/count": "requests queued for the host's agent",
+    "req/done": "requests the host's agent has read (and deleted)",
     "info": "AgentInfo: the host's agent is serving",
     "hb": "the agent's heartbeat counter (hosts other than 0)",
     "snapshots": "host:port of the host's peer-snapshot holder (core/snapshots.py)",
@@ -182,6 +183,13 @@ def agent_exit_key(index: int) -> str:
 def final_shards_key() -> str:
     """Counts the data-parallel-rank-0 roles that wrote their final state."""
     return "final/shards"
+
+
+def rendezvous_keys(group: str, generation: int, size: int) -> list[str]:
+    """The keys a gloo communicator's rendezvous leaves in the store (one address per rank,
+    under ``comm.groups.group_prefix``, its single device's index "0"); read only while the
+    communicator is being built."""
+    return [f"groups/{group}/gen{generation}//0/{rank}" for rank in range(size)]
 
 
 def perf_key(worker: str) -> str:

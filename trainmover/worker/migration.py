@@ -50,7 +50,9 @@ class CommandChannel:
                 continue
             index += 1
             try:
-                self.queue.put(P.decode_command(store.get(key)))
+                raw = store.get(key)
+                store.delete_key(key)   # read once: nobody reads it again
+                self.queue.put(P.decode_command(raw))
             except P.MessageError as exc:
                 # never half-obey: a message the protocol does not define is dropped, loudly
                 print(f"trainmover: {self.worker}: refused command {key}: {exc}", flush=True)
