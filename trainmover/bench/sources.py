@@ -19,7 +19,7 @@ import statistics
 import tempfile
 
 from trainmover.bench.report import git_commit, machine_description, write_result
-from trainmover.core.faults import Inject
+from trainmover.core.faults import Inject, worker_faults
 from trainmover.core.topology import Layout
 from trainmover.recipes import get_recipe
 
@@ -37,13 +37,13 @@ def _cfg(cell: str, steps: int, every: int, recipe: str):
 
 
 def _run(cfg, crash_step: int | None) -> dict:
-    from trainmover.cli import apply_worker_faults
     from trainmover.control.coordinator import run_job
     from trainmover.core.events import read_jsonl
 
     cfg = type(cfg).from_dict(cfg.to_dict())
     if crash_step is not None:
-        apply_worker_faults(cfg, [Inject("crash", crash_step, "w0", "forward")])
+        cfg.faults = list(cfg.faults) + worker_faults([Inject("crash", crash_step, "w0",
+                                                              "forward")])
     with tempfile.TemporaryDirectory(prefix="tm-bench-sources-") as scratch:
         run_dir = os.path.join(scratch, "run")
         summary = run_job(cfg, run_dir, quiet=True, timeout_s=900)
