@@ -89,6 +89,34 @@ def test_controller_crashes_are_survived_and_restarted_automatically(tmp_path, b
 
 
 @pytest.mark.timeout(400)
+def test_a_failure_after_a_controller_kill_aborts_the_right_step(tmp_path):
+    """The controller is SIGKILLed at a random moment, long after its last snapshot save
+    (saved every 3 s here) while it kept deleting decided steps' keys (every 5 steps); the
+    restarted controller must still know the last committed step when a worker crashes
+    later. Found by the soak: it resumed from the snapshot's count, could not walk past the
+    deleted keys, aborted a step that had committed and sent the job back to it (here: to
+    step 1, 250 steps recommitted)."""
+    run_dir = str(tmp_path / "run")
+    cfg = job(steps=300, controller_gc_every_steps=5, controller_snapshot_interval_s=3.0)
+    proc = start_controller(cfg, run_dir)
+
+    def step():
+        records = steps_done(run_dir)
+        return records[-1]["step"] if records else -1
+
+    wait_for(lambda: step() >= 80, 200, "step 80")
+    proc.kill()
+    wait_for(lambda: events(run_dir, "controller_resumed"), 100, "a restarted controller")
+    wait_for(lambda: step() >= 200, 200, "step 200")
+    (pid,) = [e["pid"] for e in events(run_dir, "process_started") if e["name"] == "w1"]
+    os.kill(pid, 9)
+    summary = summary_of(run_dir)
+    (rec,) = summary["recoveries"]
+    assert rec["lost_steps"] == 0 and rec["last_committed_step"] >= 200, rec
+    assert sorted(m["step"] for m in steps_done(run_dir)) == list(range(300))
+
+
+@pytest.mark.timeout(400)
 def test_controller_dies_mid_migration_and_an_operator_resumes_it(tmp_path, baseline):
     """Manual mode: the controller dies right after ordering a migration's switch; training
     continues through the switch without it; `trainmover controller --resume` finds the

@@ -338,6 +338,15 @@ class Coordinator:
         ctx.progress.enabled = False
         ctx.progress.poll()          # catch up silently, then report new steps as usual
         ctx.progress.enabled = not quiet
+        # Steps committed after the snapshot was saved: the dead controller may have deleted
+        # their decision keys already (retention), which would stop the walk over decisions
+        # at the snapshot's count, and a later abort would then land on a committed step.
+        # Every record of the current epoch in metrics.jsonl is a committed step of it.
+        recorded = [r["step"] for r in ctx.progress.records if r.get("epoch") == ctx.epoch]
+        if recorded and max(recorded) > ctx.committed:
+            ctx.events.emit("committed_from_metrics", snapshot=ctx.committed,
+                            recorded=max(recorded))
+            ctx.committed = max(recorded)
         # a request number taken by a controller that died before writing it would stall
         # the agent's queue: fill such holes with no-ops
         for node in range(ctx.procs.nnodes):

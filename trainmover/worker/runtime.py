@@ -672,6 +672,7 @@ class _Loop:
         if self.rt.tokens_per_step:
             record["tokens_per_s"] = round(self.rt.tokens_per_step / step_time, 1)
         record["worker"] = self.rt.name
+        record["epoch"] = self.ctx.epoch   # a resumed controller's committed count (resume)
         self.metrics.write(record)
 
     def _save_recording(self, recorder: Recorder, key: str, loss: float | None) -> None:
