@@ -371,6 +371,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _job_command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A command that acts on a running job, named by its run dir."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--run-dir", required=True, help="run directory of a running job")
+    return p
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover",
                                 description="Keep distributed PyTorch training running through "
@@ -407,32 +414,28 @@ def make_parser() -> argparse.ArgumentParser:
                      help="take over even if the current controller is alive (it steps down)")
     ctl.add_argument("--quiet", action="store_true")
     ctl.set_defaults(fn=cmd_controller)
-    mig = sub.add_parser("migrate", help="hand running workers' roles to standbys")
-    mig.add_argument("--run-dir", required=True, help="run directory of a running job")
+    mig = _job_command(sub, "migrate", "hand running workers' roles to standbys")
     mig.add_argument("--worker", action="append", required=True,
                      help="worker to migrate (repeat for several at once)")
     mig.add_argument("--to", action="append", help="standby to migrate to (one per --worker)")
     mig.add_argument("--no-wait", action="store_true", help="return once the request is queued")
     mig.add_argument("--timeout", type=float, default=600.0)
     mig.set_defaults(fn=cmd_migrate)
-    stat = sub.add_parser("status", help="a running job: roles, standbys, steps, what is in "
-                                          "flight, per-worker step times")
-    stat.add_argument("--run-dir", required=True, help="run directory of a running job")
+    stat = _job_command(sub, "status", "a running job: roles, standbys, steps, what is "
+                                       "in flight, per-worker step times")
     stat.add_argument("--json", action="store_true", help="one JSON object (for scripts)")
     stat.add_argument("--watch", action="store_true", help="refresh until interrupted")
     stat.add_argument("--interval", type=float, default=1.0, help="--watch refresh (s)")
     stat.set_defaults(fn=cmd_status)
-    dr = sub.add_parser("drain", help="move workers (or every worker of a host) to "
-                                      "standbys, as many at once as standbys allow, and "
-                                      "report when they are free (maintenance)")
-    dr.add_argument("--run-dir", required=True, help="run directory of a running job")
+    dr = _job_command(sub, "drain", "move workers (or every worker of a host) to standbys, "
+                                    "as many at once as standbys allow, and report when "
+                                    "they are free (maintenance)")
     dr.add_argument("--worker", action="append", help="worker to move (repeatable)")
     dr.add_argument("--host", type=int, help="move every worker of this host (its index)")
     dr.add_argument("--timeout", type=float, default=600.0, help="per batch")
     dr.set_defaults(fn=cmd_drain)
-    stop = sub.add_parser("stop", help="stop a running job gracefully (a checkpoint, then "
-                                         "every process exits); continue it with --resume")
-    stop.add_argument("--run-dir", required=True, help="run directory of a running job")
+    stop = _job_command(sub, "stop", "stop a running job gracefully (a checkpoint, then "
+                                     "every process exits); continue it with --resume")
     stop.add_argument("--reason", default="trainmover stop", help="recorded in the events")
     stop.add_argument("--no-wait", action="store_true", help="return once the request is sent")
     stop.add_argument("--timeout", type=float, default=600.0)
