@@ -17,12 +17,15 @@ def roles(dp, pp):
     return {f"w{i}": r for i, r in enumerate(Layout(dp, pp, 1).roles())}
 
 
-def run(layout_roles, compute, windows, noise=0.0, seed=0, tenure=None):
+def run(layout_roles, compute, windows, noise=0.0, seed=0, tenure=None, read_every=1):
     """Feed ``windows`` windows; ``compute(worker, role, step)`` is a step's compute time,
-    times a uniform ±``noise`` factor. Returns the verdicts, in order."""
+    times a uniform ±``noise`` factor. ``read_every``: the windows come in batches of that
+    many (a controller that reads less often than a window passes: the workers' messages
+    carry their recent windows). Returns the verdicts, in order."""
     rng = random.Random(seed)
     det = StragglerDetector(S)
     out = []
+    pending = []
     for k in range(windows):
         first, last = k * S.window, k * S.window + S.window - 1
         batch = []
@@ -32,8 +35,10 @@ def run(layout_roles, compute, windows, noise=0.0, seed=0, tenure=None):
             start = (tenure or {}).get(w, 0)
             if last < start:
                 continue
-            batch.append(Window(w, r, first, last, start, median(times)))
-        out += det.observe(batch)
+            pending.append(Window(w, r, first, last, start, median(times)))
+        if (k + 1) % read_every == 0 or k == windows - 1:
+            out += det.observe(pending)
+            pending = []
     return out
 
 
@@ -53,6 +58,21 @@ def test_a_slow_worker_is_detected_within_min_windows_of_the_onset():
     assert first.step == onset + (S.min_windows // 2 + 1) * S.window - 1
     assert first.reference == "peers" and abs(first.score - 1 / 1.3) < 0.01
     assert abs(first.excess_s - 0.03) < 1e-6
+
+
+def test_windows_read_in_batches_give_the_same_verdicts():
+    """A controller that reads the measurements every third window judges every window,
+    each against its peers' windows of the same steps, as one reading each window."""
+    def compute(w, r, s):
+        return 0.10 * (1.3 if w == "w1" and s >= 40 else 1.0)
+
+    def key(verdicts):
+        return sorted((v.worker, v.step, v.score, v.straggler) for v in verdicts)
+
+    one, batched = run(roles(2, 2), compute, 20, noise=0.1, seed=3), \
+        run(roles(2, 2), compute, 20, noise=0.1, seed=3, read_every=3)
+    assert key(batched) == key(one)
+    assert [v.step for v in batched if v.straggler][0] == 40 + 3 * S.window - 1
 
 
 def test_everyone_slowed_together_is_no_straggler():
@@ -146,9 +166,12 @@ def test_a_slow_worker_is_detected_and_moved_only_under_migrate(tmp_path, stragg
     assert [f["worker"] for f in found] == ["w1"], found
     s = cfg.straggler
     # the documented latency is min_windows // 2 + 1 windows after the onset (one more if
-    # the onset falls inside a window); two more are allowed for this shared 2-core machine
-    assert onset < found[0]["step"] <= onset + (s.min_windows // 2 + 4) * s.window, found
-    assert found[0]["reference"] == "peers" and found[0]["score"] < 1 / 1.15
+    # the onset falls inside a window); every window counts, however seldom the controller
+    # reads them (measured here: step 63 in 3 of 3 runs)
+    assert onset < found[0]["step"] <= onset + (s.min_windows // 2 + 2) * s.window, found
+    # the injected slowdown stretches the whole step, so the score says about 1 / 1.3
+    # (measured: 0.78-0.81 in 6 runs; the median of the 3 slow windows of 5 leans low)
+    assert found[0]["reference"] == "peers" and 1 / 1.45 < found[0]["score"] < 1 / 1.18
     moves = [m for m in summary["migrations"] if m["status"] == "done"]
     if policy == "alert":
         assert moves == [] and events_of(tmp_path, "straggler_migration") == []

@@ -1,4 +1,4 @@
-"""The controller's driver for slow workers: reads each worker's newest window of step
+"""The controller's driver for slow workers: reads each worker's recent windows of step
 measurements (``perf/<worker>``), asks the detector (``core/stragglers.py``) and applies
 the policy (``StragglerConfig``): ``alert`` reports a straggler (an event, a line, the
 summary), ``migrate`` also hands its role to a warm standby when the cost rule says so. The
@@ -42,8 +42,10 @@ class Stragglers:
         for w, role in sorted(holders.items()):
             perf = ctx.read(P.StepPerf, P.perf_key(w))
             if perf is not None and perf.role == role.name:
-                windows.append(Window(w, role, perf.first_step, perf.last_step,
-                                      perf.tenure_start, perf.compute_s))
+                recent = perf.recent or [P.PerfWindow(perf.first_step, perf.last_step,
+                                                      perf.compute_s)]
+                windows += [Window(w, role, r.first_step, r.last_step, perf.tenure_start,
+                                   r.compute_s) for r in recent]
         self.detector.keep_only(set(holders))
         self._flagged &= set(holders)
         for v in self.detector.observe(windows):

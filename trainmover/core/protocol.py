@@ -418,10 +418,22 @@ class Recover:
     rollback_from: str | None = None
 
 
+PERF_HISTORY = 8   # windows in StepPerf.recent
+
+
+@dataclass(frozen=True)
+class PerfWindow:
+    first_step: int
+    last_step: int
+    compute_s: float                 # median over the window's steps
+
+
 @dataclass(frozen=True)
 class StepPerf:
     """``perf/<worker>``: the worker's newest window of committed steps (medians), for the
-    straggler detector; overwritten every window."""
+    straggler detector; overwritten every window. ``recent`` repeats the compute medians of
+    its last ``PERF_HISTORY`` windows in this role (oldest first, this one last), so a
+    controller that reads the key less often than a window passes misses none."""
 
     role: str
     first_step: int
@@ -432,6 +444,7 @@ class StepPerf:
     wait_s: dict[str, float]         # time blocked per group slot (tp, dp, pp_prev, ...)
     load1: float | None = None       # the host's 1-minute load average
     steal: float | None = None       # share of CPU time stolen by the hypervisor
+    recent: list[PerfWindow] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ of its compute over the reference (the peers' median, else its baseline) is at l
 ``1 + min_shift``: a minimum shift and a minimum duration (with 5 windows, 3 of them slow),
 so one noisy window or a garbage-collection pause is not enough, nor does one lucky window
 hide a slow worker. It stays one until that median falls below ``1 + min_shift / 2``.
-``score`` = reference / own compute, as the resiliency extension scores ranks (1.0: as fast
-as the reference; 0.77: 1.3x slower).
+``score`` = reference / own compute over the same last windows (the reciprocal of the median
+ratio the rule uses, so one noisy window does not move it), as the resiliency extension
+scores ranks (1.0: as fast as the reference; 0.77: 1.3x slower).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class Window:
 class Verdict:
     worker: str
     role: str
-    score: float                 # reference / own compute (lower: slower)
+    score: float                 # reference / own compute, last windows (lower: slower)
     reference: str               # "peers" | "baseline"
     slow_windows: int            # consecutive windows over the shift so far
     straggler: bool              # the median of the last min_windows is over the shift
@@ -79,8 +80,10 @@ class Verdict:
 @dataclass
 class _Track:
     tenure_start: int
-    last: int = -1
-    history: list[float] = field(default_factory=list)   # this tenure's window medians
+    last: int = -1                                        # the newest window's last step
+    seen: int = 0                                         # windows seen in this tenure
+    baseline: list[float] = field(default_factory=list)   # the windows after settling
+    recent: list[tuple[int, Window]] = field(default_factory=list)  # (index, window)
     ratios: list[float] = field(default_factory=list)    # own / reference, last windows
     slow: int = 0                                         # consecutive slow windows
     straggler: bool = False
@@ -90,53 +93,64 @@ class StragglerDetector:
     def __init__(self, settings: DetectorSettings):
         self.s = settings
         self._tracks: dict[str, _Track] = {}
-        self._latest: dict[str, Window] = {}
 
     def keep_only(self, workers: set[str]) -> None:
         """Workers that left their roles (migrated, failed) take their history with them:
         they are no one's peers any more."""
         for w in [w for w in self._tracks if w not in workers]:
             self._tracks.pop(w, None)
-            self._latest.pop(w, None)
 
     def observe(self, windows: list[Window]) -> list[Verdict]:
-        """Feed new windows (each worker's newest; a window seen before is ignored); returns
-        a verdict for every worker judged on this call."""
+        """Feed windows (a worker's recent ones; one seen before is ignored); returns a
+        verdict for every new window judged, in step order. All of a call's windows are
+        taken in before any is judged, so a window is compared with its peers' windows of
+        the same steps when they came in the same call."""
         fresh = []
-        for w in windows:
+        for w in sorted(windows, key=lambda x: (x.worker, x.last)):
             track = self._tracks.get(w.worker)
             if track is None or track.tenure_start != w.tenure_start:
                 track = self._tracks[w.worker] = _Track(w.tenure_start)
             if w.last <= track.last:
                 continue
-            track.last = w.last
-            track.history.append(w.compute_s)
-            self._latest[w.worker] = w
-            fresh.append(w)
+            index, track.last = track.seen, w.last
+            track.seen += 1
+            if self.s.settle_windows <= index < self.s.settle_windows + self.s.baseline_windows:
+                track.baseline.append(w.compute_s)
+            # enough to find a peer's window within two windows of any being judged
+            track.recent = (track.recent + [(index, w)])[-(self.s.min_windows + 4):]
+            fresh.append((index, w))
         out = []
-        for w in fresh:
-            verdict = self._judge(w)
+        for index, w in sorted(fresh, key=lambda x: (x[1].last, x[1].worker)):
+            verdict = self._judge(index, w)
             if verdict is not None:
                 out.append(verdict)
         return out
 
-    def _settled(self, worker: str) -> bool:
-        return len(self._tracks[worker].history) > self.s.settle_windows
+    def _peer_window(self, track: _Track, w: Window) -> Window | None:
+        """The peer's settled window nearest ``w``'s steps (at most two windows away)."""
+        near = [(abs(p.last - w.last), p) for i, p in track.recent
+                if i >= self.s.settle_windows and abs(p.last - w.last) <= 2 * self.s.window]
+        return min(near, key=lambda x: x[0])[1] if near else None
 
-    def _judge(self, w: Window) -> Verdict | None:
+    def _judge(self, index: int, w: Window) -> Verdict | None:
         track = self._tracks[w.worker]
-        if not self._settled(w.worker):
+        if index < self.s.settle_windows:
             return None
-        peers = [p.compute_s for name, p in self._latest.items()
-                 if name != w.worker and p.role.pp == w.role.pp and p.role.tp == w.role.tp
-                 and self._settled(name) and abs(p.last - w.last) <= 2 * self.s.window]
+        peers = []
+        for name, other in self._tracks.items():
+            if name == w.worker or not other.recent:
+                continue
+            role = other.recent[-1][1].role
+            if role.pp == w.role.pp and role.tp == w.role.tp:
+                p = self._peer_window(other, w)
+                if p is not None:
+                    peers.append(p.compute_s)
         if peers:
             ref, kind = median(peers), "peers"
         else:
-            settled = track.history[self.s.settle_windows:]
-            if len(settled) <= self.s.baseline_windows:
+            if index < self.s.settle_windows + self.s.baseline_windows:
                 return None    # the baseline is still being taken
-            ref, kind = median(settled[:self.s.baseline_windows]), "baseline"
+            ref, kind = median(track.baseline), "baseline"
         own = w.compute_s
         if own <= 0 or ref <= 0:
             return None
@@ -147,7 +161,8 @@ class StragglerDetector:
         # worker near the threshold is not reported, cleared and reported again
         bar = 1.0 + (self.s.min_shift / 2 if track.straggler else self.s.min_shift)
         track.straggler = typical >= bar
-        return Verdict(w.worker, w.role.name, round(ref / own, 4), kind, track.slow,
+        return Verdict(w.worker, w.role.name, round(1.0 / median(track.ratios), 4), kind,
+                       track.slow,
                        track.straggler, own - ref, w.last)
 
 

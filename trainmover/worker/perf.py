@@ -41,8 +41,10 @@ class StepMeter:
         self.slow = slowdowns.get("slow")
         self.slowlink = slowdowns.get("slowlink")
         self._waits_at: dict[str, float] = {}
-        self._vote_s = 0.0
+        self._vote_s = self._vote_cpu_s = 0.0
+        self._after_vote_cpu: float | None = None
         self._rows: list[tuple[int, float, float, dict[str, float]]] = []
+        self._recent: list[P.PerfWindow] = []
         self._cpu = _cpu_times()
 
     def _active(self, fault: tuple[int, float] | None, step: int) -> float:
@@ -50,7 +52,8 @@ class StepMeter:
 
     def begin(self, step: int, groups: CommGroups) -> None:
         link = self._active(self.slowlink, step)
-        self._waits_at, self._vote_s = {}, 0.0
+        self._waits_at, self._vote_s, self._vote_cpu_s = {}, 0.0, 0.0
+        self._after_vote_cpu = None
         self._cpu_at = time.thread_time()
         for slot, g in groups.slots().items():
             g.slow_factor = link
@@ -63,25 +66,37 @@ class StepMeter:
             out["vote"] = self._vote_s   # waiting for the other workers' commit votes
         return out
 
-    def voted(self, seconds: float) -> None:
-        self._vote_s = seconds
+    def voted(self, seconds: float, cpu_s: float) -> None:
+        """The commit vote took ``seconds`` (waiting for the others), ``cpu_s`` of it this
+        thread's CPU (polling the store): not compute, or the peers that wait longest for a
+        straggler's vote would look busier than it."""
+        self._vote_s, self._vote_cpu_s = seconds, cpu_s
+        self._after_vote_cpu = time.thread_time()
 
     def before_vote(self, step: int, t_start: float, groups: CommGroups) -> None:
         """An injected compute slowdown: the step's compute so far, stretched (before the
-        commit point, so the peers wait for it as they would for a slow machine)."""
+        commit point, so the peers wait for it as they would for a slow machine); the rest
+        of the step (the optimizer) is stretched in ``end``."""
+        self._stretch(step, self._cpu_at)
+        self._after_vote_cpu = time.thread_time()   # reset by voted() when there is a vote
+
+    def _stretch(self, step: int, since_cpu: float) -> None:
         factor = self._active(self.slow, step)
         if factor > 1.0:
-            # a slower processor: the step's computation so far, once more (factor - 1)
+            # a slower processor: the computation since ``since_cpu``, once more (factor - 1)
             # times over, as CPU work (it shows in wall time and in CPU time alike)
-            target = time.thread_time() + (factor - 1.0) * (time.thread_time() - self._cpu_at)
+            target = time.thread_time() + (factor - 1.0) * (time.thread_time() - since_cpu)
             while time.thread_time() < target:
                 pass
 
     def end(self, step: int, step_s: float, groups: CommGroups) -> None:
+        if self._after_vote_cpu is not None:
+            # a slower processor is slower at the optimizer step too
+            self._stretch(step, self._after_vote_cpu)
         if not self.publish:
             return
         waits = self._waited(groups)
-        compute = time.thread_time() - self._cpu_at if self.cpu_time else \
+        compute = time.thread_time() - self._cpu_at - self._vote_cpu_s if self.cpu_time else \
             step_s - sum(waits.values())
         self._rows.append((step, step_s, compute, waits))
         if len(self._rows) < self.window:
@@ -93,8 +108,11 @@ class StepMeter:
             steal = round((cpu[1] - self._cpu[1]) / (cpu[0] - self._cpu[0]), 4)
         self._cpu = cpu
         slots = sorted({s for r in rows for s in r[3]})
+        compute_s = round(median(r[2] for r in rows), 6)
+        self._recent = (self._recent + [P.PerfWindow(rows[0][0], rows[-1][0], compute_s)]
+                        )[-P.PERF_HISTORY:]
         self.store.set(P.perf_key(self.name), P.write_message(P.StepPerf(
             self.role_name, rows[0][0], rows[-1][0], self.tenure_start,
-            round(median(r[1] for r in rows), 6), round(median(r[2] for r in rows), 6),
+            round(median(r[1] for r in rows), 6), compute_s,
             {s: round(median(r[3].get(s, 0.0) for r in rows), 6) for s in slots},
-            None if load is None else round(load, 2), steal)))
+            None if load is None else round(load, 2), steal, list(self._recent))))

@@ -660,11 +660,11 @@ class _Loop:
         if self.ctx.abort.is_set():
             return False   # doomed: no vote; the controller aborts the step everywhere
         info = {k: v for k, v in cur.metrics.items() if v is not None}
-        t_vote = time.perf_counter()
+        t_vote, cpu_vote = time.perf_counter(), time.thread_time()
         info["step_time_s"] = t_vote - cur.t_start
         decision = self.vote(cur.index, info)
         if self.meter is not None:
-            self.meter.voted(time.perf_counter() - t_vote)
+            self.meter.voted(time.perf_counter() - t_vote, time.thread_time() - cpu_vote)
         return decision
 
     def _write_metrics(self, step: int, step_time: float, metrics: dict) -> None:
