@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow test-gpu bench-step soak clean
+.PHONY: install demo test test-slow test-gpu bench-step soak vendor clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,20 @@ bench-step: install
 SOAK_MINUTES ?= 30
 soak: install
 	$(BIN)/trainmover bench soak --minutes $(SOAK_MINUTES)
+
+# The dashboard's chart library, from the npm registry, vendored into the package (committed:
+# a running job serves it, offline). Pinned by version and the tarball's sha256.
+UPLOT_VERSION ?= 1.6.32
+UPLOT_SHA256 ?= 4b8a8191e425658e3ea8c8c1314b0fc679c861ee3a1af2b20c7b16ba50b5133d
+vendor:
+	rm -rf .vendor && mkdir .vendor
+	cd .vendor && npm pack -q uplot@$(UPLOT_VERSION) >/dev/null && \
+		echo "$(UPLOT_SHA256)  uplot-$(UPLOT_VERSION).tgz" | sha256sum -c - && \
+		tar xzf uplot-$(UPLOT_VERSION).tgz
+	cp .vendor/package/dist/uPlot.iife.min.js .vendor/package/dist/uPlot.min.css \
+		trainmover/view/static/vendor/
+	cp .vendor/package/LICENSE trainmover/view/static/vendor/uPlot.LICENSE
+	rm -rf .vendor
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -20,6 +20,7 @@ class Job:
         self._thread: threading.Thread | None = None
         self._summary: dict | None = None
         self._error: BaseException | None = None
+        self.dashboard = None        # view.server.Dashboard when cfg.dashboard.port is set
 
     def start(self) -> "Job":
         def target():
@@ -28,9 +29,16 @@ class Job:
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._error = exc
 
+        dashboard = self.coordinator.cfg.dashboard
+        if dashboard.port is not None:
+            from trainmover.view.launch import check_dashboard
+            check_dashboard(dashboard)
         self._thread = threading.Thread(target=target, name="coordinator", daemon=True)
         self._thread.start()
         self.coordinator.started.wait()
+        if dashboard.port is not None and self._error is None:
+            from trainmover.view.server import start_dashboard
+            self.dashboard = start_dashboard(self.coordinator.run_dir, dashboard)
         return self
 
     def migrate(self, workers: list[str], to: list[str] | None = None,
@@ -54,13 +62,15 @@ class Job:
         cfg, step = resumable(run_dir)
         job = cls.__new__(cls)
         job.coordinator = Coordinator(cfg, run_dir, quiet, None, timeout_s, resume_from=step)
-        job._thread, job._summary, job._error = None, None, None
+        job._thread, job._summary, job._error, job.dashboard = None, None, None, None
         return job
 
     def wait(self, timeout_s: float | None = None) -> dict:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise TimeoutError(f"job still running after {timeout_s} s")
+        if self.dashboard is not None:
+            self.dashboard.stop()
         if self._error is not None:
             raise self._error
         return self._summary

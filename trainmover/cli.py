@@ -17,6 +17,7 @@ RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
                  "checkpoint_every": "checkpoint_every", "keep_checkpoints": "checkpoint_keep",
                  "snapshot_every": "snapshot_every", "stragglers": "straggler_policy",
                  "rebalance_every": "maintenance_rebalance_every_s",
+                 "dashboard": "dashboard_port", "dashboard_host": "dashboard_host",
                  "controller_restart": "controller_restart", "verify_every": "health_verify_every",
                  "nnodes": "hosts_nnodes", "nproc_per_node": "hosts_nproc_per_node",
                  "store_host": "process_store_host", "store_port": "process_store_port"}
@@ -111,6 +112,12 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rebalance-every", type=float, metavar="SECONDS",
                    help="rolling maintenance: every SECONDS move the next worker (in turn) "
                         "onto a warm standby (default 0: never)")
+    p.add_argument("--dashboard", type=int, metavar="PORT",
+                   help="serve a live dashboard and Prometheus /metrics on PORT (0: any free "
+                        "port); the sign-in link is printed on a terminal and written to "
+                        "<run dir>/dashboard.json")
+    p.add_argument("--dashboard-host", metavar="ADDR",
+                   help="address the dashboard listens on (default 127.0.0.1)")
     p.add_argument("--verify-every", type=int, metavar="N",
                    help="compare the data-parallel replicas' state digests every N steps "
                         "(default 0: at the end only)")
@@ -209,6 +216,11 @@ def run_until_done(coord) -> dict:
                   f"exits); send it again to stop at once", file=sys.stderr, flush=True)
             coord.request_stop(name)
 
+    from trainmover.view.launch import check_dashboard, serve_when_started
+
+    check_dashboard(coord.cfg.dashboard)
+    serve_when_started(coord.started, coord.run_dir, coord.cfg.dashboard,
+                       say=lambda line: print(line, flush=True))
     previous = {sig: signal.signal(sig, handler)
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
@@ -278,7 +290,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_controller(args: argparse.Namespace) -> int:
     from trainmover.control.coordinator import Coordinator, Superseded
 
+    from trainmover.view.launch import check_dashboard, serve_when_started
+
     coord = Coordinator.resume(args.resume, quiet=args.quiet, force=args.force)
+    try:
+        check_dashboard(coord.cfg.dashboard)
+    except ValueError as exc:   # the job is running: it goes on without its dashboard
+        print(f"trainmover: dashboard not started: {exc}", file=sys.stderr)
+    else:
+        serve_when_started(coord.started, coord.run_dir, coord.cfg.dashboard,
+                           say=lambda line: print(line, flush=True))
     try:
         summary = coord.run()
     except Superseded as exc:
@@ -315,6 +336,39 @@ def cmd_status(args: argparse.Namespace) -> int:
         if not args.watch:
             return 0
         time.sleep(args.interval)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from trainmover.core.config import DashboardConfig
+    from trainmover.view.launch import announce, check_dashboard
+    from trainmover.view.server import start_dashboard
+
+    if not os.path.exists(os.path.join(args.run_dir, "events.jsonl")):
+        raise ValueError(f"--run-dir {args.run_dir!r} holds no job (no events.jsonl)")
+    cfg = DashboardConfig(port=args.port, host=args.host)
+    cfg.validate()
+    check_dashboard(cfg)
+    board = start_dashboard(args.run_dir, cfg)
+    print(announce(board, args.run_dir) if not args.url else board.login_url, flush=True)
+    try:
+        while board.thread.is_alive():
+            board.thread.join(1.0)
+    except KeyboardInterrupt:
+        board.stop()
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from trainmover.view.report import write_report
+
+    if not os.path.exists(os.path.join(args.run_dir, "events.jsonl")):
+        raise ValueError(f"{args.run_dir!r} holds no job (no events.jsonl)")
+    for path in args.bench or []:
+        if not os.path.isfile(path):
+            raise ValueError(f"--bench {path!r}: no such file")
+    paths = write_report(args.run_dir, args.out, args.bench)
+    print(json.dumps(paths, indent=2))
+    return 0
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -434,6 +488,21 @@ def make_parser() -> argparse.ArgumentParser:
     dr.add_argument("--host", type=int, help="move every worker of this host (its index)")
     dr.add_argument("--timeout", type=float, default=600.0, help="per batch")
     dr.set_defaults(fn=cmd_drain)
+    dash = sub.add_parser("dashboard", help="serve the live dashboard and Prometheus /metrics "
+                                            "of a job (running or finished)")
+    dash.add_argument("--run-dir", required=True, help="the job's run directory")
+    dash.add_argument("--port", type=int, default=0, help="TCP port (default 0: any free)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    dash.add_argument("--url", action="store_true",
+                      help="print the sign-in link (a credential) even when not on a terminal")
+    dash.set_defaults(fn=cmd_dashboard)
+    rep = sub.add_parser("report", help="PNG plots and one self-contained HTML page of a run "
+                                        "(into RUN_DIR/report/)")
+    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    rep.add_argument("--bench", action="append", metavar="FILE",
+                     help="a bench result (benchmarks/results/*.json) to plot beside it")
+    rep.set_defaults(fn=cmd_report)
     stop = _job_command(sub, "stop", "stop a running job gracefully (a checkpoint, then "
                                      "every process exits); continue it with --resume")
     stop.add_argument("--reason", default="trainmover stop", help="recorded in the events")
@@ -494,6 +563,13 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--recipe", default="demo")
     src.add_argument("--out", default="benchmarks/results")
     src.set_defaults(fn=cmd_bench)
+    vw = bsub.add_parser("view", help="what the dashboard and metrics cost the step, and how "
+                                      "fast a running job's status answers")
+    vw.add_argument("--steps", type=int, default=300)
+    vw.add_argument("--repeats", type=int, default=3)
+    vw.add_argument("--recipe", default="demo")
+    vw.add_argument("--out", default="benchmarks/results")
+    vw.set_defaults(fn=cmd_bench)
     soak = bsub.add_parser("soak", help="a long job disrupted every ~20 s (crash, hang, "
                                         "migration, controller and standby kills), checked "
                                         "against the same job without events")

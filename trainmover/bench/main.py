@@ -563,6 +563,11 @@ def main(args) -> int:
         bench_sources(args.repeats, args.steps, args.every, args.crash_step, args.recipe,
                       args.out)
         return 0
+    if args.bench == "view":
+        from trainmover.bench.view import bench_view
+
+        bench_view(args.steps, args.repeats, args.recipe, args.out)
+        return 0
     if args.bench == "soak":
         from trainmover.bench.soak import bench_soak
 

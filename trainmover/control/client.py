@@ -43,11 +43,12 @@ def connect(run_dir: str) -> AuthStore:
 
 
 def request_migration(run_dir: str, workers: list[str], to: list[str] | None = None,
-                      wait: bool = True, timeout_s: float = 600.0) -> dict:
+                      wait: bool = True, timeout_s: float = 600.0,
+                      source: str = "cli") -> dict:
     """Queue a migration request; with ``wait``, block until it is done, refused or aborted."""
     store = connect(run_dir)
     index = store.add(P.REQUEST_COUNT_KEY, 1)
-    store.set(P.request_key(index), P.write_message(P.MigrationAsk(list(workers), to)))
+    store.set(P.request_key(index), P.write_message(P.MigrationAsk(list(workers), to, source)))
     deadline = time.monotonic() + timeout_s
     status = {"status": "queued"}
     while time.monotonic() < deadline:

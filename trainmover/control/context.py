@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -31,16 +32,57 @@ def worker_names(n: int, prefix: str = "w") -> list[str]:
 RECORDS_KEPT = 2000
 
 
+class LiveLine:
+    """One status line redrawn in place on a terminal (rich), with messages printed above
+    it; None where stdout is not a terminal or rich is not installed (plain lines then)."""
+
+    MIN_INTERVAL_S = 0.1       # redraws per second, at most 10: a terminal is not free
+
+    @classmethod
+    def make(cls) -> "LiveLine | None":
+        if not sys.stdout.isatty() or os.environ.get("TRAINMOVER_PLAIN"):
+            return None
+        try:
+            from rich.console import Console
+            from rich.live import Live
+        except ImportError:
+            return None
+        return cls(Live(console=Console(), auto_refresh=False, transient=False,
+                        redirect_stdout=True, redirect_stderr=True))
+
+    def __init__(self, live):
+        self.live, self._drawn_at = live, 0.0
+        self.live.start()
+
+    def show(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._drawn_at >= self.MIN_INTERVAL_S:
+            self._drawn_at = now
+            from rich.text import Text
+            self.live.update(Text(text), refresh=True)    # as written: no number colouring
+
+    def say(self, text: str) -> None:
+        self.live.console.print(text, markup=False, highlight=False)
+
+    def close(self) -> None:
+        self.live.stop()
+
+
 @dataclass
 class Progress:
-    """Tails metrics.jsonl; prints one line per committed step; keeps the newest records."""
+    """Tails metrics.jsonl and keeps the newest records; shows each committed step: a live
+    line on a terminal (step, loss, tokens/s, ETA, warm standbys), else one plain line per
+    step (logs, CI)."""
 
     path: str
     total_steps: int
     enabled: bool = True
     records: list = field(default_factory=list)
+    standbys: tuple[int, int] = (0, 0)        # (warm, all), kept current by the controller
     _offset: int = 0
     _buf: str = ""
+    _live: LiveLine | None = None
+    _live_tried: bool = False
 
     @property
     def last_step(self) -> int:
@@ -67,18 +109,57 @@ class Progress:
             self.records.append(rec)
             if len(self.records) > 2 * RECORDS_KEPT:
                 del self.records[:-RECORDS_KEPT]
-            if self.enabled:
-                loss = rec.get("loss")
-                total = f"/{self.total_steps}" if self.total_steps else ""
-                print(f"step {rec['step'] + 1:>5}{total}  "
-                      + (f"loss {loss:.4f}  " if isinstance(loss, (int, float)) else "")
-                      + f"{rec['step_time_s'] * 1000:8.1f} ms/step  "
-                      + (f"{rec['tokens_per_s']:>10.0f} tok/s  " if "tokens_per_s" in rec else "")
-                      + f"[{rec['worker']}]", flush=True)
+            if self.enabled and self._display() is None:
+                print(self._line(rec) + f"[{rec['worker']}]", flush=True)
+        if self.enabled and self._display() is not None and lines:
+            self._show(self.records[-1])   # the newest; a redraw per step would cost more
+
+    def _line(self, rec: dict) -> str:
+        loss = rec.get("loss")
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        return (f"step {rec['step'] + 1:>5}{total}  "
+                + (f"loss {loss:.4f}  " if isinstance(loss, (int, float)) else "")
+                + f"{rec['step_time_s'] * 1000:8.1f} ms/step  "
+                + (f"{rec['tokens_per_s']:>10.0f} tok/s  " if "tokens_per_s" in rec else ""))
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the median step time of the newest steps (None: unknown)."""
+        if not self.total_steps or not self.records:
+            return None
+        recent = sorted(r["step_time_s"] for r in self.records[-50:])
+        return max(0, self.total_steps - self.last_step - 1) * recent[len(recent) // 2]
+
+    def _display(self) -> "LiveLine | None":
+        if not self._live_tried:
+            self._live_tried, self._live = True, LiveLine.make()
+        return self._live
+
+    def _show(self, rec: dict) -> None:
+        eta = self.eta_s()
+        warm, count = self.standbys
+        self._live.show(self._line(rec)
+                        + (f"ETA {_duration(eta)}  " if eta is not None else "")
+                        + (f"standbys warm {warm}/{count}" if count else "no standbys"),
+                        force=rec["step"] + 1 == self.total_steps)
 
     def say(self, text: str) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self._live is not None:
+            self._live.say(f"trainmover: {text}")
+        else:
             print(f"trainmover: {text}", flush=True)
+
+    def close(self) -> None:
+        """Give the terminal back (the live line)."""
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 class JobContext:

@@ -425,6 +425,7 @@ class Coordinator:
             raise
         finally:
             self.started.set()
+            ctx.progress.close()
         self._stop_all()  # standbys still waiting
         ctx.progress.poll()
         self._finish_downtimes(final=True)
@@ -464,6 +465,9 @@ class Coordinator:
         self._check_incarnation()
         for name, pid in ctx.procs.refresh():
             self.retention.process_exited(name, pid)
+        standbys = ctx.membership.standbys
+        ctx.progress.standbys = (sum(1 for st in standbys.values() if st is C.StandbyState.WARM),
+                                 len(standbys))
         ctx.progress.poll()
         self.watch.check_exits(self.recovery.failed_workers)
         self.watch.update_standbys()

@@ -37,7 +37,8 @@ def drain(run_dir: str, workers: list[str] | None = None, host: int | None = Non
                     "moved": moved, "batches": batches}
         batch = [w for w in wanted if w not in moved][:len(free)]
         say(f"draining {', '.join(batch)} -> {', '.join(free[:len(batch)])}")
-        result = request_migration(run_dir, batch, free[:len(batch)], timeout_s=timeout_s)
+        result = request_migration(run_dir, batch, free[:len(batch)], timeout_s=timeout_s,
+                                   source="drain")
         batches.append(result)
         if result.get("status") != "done":
             return {"status": result.get("status", "failed"), "reason": result.get("reason"),

@@ -95,7 +95,7 @@ class Migrations:
                 ctx.put(P.request_key(idx, "done"),
                         P.encode({"status": "refused", "reason": f"malformed request: {exc}"}))
                 continue
-            req = MigrationRequest(ask.workers, ask.to, "cli", store_index=idx)
+            req = MigrationRequest(ask.workers, ask.to, ask.source, store_index=idx)
             self.pending.append(req)
             if self.active is not None or len(self.pending) > 1:
                 self.answer(req, {"status": "queued",
@@ -218,7 +218,8 @@ class Migrations:
                 ctx.retire(j)
         ctx.events.emit("migration_aborted", migration_id=mid, reason=reason)
         ctx.progress.say(f"migration {mid} aborted: {reason}; the job continues unchanged")
-        result = {"status": "aborted", "reason": reason, **mig.plan.describe()}
+        result = {"status": "aborted", "reason": reason, **mig.plan.describe(),
+                  "source": mig.request.source}
         self.finished.append(result)
         self.answer(mig.request, result)
         self.active = None
@@ -261,6 +262,7 @@ class Migrations:
                 ctx.retire(p.joiner)
         ctx.put(P.mig_key(mid, "abort"), reason)   # participants still preparing drop it
         result = {"status": "interrupted", "reason": reason, **plan.describe(),
+                  "source": mig.request.source,
                   "committed_pairs": [p.leaver for p in done],
                   "abandoned_pairs": [p.leaver for p in rest]}
         ctx.events.emit("migration_interrupted", **result)
@@ -333,7 +335,8 @@ class Migrations:
             "first_step_s": max(r.first_step_s for r in joiner_r),
             "normal_step_s": normal,
         }
-        result = {"status": "done", **plan.describe(), "switch_step": mig.switch_step,
+        result = {"status": "done", **plan.describe(), "source": mig.request.source,
+                  "switch_step": mig.switch_step,
                   "downtime_s": downtime, "phases": phases,
                   "transfer_bytes": sum(r.transfer_bytes for r in leaver_r),
                   "stayer_peak_rss_growth": max(rss_growth) if rss_growth else None,

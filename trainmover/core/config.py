@@ -457,6 +457,28 @@ class MaintenanceConfig:
 
 
 @dataclass
+class DashboardConfig:
+    """The operator view the controller serves (``view/server.py``): a live page and a
+    Prometheus ``/metrics``, behind a token derived from the job's secret."""
+
+    port: int | None = None        # None: no dashboard; 0: any free port
+    host: str = "127.0.0.1"        # loopback: only this machine's users (who need the token)
+    refresh_s: float = 1.0         # the page's poll period; the server reads the logs at most
+                                   # this often, however many pages are open
+    history: int = 300             # step measurements kept per worker for the page's chart
+
+    def validate(self) -> None:
+        if self.port is not None and not (isinstance(self.port, int) and 0 <= self.port < 65536):
+            raise ValueError(f"dashboard.port={self.port!r} must be a TCP port (0: any free)")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"dashboard.host={self.host!r} must be an address to listen on")
+        if not self.refresh_s > 0:
+            raise ValueError(f"dashboard.refresh_s={self.refresh_s!r} must be > 0")
+        if not (isinstance(self.history, int) and self.history >= 10):
+            raise ValueError(f"dashboard.history={self.history!r} must be >= 10")
+
+
+@dataclass
 class ControllerConfig:
     """The controller process: its supervision rounds, how it stops processes, and what
     happens when it dies. It may die without stopping training (the agent hosts the store and
@@ -565,6 +587,7 @@ class JobConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     maintenance: MaintenanceConfig = field(default_factory=MaintenanceConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
@@ -578,7 +601,7 @@ class JobConfig:
     def validate(self) -> "JobConfig":
         for section in (self.process, self.comm, self.standby, self.health, self.recovery,
                         self.checkpoint, self.snapshot, self.straggler, self.maintenance,
-                        self.controller, self.agent):
+                        self.dashboard, self.controller, self.agent):
             section.validate()
         self.baseline.validate(self.checkpoint)
         self.hosts.validate(self.layout.num_roles, self.layout.tp)

@@ -523,10 +523,12 @@ class SwitchReport:
 
 @dataclass(frozen=True)
 class MigrationAsk:
-    """``req/<n>``: a migration asked for from outside the job (``trainmover migrate``)."""
+    """``req/<n>``: a migration asked for from outside the job (``trainmover migrate``,
+    ``drain``, the dashboard: ``source``)."""
 
     workers: list[str]
     to: list[str] | None = None
+    source: str = "cli"
 
 
 @dataclass(frozen=True)

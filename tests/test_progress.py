@@ -1,0 +1,47 @@
+"""The controller's progress display: a live line (rich) on a terminal, plain lines
+elsewhere."""
+import io
+import json
+import sys
+
+from trainmover.control.context import Progress
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def metrics_file(tmp_path, steps, step_time=0.5):
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "w") as f:
+        for s in range(steps):
+            f.write(json.dumps({"step": s, "loss": 3.0 - s / 100, "step_time_s": step_time,
+                                "tokens_per_s": 1000.0, "worker": "w1"}) + "\n")
+    return str(path)
+
+
+def test_a_terminal_gets_one_live_line_with_eta_and_standbys(tmp_path, monkeypatch):
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.delenv("TRAINMOVER_PLAIN", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    p = Progress(metrics_file(tmp_path, 10), total_steps=100)
+    p.standbys = (1, 2)
+    p.poll()
+    p.say("a message")
+    shown = out.getvalue()
+    p.close()
+    # 90 steps left at 0.5 s each
+    assert "step    10/100" in shown and "ETA 0m45s" in shown
+    assert "standbys warm 1/2" in shown and "a message" in shown
+    assert "[w1]" not in shown                 # not one plain line per step
+    assert "\x1b[" in shown                    # redrawn in place
+
+
+def test_elsewhere_one_plain_line_per_step(tmp_path, capsys):
+    p = Progress(metrics_file(tmp_path, 3), total_steps=3)
+    p.poll()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[-1].startswith("step     3/3") and lines[-1].endswith("[w1]")
+    assert p.eta_s() == 0
