@@ -221,3 +221,42 @@ def test_a_dashboard_port_in_use_or_out_of_range_is_refused_before_launch(tmp_pa
         assert not (run_dir / "events.jsonl").exists()   # nothing was launched
     assert main(["run", "--recipe", "tiny", "--steps", "2", "--dashboard", "70000",
                  "--run-dir", str(tmp_path / "other"), "--quiet"]) == 2
+
+
+@pytest.mark.timeout(240)
+def test_status_answers_from_the_controllers_file_without_torch_and_matches_the_store(
+        tmp_path):
+    import subprocess
+    import sys
+
+    from trainmover.control.status import read_status, read_status_file
+
+    run_dir = str(tmp_path / "run")
+    running = Job(job(steps=3000, standbys=1), run_dir, timeout_s=220).start()
+    try:
+        wait_for(lambda: (s := read_status_file(run_dir, 3.0)) is not None and
+                 s.committed_step > 5 and s.standbys and s.standbys[0].state == "warm",
+                 120, "a status file with a warm standby")
+        probe = ("import json, sys; from trainmover.cli import main; "
+                 f"rc = main(['status', '--run-dir', {run_dir!r}, '--json']); "
+                 "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules}))")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))})
+        lines = out.stdout.strip().splitlines()
+        verdict = json.loads(lines[-1])
+        shown = json.loads("\n".join(lines[:-1]))
+        assert verdict == {"rc": 0, "torch": False}, out.stderr
+        assert shown["source"] == "controller"
+        assert {w["name"]: w["role"] for w in shown["workers"]} == \
+            {"w0": "dp0.pp0.tp0", "w1": "dp0.pp1.tp0", "w2": "dp1.pp0.tp0", "w3": "dp1.pp1.tp0"}
+        # the store's view (what status reads while the controller is down) says the same
+        from_store = read_status(run_dir)
+        assert from_store.source == "store"
+        assert [(w.name, w.role, w.pid) for w in from_store.workers] == \
+            [(w["name"], w["role"], w["pid"]) for w in shown["workers"]]
+        assert [(s.name, s.pid) for s in from_store.standbys] == \
+            [(s["name"], s["pid"]) for s in shown["standbys"]]
+    finally:
+        running.stop("test done")
+    running.wait(200)

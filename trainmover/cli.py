@@ -321,12 +321,19 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from trainmover.control.client import connect
-    from trainmover.control.status import read_status, render
+    from trainmover.control.status import (fresh_limit_s, read_status, read_status_file,
+                                           render)
 
-    store = connect(args.run_dir)
+    fresh_s = fresh_limit_s(args.run_dir)
+    store = None
     while True:
-        st = read_status(args.run_dir, store)
+        # the controller's status.json while it is fresh (no torch import, no store); else
+        # the store, which also answers while the controller is down
+        st = read_status_file(args.run_dir, fresh_s)
+        if st is None:
+            from trainmover.control.client import connect
+            store = store or connect(args.run_dir)
+            st = read_status(args.run_dir, store)
         if args.json:
             print(json.dumps(dataclasses.asdict(st), indent=2))
         else:
@@ -563,6 +570,27 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--recipe", default="demo")
     src.add_argument("--out", default="benchmarks/results")
     src.set_defaults(fn=cmd_bench)
+    et = bsub.add_parser("ettr", help="effective training time ratio with a worker moved to a "
+                                      "standby every --every seconds, beside restart")
+    et.add_argument("--minutes", type=float, default=10.0, help="length of each run")
+    et.add_argument("--every", type=float, default=60.0, help="seconds between moves")
+    et.add_argument("--repeats", type=int, default=3)
+    et.add_argument("--recipe", default="demo")
+    et.add_argument("--out", default="benchmarks/results")
+    et.add_argument("--json", metavar="FILE", help="also write {\"results\": [...]} here")
+    et.set_defaults(fn=cmd_bench)
+    sg = bsub.add_parser("straggler", help="one worker slowed from a step on: detection "
+                                           "latency and efficiency loss, trainmover vs "
+                                           "restart-immediately vs defer")
+    sg.add_argument("--steps", type=int, default=400)
+    sg.add_argument("--onset", type=int, default=60, help="the step the slowdown starts")
+    sg.add_argument("--factor", type=float, default=1.2, help="compute slowdown (1.2: 20%%)")
+    sg.add_argument("--repeats", type=int, default=3)
+    sg.add_argument("--every", type=int, default=50, help="checkpoint interval (steps)")
+    sg.add_argument("--recipe", default="demo")
+    sg.add_argument("--out", default="benchmarks/results")
+    sg.add_argument("--json", metavar="FILE", help="also write {\"results\": [...]} here")
+    sg.set_defaults(fn=cmd_bench)
     vw = bsub.add_parser("view", help="what the dashboard and metrics cost the step, and how "
                                       "fast a running job's status answers")
     vw.add_argument("--steps", type=int, default=300)

@@ -563,6 +563,17 @@ def main(args) -> int:
         bench_sources(args.repeats, args.steps, args.every, args.crash_step, args.recipe,
                       args.out)
         return 0
+    if args.bench == "ettr":
+        from trainmover.bench.ettr import bench_ettr
+
+        bench_ettr(args.minutes, args.every, args.repeats, args.recipe, args.out, args.json)
+        return 0
+    if args.bench == "straggler":
+        from trainmover.bench.stragglers import bench_straggler
+
+        bench_straggler(args.steps, args.onset, args.factor, args.repeats, args.every,
+                        args.recipe, args.out, args.json)
+        return 0
     if args.bench == "view":
         from trainmover.bench.view import bench_view
 

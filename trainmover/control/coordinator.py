@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import asdict
 from datetime import timedelta
 
 from trainmover.control.baseline import Restarts
@@ -47,6 +48,7 @@ from trainmover.control.recovery import ActiveRecovery, Recovery
 from trainmover.control.replicas import Replicas
 from trainmover.control.retention import Retention
 from trainmover.control.stopping import Stopping
+from trainmover.control.status import status_from_state, write_status_file
 from trainmover.control.stragglers import Stragglers
 from trainmover.control.supervision import ProcessWatch
 from trainmover.core import decisions as C
@@ -97,7 +99,7 @@ class Coordinator:
         self.resume_from = resume_from
         self._data_kept = False
         self._saved: str | None = None
-        self._saved_at = float("-inf")
+        self._saved_at = self._status_at = float("-inf")
         self._agent_proc: subprocess.Popen | None = None
         self._incarnation_checked_at = 0.0
         self._requests_read_at = 0.0
@@ -271,7 +273,11 @@ class Coordinator:
         if force or busy or now - self._saved_at >= self.cfg.controller.snapshot_interval_s:
             self._saved_at = now
             exits_seen = ctx.procs.exits_seen
-            blob = SNAPSHOT_CODEC.dumps(self._snapshot())
+            state = self._snapshot()
+            blob = SNAPSHOT_CODEC.dumps(state)
+            if now - self._status_at >= self.cfg.controller.status_interval_s:
+                self._status_at = now
+                self._write_status(state)
             if blob != self._saved:
                 ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, blob)
                 self._saved = blob
@@ -284,6 +290,17 @@ class Coordinator:
             else:
                 ctx.procs.send(item[1], item[2])
         ctx.outbox = []
+
+    def _write_status(self, state: dict) -> None:
+        """``status.json`` for ``trainmover status`` (``control/status.py``)."""
+        store = self.ctx.store
+        keys = store.raw.num_keys() if hasattr(store, "raw") else None
+        perf = {w: asdict(p) for w, p in self.stragglers.latest.items()}
+        try:
+            write_status_file(self.run_dir, status_from_state(state, perf, os.getpid(), keys,
+                                                              source="controller"))
+        except OSError as exc:   # a full disk must not stop the job: status falls back
+            self.ctx.events.emit("status_not_written", level="warning", error=str(exc))
 
     @classmethod
     def resume(cls, run_dir: str, quiet: bool = False, force: bool = False) -> "Coordinator":

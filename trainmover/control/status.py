@@ -1,16 +1,27 @@
 """A running job as seen from outside it: who holds which role, the standbys, the processes'
-PIDs, the last committed step, what is in flight. Read from the controller's snapshot in the
-job's store (authenticated with the run dir's secret, so only the job's owner can read it)
-and from the agent's process records; nothing is asked of the controller, so this works
-while the controller is down or being restarted (the view is then as of its last save)."""
+PIDs, the last committed step, what is in flight.
+
+Two sources, one shape (``JobStatus``): the controller writes ``<run dir>/status.json``
+(mode 0600) every ``controller.status_interval_s`` from its live state, which a reader
+takes without importing torch or touching the store (``trainmover status`` answers in tens
+of milliseconds); when that file is stale (the controller is down or being restarted),
+``read_status`` reads the controller's snapshot in the job's store (authenticated with the
+run dir's secret) and the agent's process records instead, so status works then too (the
+view is as of the last save)."""
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import asdict, dataclass, field
 
-from trainmover.control.client import connect
-from trainmover.control.coordinator import SNAPSHOT_CODEC
 from trainmover.core import protocol as P
 from trainmover.core.proc import pid_alive
+
+STATUS_FILE = "status.json"
+# status.json older than this many of the controller's write intervals is stale (the
+# controller is down, or too busy to write it): the store is read instead
+STATUS_FRESH_INTERVALS = 3
 
 
 @dataclass
@@ -38,18 +49,17 @@ class JobStatus:
     recoveries: list[dict] = field(default_factory=list)
     stragglers: list[dict] = field(default_factory=list)
     store_keys: int | None = None
+    as_of: float | None = None               # when this view was taken (unix seconds)
+    source: str = "store"                    # "controller" (status.json) | "store"
 
     def free_standbys(self, state: str = "warm") -> list[str]:
         return [s.name for s in self.standbys if s.state == state and s.alive]
 
 
-def read_status(run_dir: str, store=None) -> JobStatus:
-    """The job's status now; raises ValueError if it cannot be read (not running, no
-    snapshot yet). ``store``: a client from ``client.connect`` to reuse."""
-    store = store or connect(run_dir)
-    if not store.check([P.CONTROLLER_SNAPSHOT_KEY]):
-        raise ValueError(f"the job in {run_dir!r} has no controller snapshot yet")
-    state = SNAPSHOT_CODEC.loads(store.get(P.CONTROLLER_SNAPSHOT_KEY))
+def status_from_state(state: dict, perf: dict[str, dict | None], controller_pid: int | None,
+                      store_keys: int | None = None, source: str = "store") -> JobStatus:
+    """The status in a controller's state (``Coordinator._snapshot()``: live, or as read
+    back from the store); ``perf``: each worker's newest ``StepPerf`` as a dict."""
     ctx, procs = state["ctx"], state["ctx"]["procs"]
     m = ctx["membership"]
 
@@ -59,23 +69,79 @@ def read_status(run_dir: str, store=None) -> JobStatus:
         alive = view is not None and view.code is None and pid is not None and pid_alive(pid)
         return ProcessStatus(name, pid, view.node if view is not None else 0, alive, **extra)
 
-    controller = None
-    if store.check([P.CONTROLLER_KEY]):
-        controller = P.read_message(P.ControllerInfo, store.get(P.CONTROLLER_KEY))
     mig, rec = state["migrations"]["active"], state["recovery"]["active"]
     return JobStatus(
         committed_step=ctx["committed"], epoch=ctx["epoch"],
-        workers=[proc(w, role=r.name, perf=_perf(store, w))
-                 for w, r in sorted(m.workers.items())],
+        workers=[proc(w, role=r.name, perf=perf.get(w)) for w, r in sorted(m.workers.items())],
         standbys=[proc(s, state=st.value) for s, st in sorted(m.standbys.items())],
-        controller_pid=controller.pid if controller else None,
-        controller_alive=bool(controller and pid_alive(controller.pid)),
+        controller_pid=controller_pid,
+        controller_alive=bool(controller_pid and pid_alive(controller_pid)),
         migration_in_flight=None if mig is None else mig.plan.migration_id,
         recovery_in_flight=None if rec is None else rec.recovery_id,
         migrations=list(state["migrations"]["finished"]),
         recoveries=list(state["recovery"]["done"]),
         stragglers=list(state.get("stragglers", {}).get("found", [])),
-        store_keys=store.raw.num_keys() if hasattr(store, "raw") else None)
+        store_keys=store_keys, as_of=time.time(), source=source)
+
+
+def write_status_file(run_dir: str, status: JobStatus) -> None:
+    """``status.json``, replaced atomically (a reader never sees half of it)."""
+    path = os.path.join(run_dir, STATUS_FILE)
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(status), f)
+    os.replace(path + ".tmp", path)
+
+
+def fresh_limit_s(run_dir: str) -> float:
+    """How old the job's status.json may be and still be read (its job.json's interval)."""
+    from trainmover.core.config import JobConfig
+
+    path = os.path.join(run_dir, "job.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{run_dir!r} holds no job (no job.json)")
+    with open(path) as f:
+        cfg = JobConfig.from_dict(json.load(f))
+    return STATUS_FRESH_INTERVALS * cfg.controller.status_interval_s
+
+
+def read_status_file(run_dir: str, max_age_s: float) -> JobStatus | None:
+    """The controller's ``status.json`` if it is at most ``max_age_s`` old and its writer
+    still runs; else None (read the store)."""
+    try:
+        with open(os.path.join(run_dir, STATUS_FILE)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or time.time() - (data.get("as_of") or 0) > max_age_s:
+        return None
+    if not (data.get("controller_pid") and pid_alive(data["controller_pid"])):
+        return None
+    try:
+        data["workers"] = [ProcessStatus(**w) for w in data["workers"]]
+        data["standbys"] = [ProcessStatus(**s) for s in data["standbys"]]
+        return JobStatus(**data)
+    except TypeError:
+        return None     # written by another version: read the store
+
+
+def read_status(run_dir: str, store=None) -> JobStatus:
+    """The job's status now, from the store; raises ValueError if it cannot be read (not
+    running, no snapshot yet). ``store``: a client from ``client.connect`` to reuse."""
+    from trainmover.control.client import connect
+    from trainmover.control.coordinator import SNAPSHOT_CODEC
+
+    store = store or connect(run_dir)
+    if not store.check([P.CONTROLLER_SNAPSHOT_KEY]):
+        raise ValueError(f"the job in {run_dir!r} has no controller snapshot yet")
+    state = SNAPSHOT_CODEC.loads(store.get(P.CONTROLLER_SNAPSHOT_KEY))
+    controller = None
+    if store.check([P.CONTROLLER_KEY]):
+        controller = P.read_message(P.ControllerInfo, store.get(P.CONTROLLER_KEY))
+    workers = state["ctx"]["membership"].workers
+    return status_from_state(state, {w: _perf(store, w) for w in workers},
+                             controller.pid if controller else None,
+                             store.raw.num_keys() if hasattr(store, "raw") else None)
 
 
 def _perf(store, worker: str) -> dict | None:
@@ -90,10 +156,12 @@ def _perf(store, worker: str) -> dict | None:
 
 def render(st: JobStatus) -> str:
     """The status as a terminal page."""
+    age = f"; as of {time.time() - st.as_of:.1f} s ago from the {st.source}" \
+        if st.as_of else ""
     lines = [f"step {st.committed_step} (epoch {st.epoch}); controller "
              f"{'PID ' + str(st.controller_pid) if st.controller_pid else '?'}"
              f"{'' if st.controller_alive else ' (down: restarting?)'}; store keys "
-             f"{st.store_keys}",
+             f"{st.store_keys}{age}",
              "in flight: " + (", ".join(filter(None, [
                  st.migration_in_flight and f"migration {st.migration_in_flight}",
                  st.recovery_in_flight and f"recovery {st.recovery_in_flight}"])) or "nothing"),

@@ -30,6 +30,7 @@ class Stragglers:
         self.not_moved: dict[str, str] = {}   # worker -> why not (reported once)
         self.last_move_step = -1
         self._flagged: set[str] = set()    # in an episode now
+        self.latest: dict[str, P.StepPerf] = {}   # each role holder's newest measurements
         self._read_at = 0.0
 
     def poll(self) -> None:
@@ -39,9 +40,11 @@ class Stragglers:
         self._read_at = time.time()
         holders = ctx.membership.workers
         windows = []
+        self.latest = {}
         for w, role in sorted(holders.items()):
             perf = ctx.read(P.StepPerf, P.perf_key(w))
             if perf is not None and perf.role == role.name:
+                self.latest[w] = perf
                 recent = perf.recent or [P.PerfWindow(perf.first_step, perf.last_step,
                                                       perf.compute_s)]
                 windows += [Window(w, role, r.first_step, r.last_step, perf.tenure_start,

@@ -502,6 +502,9 @@ class ControllerConfig:
     # While nothing is in flight, the controller's snapshot is saved at most this often
     # (whatever is in flight, and every order sent, is saved before it goes out).
     snapshot_interval_s: float = 1.0
+    # How often <run dir>/status.json (what `trainmover status` reads) is rewritten; it is
+    # taken from a snapshot, so no more often than those are computed.
+    status_interval_s: float = 1.0
     # How often the standbys' readiness (cold, warming, warm) is read: it changes in seconds.
     standby_poll_s: float = 0.25
     # How often the controller checks that no newer controller took over (it then steps
@@ -522,6 +525,7 @@ class ControllerConfig:
         _seconds("controller", grace_s=self.grace_s, poll_s=self.poll_s,
                  request_poll_s=self.request_poll_s, standby_poll_s=self.standby_poll_s,
                  snapshot_interval_s=self.snapshot_interval_s,
+                 status_interval_s=self.status_interval_s,
                  incarnation_check_s=self.incarnation_check_s, stop_grace_s=self.stop_grace_s,
                  agent_exit_timeout_s=self.agent_exit_timeout_s)
 

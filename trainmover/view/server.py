@@ -36,7 +36,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from trainmover.control import client, maintenance
-from trainmover.control.status import JobStatus, read_status
+from trainmover.control.status import (JobStatus, fresh_limit_s, read_status,
+                                       read_status_file)
 from trainmover.core.auth import load_secret
 from trainmover.core.config import DashboardConfig
 from trainmover.view import metrics
@@ -66,6 +67,8 @@ class View:
         self.perf: dict[str, deque] = {}       # worker -> (last step, step_s, compute_s)
         self.requests: deque = deque(maxlen=REQUESTS_KEPT)   # asked from the page
         self._store = None
+        self._fresh_s = fresh_limit_s(run_dir) if os.path.exists(
+            os.path.join(run_dir, "job.json")) else 0.0
         self._read_at = 0.0
         self._lock = threading.Lock()
 
@@ -82,8 +85,11 @@ class View:
             self.status, self.status_error = None, "the job has ended"
             return
         try:
-            self._store = self._store or client.connect(self.run_dir)
-            self.status, self.status_error = read_status(self.run_dir, self._store), None
+            self.status = read_status_file(self.run_dir, self._fresh_s)
+            if self.status is None:    # the controller is down: the store still answers
+                self._store = self._store or client.connect(self.run_dir)
+                self.status = read_status(self.run_dir, self._store)
+            self.status_error = None
         except Exception as exc:  # noqa: BLE001 - shown on the page; the job goes on
             self.status, self.status_error, self._store = None, str(exc), None
             return

@@ -1,0 +1,133 @@
+"""``bench ettr``: effective training time ratio under rolling maintenance. A job runs for
+``minutes`` with a worker moved onto a warm standby every ``every`` seconds
+(``maintenance.rebalance_every_s``, standbys replenished), and again without events; ETTR =
+the event-free run's time for the same steps / the run's own (1.0: the events cost
+nothing).
+
+Per repeat: a calibration of the step time sizes the runs (both run the same steps); the
+trainmover run and the clean run are measured commit to commit (metrics.jsonl, warm-up
+steps left out); a restart of the same job (``baseline.restart_at_step``, checkpoints every
+step so it loses no work) gives the restart's downtime ``R``. The restart strategy's ETTR is
+composed from it: the clean time over the clean time plus one ``R`` per event of the
+trainmover run (a restart per maintenance event, at a checkpoint boundary: the most
+favourable case for restart).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+
+from trainmover.bench.report import git_commit, machine_description, write_result
+from trainmover.core.events import read_jsonl
+from trainmover.core.topology import Layout
+from trainmover.recipes import get_recipe
+
+SKIP = 5
+
+
+def _job(recipe: str, steps: int):
+    cfg = get_recipe(recipe)
+    cfg.layout = Layout(2, 2, 1)
+    cfg.train.steps = steps
+    cfg.train.threads_per_worker = 1
+    cfg.standby.count = 1
+    cfg.standby.replenish = True
+    cfg.standby.replenish_max = 1000
+    return cfg
+
+
+def _run(cfg, timeout_s: float) -> tuple[dict, list[dict]]:
+    from trainmover.control.coordinator import run_job
+
+    with tempfile.TemporaryDirectory(prefix="tm-bench-ettr-") as scratch:
+        run_dir = os.path.join(scratch, "run")
+        summary = run_job(cfg.validate(), run_dir, quiet=True, timeout_s=timeout_s)
+        records = sorted(read_jsonl(os.path.join(run_dir, "metrics.jsonl")),
+                         key=lambda r: r["time"])
+    return summary, records
+
+
+def _span(records: list[dict]) -> float:
+    """From the commit of step SKIP - 1 to the last commit."""
+    start = next(r["time"] for r in records if r["step"] == SKIP - 1)
+    return records[-1]["time"] - start
+
+
+def _repeat(recipe: str, minutes: float, every: float, timeout_s: float) -> dict:
+    _, calib = _run(_job(recipe, 60), timeout_s)
+    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(calib, calib[1:])
+                               if b["step"] >= SKIP)
+    steps = max(SKIP + 20, int(minutes * 60 / step_s))
+    clean_summary, clean = _run(_job(recipe, steps), timeout_s)
+    moving = _job(recipe, steps)
+    moving.maintenance.rebalance_every_s = every
+    summary, records = _run(moving, timeout_s)
+    if summary["weights_sha256"] != clean_summary["weights_sha256"]:
+        raise RuntimeError("the run with migrations ended with other weights than the clean "
+                           "run: see the job's events")
+    events = [m for m in summary["migrations"] if m.get("source") == "rebalance"]
+    restart = _job(recipe, 40)
+    restart.checkpoint.every = 1
+    restart.baseline.restart_at_step = 20
+    r = _run(restart, timeout_s)[0]["restarts"][0]["downtime_s"]
+    clean_s, moving_s = _span(clean), _span(records)
+    return {"steps": steps, "clean_s": clean_s, "trainmover_s": moving_s,
+            "events": len(events), "done": sum(1 for m in events if m["status"] == "done"),
+            "migration_downtime_s": [m.get("downtime_s") for m in events],
+            "restart_downtime_s": r,
+            "ettr": {"trainmover": clean_s / moving_s,
+                     "restart": clean_s / (clean_s + len(events) * r)}}
+
+
+def bench_ettr(minutes: float = 10.0, every: float = 60.0, repeats: int = 3,
+               recipe: str = "demo", out_dir: str = "benchmarks/results",
+               json_path: str | None = None, timeout_s: float | None = None) -> dict:
+    if repeats < 3:
+        raise ValueError(f"--repeats {repeats}: at least 3 (a median with its spread)")
+    if not minutes > 0 or not 0 < every < minutes * 60:
+        raise ValueError(f"--every {every} s must be within the run's --minutes {minutes}")
+    timeout_s = timeout_s or minutes * 60 * 3 + 600
+    runs = []
+    for k in range(repeats):
+        runs.append(_repeat(recipe, minutes, every, timeout_s))
+        x = runs[-1]
+        print(f"repeat {k + 1}/{repeats}: {x['events']} events, ETTR trainmover "
+              f"{x['ettr']['trainmover']:.4f}, restart {x['ettr']['restart']:.4f}", flush=True)
+    results = []
+    for s in ("trainmover", "restart"):
+        xs = [x["ettr"][s] for x in runs]
+        results.append({"scenario": "rebalance", "strategy": s, "ettr": statistics.median(xs),
+                        "ettr_min": min(xs), "ettr_max": max(xs),
+                        "events": statistics.median(x["events"] for x in runs),
+                        "measured": s == "trainmover"})
+    result = {"commit": git_commit(), "machine": machine_description(), "recipe": recipe,
+              "layout": "DP2 x PP2 x TP1", "minutes": minutes, "every_s": every,
+              "repeats": repeats, "results": results, "runs": runs}
+    table = _table(result)
+    write_result(out_dir, "ettr", result, table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"results": results}, f, indent=2)
+    print(table)
+    return result
+
+
+def _table(r: dict) -> str:
+    lines = [
+        "# ETTR under rolling maintenance", "",
+        f"Commit {r['commit']}; {r['layout']}, recipe `{r['recipe']}`, runs of "
+        f"{r['minutes']} min with a worker moved to a warm standby every {r['every_s']:.0f} s "
+        f"(standbys replenished); {r['repeats']} repeats (median, min-max). ETTR: the clean "
+        f"run's time for the same steps over the run's own.", "",
+        "| strategy | ETTR | events | how obtained |", "|---|---|---|---|"]
+    how = {"trainmover": "measured (weights equal to the clean run's)",
+           "restart": "composed: clean time + one measured restart downtime per event"}
+    for x in r["results"]:
+        lines.append(f"| {x['strategy']} | {x['ettr']:.4f} ({x['ettr_min']:.4f}-"
+                     f"{x['ettr_max']:.4f}) | {x['events']:.0f} | {how[x['strategy']]} |")
+    lines += ["", "Per repeat: " + "; ".join(
+        f"{x['steps']} steps, clean {x['clean_s']:.1f} s, with events {x['trainmover_s']:.1f} "
+        f"s, restart downtime {x['restart_downtime_s']:.2f} s" for x in r["runs"]) + "."]
+    return "\n".join(lines) + "\n"
