@@ -3,11 +3,12 @@ of step time), and how fast its status answers (target: at most 1 s).
 
 Each repeat runs the same job twice, in rotating order: without a dashboard, and with one
 polled as an open page and a Prometheus scraper would (``/api/state`` and ``/metrics``, each
-every ``dashboard.refresh_s``). The figure is the job's median commit-to-commit step time
+every ``dashboard.refresh_s``, from a process of their own). The figure is the job's median commit-to-commit step time
 (metrics.jsonl, warm-up steps left out), compared within each repeat. Status latency: while
-the watched job runs, ``read_status`` (what ``trainmover status`` does after connecting) and
-the page's ``/api/state`` are timed each round; ``trainmover status`` as a command (Python
-start-up and imports included) is timed once per repeat.
+the watched job runs, the page's ``/api/state`` and ``read_status`` through the store (what
+``trainmover status`` falls back to while the controller is down) are timed each round;
+``trainmover status`` as a command (Python start-up and imports included; it reads the
+controller's status.json) is timed once per repeat.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
@@ -36,35 +36,52 @@ def _get(url: str, token: str) -> float:
     return time.perf_counter() - t
 
 
-def _run(cfg, watched: bool, timeout_s: float) -> dict:
-    from trainmover.api import Job
+def poll_main(url: str, token: str, run_dir: str, period_s: float, stop_path: str,
+              out_path: str) -> None:
+    """The watcher, in a process of its own as a browser and a scraper would be: every
+    ``period_s`` the page's state, the metrics and the status (as ``trainmover status``
+    reads it when the controller's file is stale: through the store), timed, until
+    ``stop_path`` exists; the timings go to ``out_path`` as JSON."""
+    import json
+
     from trainmover.control.client import connect
     from trainmover.control.status import read_status
+
+    timings: dict[str, list[float]] = {"api_state_s": [], "metrics_s": [], "read_status_s": []}
+    store = connect(run_dir)
+    while not os.path.exists(stop_path):
+        time.sleep(period_s)
+        try:
+            timings["api_state_s"].append(_get(url + "api/state", token))
+            timings["metrics_s"].append(_get(url + "metrics", token))
+            t = time.perf_counter()
+            read_status(run_dir, store)
+            timings["read_status_s"].append(time.perf_counter() - t)
+        except Exception:  # noqa: BLE001 - the job ended between two polls
+            break
+    with open(out_path, "w") as f:
+        json.dump(timings, f)
+
+
+def _run(cfg, watched: bool, timeout_s: float) -> dict:
+    import json
+
+    from trainmover.api import Job
 
     cfg = type(cfg).from_dict(cfg.to_dict())
     cfg.dashboard.port = 0 if watched else None
     timings: dict[str, list[float]] = {"api_state_s": [], "metrics_s": [], "read_status_s": []}
     with tempfile.TemporaryDirectory(prefix="tm-bench-view-") as scratch:
         run_dir = os.path.join(scratch, "run")
+        stop, out = os.path.join(scratch, "stop"), os.path.join(scratch, "timings.json")
         job = Job(cfg.validate(), run_dir, timeout_s=timeout_s).start()
-        done = threading.Event()
-        command_s = None
+        command_s, poller = None, None
         if watched:
-            board, store = job.dashboard, connect(run_dir)
-
-            def poll():
-                while not done.wait(cfg.dashboard.refresh_s):
-                    try:
-                        timings["api_state_s"].append(_get(board.url + "api/state", board.token))
-                        timings["metrics_s"].append(_get(board.url + "metrics", board.token))
-                        t = time.perf_counter()
-                        read_status(run_dir, store)
-                        timings["read_status_s"].append(time.perf_counter() - t)
-                    except Exception:  # noqa: BLE001 - the job ended between two polls
-                        return
-
-            poller = threading.Thread(target=poll, daemon=True)
-            poller.start()
+            board = job.dashboard
+            poller = subprocess.Popen([sys.executable, "-c", (
+                "from trainmover.bench.view import poll_main; "
+                f"poll_main({board.url!r}, {board.token!r}, {run_dir!r}, "
+                f"{cfg.dashboard.refresh_s!r}, {stop!r}, {out!r})")])
             time.sleep(3 * cfg.dashboard.refresh_s)
             t = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "trainmover", "status", "--run-dir",
@@ -72,7 +89,12 @@ def _run(cfg, watched: bool, timeout_s: float) -> dict:
             if proc.returncode == 0:
                 command_s = time.perf_counter() - t
         job.wait(timeout_s)
-        done.set()
+        if poller is not None:
+            open(stop, "w").close()
+            poller.wait(60)
+            if os.path.exists(out):
+                with open(out) as f:
+                    timings = json.load(f)
         records = sorted(read_jsonl(os.path.join(run_dir, "metrics.jsonl")),
                          key=lambda r: r["step"])
     gaps = [r["time"] - p["time"] for p, r in zip(records, records[1:]) if r["step"] >= SKIP]
@@ -143,7 +165,8 @@ def _table(r: dict) -> str:
         f"Commit {r['commit']}; {r['layout']}, recipe `{r['recipe']}`, {r['steps']} steps, "
         f"{r['repeats']} repeats (median, min-max). Watched: the controller serves the "
         f"dashboard, polled every second for `/api/state` and `/metrics` (an open page and "
-        f"a 1 s Prometheus scrape).", "",
+        f"a 1 s Prometheus scrape) by another process; the controller also rewrites "
+        f"status.json every second in both.", "",
         "| figure | value |", "|---|---|",
         f"| step time, watched / plain - 1 | {c['median'] * 100:+.2f}% "
         f"({c['min'] * 100:+.2f}% to {c['max'] * 100:+.2f}%) |",
@@ -151,7 +174,8 @@ def _table(r: dict) -> str:
         f"| verdict | {c['verdict']} |",
         f"| `/api/state` answer | {ms(r['api_state_s'])} |",
         f"| `/metrics` answer | {ms(r['metrics_s'])} |",
-        f"| status read (`read_status`, connected) | {ms(r['read_status_s'])} |",
+        f"| status read through the store (`read_status`, connected) | "
+        f"{ms(r['read_status_s'])} |",
         f"| `trainmover status --json` command, start to exit | {ms(r['status_command_s'])} |",
         "", "Per repeat (median step ms, plain / watched):", "",
     ]

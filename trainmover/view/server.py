@@ -50,6 +50,7 @@ INFO_FILE = "dashboard.json"      # in the run dir: where the dashboard listens 
 # polls the job's state afterwards anyway
 ASK_TIMEOUT_S = 600.0
 REQUESTS_KEPT = 50
+START_TIMEOUT_S = 10.0     # uvicorn's start in its thread: a bound socket, no imports left
 
 
 def dashboard_token(secret: bytes) -> str:
@@ -128,8 +129,11 @@ class View:
         record = {"time": time.time(), "what": "migrate", "workers": workers, "to": to,
                   "status": "asked"}
         self.requests.append(record)
-        result = client.request_migration(self.run_dir, workers, to, wait=True,
-                                          timeout_s=ASK_TIMEOUT_S, source="dashboard")
+        try:
+            result = client.request_migration(self.run_dir, workers, to, wait=True,
+                                              timeout_s=ASK_TIMEOUT_S, source="dashboard")
+        except Exception as exc:  # noqa: BLE001 - shown on the page
+            result = {"status": "failed", "reason": str(exc)}
         record.update(status=result.get("status"), reason=result.get("reason"))
         return result
 
@@ -137,8 +141,11 @@ class View:
         record = {"time": time.time(), "what": "drain", "workers": workers, "host": host,
                   "status": "asked"}
         self.requests.append(record)
-        result = maintenance.drain(self.run_dir, workers, host, timeout_s=ASK_TIMEOUT_S,
-                                   say=lambda line: None)
+        try:
+            result = maintenance.drain(self.run_dir, workers, host, timeout_s=ASK_TIMEOUT_S,
+                                       say=lambda line: None)
+        except Exception as exc:  # noqa: BLE001 - shown on the page
+            result = {"status": "failed", "reason": str(exc)}
         record.update(status=result.get("status"), reason=result.get("reason"),
                       moved=result.get("moved"))
         return result
@@ -198,22 +205,21 @@ def make_app(view: View, token: str) -> Starlette:
         return JSONResponse({"status": "asked", "workers": workers})
 
     def _migrate(body, workers):
-        try:
-            view.ask_migration(workers, body.get("to") or None)
-        except Exception as exc:  # noqa: BLE001 - recorded for the page
-            view.requests[-1].update(status="failed", reason=str(exc))
+        view.ask_migration(workers, body.get("to") or None)
 
     def _drain(body, workers):
-        try:
-            host = body.get("host")
-            view.ask_drain(workers, None if host in (None, "") else int(host))
-        except Exception as exc:  # noqa: BLE001 - recorded for the page
-            view.requests[-1].update(status="failed", reason=str(exc))
+        host = body.get("host")
+        view.ask_drain(workers, None if host in (None, "") else int(host))
 
     async def api_migrate(request: Request) -> Response:
         return await act(request, _migrate)
 
     async def api_drain(request: Request) -> Response:
+        host = (await request.json()).get("host") if request.headers.get(
+            "content-type", "").startswith("application/json") else None
+        if host not in (None, "") and not str(host).isdigit():
+            return JSONResponse({"error": f"host {host!r} is not a host index"},
+                                status_code=400)
         return await act(request, _drain)
 
     return Starlette(routes=[
@@ -270,7 +276,11 @@ def start_dashboard(run_dir: str, cfg: DashboardConfig) -> Dashboard:
     with os.fdopen(fd, "w") as f:
         json.dump({"url": board.url, "login_url": board.login_url, "pid": os.getpid()}, f)
     os.replace(path + ".tmp", path)
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + START_TIMEOUT_S
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
+    if not server.started:
+        board.stop()
+        raise ValueError(f"dashboard: the server on {board.url} did not start within "
+                         f"{START_TIMEOUT_S} s")
     return board
