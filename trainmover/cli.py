@@ -570,6 +570,13 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--recipe", default="demo")
     src.add_argument("--out", default="benchmarks/results")
     src.set_defaults(fn=cmd_bench)
+    fp = bsub.add_parser("false-positives", help="the straggler detector on healthy jobs "
+                                                 "(plain, all slowed, a heavier last stage)")
+    fp.add_argument("--runs", type=int, default=21)
+    fp.add_argument("--steps", type=int, default=200)
+    fp.add_argument("--recipe", default="tiny")
+    fp.add_argument("--out", default="benchmarks/results")
+    fp.set_defaults(fn=cmd_bench)
     et = bsub.add_parser("ettr", help="effective training time ratio with a worker moved to a "
                                       "standby every --every seconds, beside restart")
     et.add_argument("--minutes", type=float, default=10.0, help="length of each run")
@@ -577,6 +584,11 @@ def make_parser() -> argparse.ArgumentParser:
     et.add_argument("--repeats", type=int, default=3)
     et.add_argument("--recipe", default="demo")
     et.add_argument("--out", default="benchmarks/results")
+    et.add_argument("--standbys", type=int, default=1)
+    et.add_argument("--no-replenish", action="store_true",
+                    help="no new standby per move: start --standbys before the run instead "
+                         "(on a small machine a standby's start-up shares the job's cores)")
+    et.add_argument("--name", default="ettr", help="result file name")
     et.add_argument("--json", metavar="FILE", help="also write {\"results\": [...]} here")
     et.set_defaults(fn=cmd_bench)
     sg = bsub.add_parser("straggler", help="one worker slowed from a step on: detection "

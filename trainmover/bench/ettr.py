@@ -27,14 +27,14 @@ from trainmover.recipes import get_recipe
 SKIP = 5
 
 
-def _job(recipe: str, steps: int):
+def _job(recipe: str, steps: int, standbys: int = 1, replenish: bool = True):
     cfg = get_recipe(recipe)
     cfg.layout = Layout(2, 2, 1)
     cfg.train.steps = steps
     cfg.train.threads_per_worker = 1
-    cfg.standby.count = 1
-    cfg.standby.replenish = True
-    cfg.standby.replenish_max = 1000
+    cfg.standby.count = standbys
+    cfg.standby.replenish = replenish
+    cfg.standby.replenish_max = 1000 if replenish else 0
     return cfg
 
 
@@ -55,13 +55,14 @@ def _span(records: list[dict]) -> float:
     return records[-1]["time"] - start
 
 
-def _repeat(recipe: str, minutes: float, every: float, timeout_s: float) -> dict:
-    _, calib = _run(_job(recipe, 60), timeout_s)
+def _repeat(recipe: str, minutes: float, every: float, standbys: int, replenish: bool,
+            timeout_s: float) -> dict:
+    _, calib = _run(_job(recipe, 60, standbys, replenish), timeout_s)
     step_s = statistics.median(b["time"] - a["time"] for a, b in zip(calib, calib[1:])
                                if b["step"] >= SKIP)
     steps = max(SKIP + 20, int(minutes * 60 / step_s))
-    clean_summary, clean = _run(_job(recipe, steps), timeout_s)
-    moving = _job(recipe, steps)
+    clean_summary, clean = _run(_job(recipe, steps, standbys, replenish), timeout_s)
+    moving = _job(recipe, steps, standbys, replenish)
     moving.maintenance.rebalance_every_s = every
     summary, records = _run(moving, timeout_s)
     if summary["weights_sha256"] != clean_summary["weights_sha256"]:
@@ -83,15 +84,18 @@ def _repeat(recipe: str, minutes: float, every: float, timeout_s: float) -> dict
 
 def bench_ettr(minutes: float = 10.0, every: float = 60.0, repeats: int = 3,
                recipe: str = "demo", out_dir: str = "benchmarks/results",
-               json_path: str | None = None, timeout_s: float | None = None) -> dict:
+               json_path: str | None = None, timeout_s: float | None = None,
+               standbys: int = 1, replenish: bool = True, name: str = "ettr") -> dict:
     if repeats < 3:
         raise ValueError(f"--repeats {repeats}: at least 3 (a median with its spread)")
+    if standbys < 1:
+        raise ValueError(f"--standbys {standbys}: a migration needs a standby")
     if not minutes > 0 or not 0 < every < minutes * 60:
         raise ValueError(f"--every {every} s must be within the run's --minutes {minutes}")
     timeout_s = timeout_s or minutes * 60 * 3 + 600
     runs = []
     for k in range(repeats):
-        runs.append(_repeat(recipe, minutes, every, timeout_s))
+        runs.append(_repeat(recipe, minutes, every, standbys, replenish, timeout_s))
         x = runs[-1]
         print(f"repeat {k + 1}/{repeats}: {x['events']} events, ETTR trainmover "
               f"{x['ettr']['trainmover']:.4f}, restart {x['ettr']['restart']:.4f}", flush=True)
@@ -104,9 +108,10 @@ def bench_ettr(minutes: float = 10.0, every: float = 60.0, repeats: int = 3,
                         "measured": s == "trainmover"})
     result = {"commit": git_commit(), "machine": machine_description(), "recipe": recipe,
               "layout": "DP2 x PP2 x TP1", "minutes": minutes, "every_s": every,
+              "standbys": standbys, "replenish": replenish,
               "repeats": repeats, "results": results, "runs": runs}
     table = _table(result)
-    write_result(out_dir, "ettr", result, table)
+    write_result(out_dir, name, result, table)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"results": results}, f, indent=2)
@@ -119,8 +124,11 @@ def _table(r: dict) -> str:
         "# ETTR under rolling maintenance", "",
         f"Commit {r['commit']}; {r['layout']}, recipe `{r['recipe']}`, runs of "
         f"{r['minutes']} min with a worker moved to a warm standby every {r['every_s']:.0f} s "
-        f"(standbys replenished); {r['repeats']} repeats (median, min-max). ETTR: the clean "
-        f"run's time for the same steps over the run's own.", "",
+        f"({r['standbys']} standby(s), "
+        + ("replenished: each new standby starts, imports and warms up on the job's cores"
+           if r["replenish"] else "started before the run, not replenished")
+        + f"); {r['repeats']} repeats (median, min-max). ETTR: the clean run's time for the "
+        f"same steps over the run's own (the clean run has the same standbys).", "",
         "| strategy | ETTR | events | how obtained |", "|---|---|---|---|"]
     how = {"trainmover": "measured (weights equal to the clean run's)",
            "restart": "composed: clean time + one measured restart downtime per event"}

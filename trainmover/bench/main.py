@@ -563,10 +563,16 @@ def main(args) -> int:
         bench_sources(args.repeats, args.steps, args.every, args.crash_step, args.recipe,
                       args.out)
         return 0
+    if args.bench == "false-positives":
+        from trainmover.bench.falsepos import bench_false_positives
+
+        result = bench_false_positives(args.runs, args.steps, args.recipe, args.out)
+        return 0 if result["false_positives"] == 0 else 1
     if args.bench == "ettr":
         from trainmover.bench.ettr import bench_ettr
 
-        bench_ettr(args.minutes, args.every, args.repeats, args.recipe, args.out, args.json)
+        bench_ettr(args.minutes, args.every, args.repeats, args.recipe, args.out, args.json,
+                   standbys=args.standbys, replenish=not args.no_replenish, name=args.name)
         return 0
     if args.bench == "straggler":
         from trainmover.bench.stragglers import bench_straggler
