@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from trainmover.control.coordinator import SNAPSHOT_CODEC
+from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
 from trainmover.control.health import Failure
 from trainmover.control.migrations import ActiveMigration, MigrationRequest
 from trainmover.control.processes import AgentClient, ProcView

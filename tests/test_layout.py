@@ -19,6 +19,9 @@ ALLOWED = {
     "worker": {"core", "comm", "train"},
     "control": {"core"},
     "agent": {"core"},
+    # the operator view (dashboard, metrics, report) reads what the control plane offers
+    # outside the job: the status, the client, maintenance
+    "view": {"core", "control"},
     "bench": {"core", "comm", "train", "worker", "control", "recipes", "api"},
 }
 

@@ -40,13 +40,14 @@ from trainmover.control.baseline import Restarts
 from trainmover.control.context import (JobContext, Progress, restore_into, snapshot_of,
                                         worker_names)
 from trainmover.control.errors import JobFailed, Superseded
-from trainmover.control.health import Failure, Health
-from trainmover.control.migrations import ActiveMigration, MigrationRequest, Migrations
-from trainmover.control.processes import AgentClient, ProcView
+from trainmover.control.health import Health
+from trainmover.control.migrations import MigrationRequest, Migrations
+from trainmover.control.processes import AgentClient
 from trainmover.control.rebalance import Rebalancer
-from trainmover.control.recovery import ActiveRecovery, Recovery
+from trainmover.control.recovery import Recovery
 from trainmover.control.replicas import Replicas
 from trainmover.control.retention import Retention
+from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
 from trainmover.control.stopping import Stopping
 from trainmover.control.status import status_from_state, write_status_file
 from trainmover.control.stragglers import Stragglers
@@ -54,14 +55,12 @@ from trainmover.control.supervision import ProcessWatch
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, create_secret, load_secret
-from trainmover.core.codec import Codec
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog, read_jsonl
 from trainmover.core import identity
 from trainmover.core.faults import Inject
 from trainmover.core.files import latest_complete, read_digest, step_dir, usable_checkpoints
 from trainmover.core.proc import pid_alive
-from trainmover.core.topology import Layout, Role
 
 __all__ = ["Coordinator", "JobFailed", "Superseded", "run_job", "worker_names"]
 
@@ -661,12 +660,6 @@ class Coordinator:
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary
-
-
-SNAPSHOT_CODEC = Codec(
-    C.Membership, C.StandbyState, C.MigrationState, C.MigrationPlan, C.RecoveryPlan, C.Pair,
-    Role, Layout, MigrationRequest, ActiveMigration, ActiveRecovery, Failure, Inject,
-    AgentClient, ProcView, P.AgentSpawn, P.FailureReport)
 
 
 def run_job(cfg: JobConfig, run_dir: str, quiet: bool = False, timeout_s: float | None = None,

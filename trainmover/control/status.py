@@ -129,7 +129,7 @@ def read_status(run_dir: str, store=None) -> JobStatus:
     """The job's status now, from the store; raises ValueError if it cannot be read (not
     running, no snapshot yet). ``store``: a client from ``client.connect`` to reuse."""
     from trainmover.control.client import connect
-    from trainmover.control.coordinator import SNAPSHOT_CODEC
+    from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
 
     store = store or connect(run_dir)
     if not store.check([P.CONTROLLER_SNAPSHOT_KEY]):

@@ -30,8 +30,7 @@ from dataclasses import asdict
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import (FileResponse, HTMLResponse, JSONResponse, RedirectResponse,
-                                 Response)
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
