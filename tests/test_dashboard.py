@@ -5,7 +5,6 @@ import json
 import os
 import secrets
 import shutil
-import time
 import urllib.error
 import urllib.request
 

@@ -28,7 +28,6 @@ def run(layout_roles, compute, windows, noise=0.0, seed=0, tenure=None, read_eve
     pending = []
     for k in range(windows):
         first, last = k * S.window, k * S.window + S.window - 1
-        batch = []
         for w, r in layout_roles.items():
             times = [compute(w, r, s) * (1 + rng.uniform(-noise, noise))
                      for s in range(first, last + 1)]
