@@ -15,7 +15,9 @@ import pytest
 from trainmover.view.report import write_report
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "recorded_run")
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+# copies of two bench results (benchmarks/results/ at 44cf456): fixtures, so a new bench
+# run does not change what these tests read
+BENCH = os.path.join(os.path.dirname(__file__), "data")
 SIZE = (1000, 450)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -133,7 +135,7 @@ def test_running_job_without_summary(run_dir):
 
 def test_bench_images(run_dir, tmp_path):
     bench = tmp_path / "downtime.json"
-    shutil.copy(os.path.join(BENCH, "downtime.json"), bench)
+    shutil.copy(os.path.join(BENCH, "bench_downtime.json"), bench)
     out = write_report(run_dir, bench=[str(bench)])
     assert os.path.basename(out["bench_downtime"]) == "bench_downtime.png"
     assert file_png_size(out["bench_downtime"]) == SIZE
@@ -147,7 +149,7 @@ def test_bench_images(run_dir, tmp_path):
 def test_unrecognised_bench_file_is_refused_by_name(run_dir, tmp_path):
     # a real result file of another shape (before/after medians), and one that is not JSON
     other = tmp_path / "before-after.json"
-    shutil.copy(os.path.join(BENCH, "downtime-before-after.json"), other)
+    shutil.copy(os.path.join(BENCH, "bench_downtime-before-after.json"), other)
     garbage = tmp_path / "garbage.json"
     garbage.write_text("not json {")
     for path in (other, garbage):
