@@ -439,6 +439,18 @@ def _job_command(sub, name: str, help: str) -> argparse.ArgumentParser:
     return p
 
 
+def _bench_parser(bsub, name: str, help: str, recipe: str = "demo",
+                  repeats: bool = True) -> argparse.ArgumentParser:
+    """A ``trainmover bench`` subcommand with the flags every bench has."""
+    p = bsub.add_parser(name, help=help)
+    if repeats:
+        p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--recipe", default=recipe)
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(fn=cmd_bench)
+    return p
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover",
                                 description="Keep distributed PyTorch training running through "
@@ -570,46 +582,32 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--recipe", default="demo")
     src.add_argument("--out", default="benchmarks/results")
     src.set_defaults(fn=cmd_bench)
-    fp = bsub.add_parser("false-positives", help="the straggler detector on healthy jobs "
-                                                 "(plain, all slowed, a heavier last stage)")
+    fp = _bench_parser(bsub, "false-positives", "the straggler detector on healthy jobs "
+                                                "(plain, all slowed, a heavier last stage)",
+                       recipe="tiny", repeats=False)
     fp.add_argument("--runs", type=int, default=21)
     fp.add_argument("--steps", type=int, default=200)
-    fp.add_argument("--recipe", default="tiny")
-    fp.add_argument("--out", default="benchmarks/results")
-    fp.set_defaults(fn=cmd_bench)
-    et = bsub.add_parser("ettr", help="effective training time ratio with a worker moved to a "
-                                      "standby every --every seconds, beside restart")
+    et = _bench_parser(bsub, "ettr", "effective training time ratio with a worker moved to a "
+                                     "standby every --every seconds, beside restart")
     et.add_argument("--minutes", type=float, default=10.0, help="length of each run")
     et.add_argument("--every", type=float, default=60.0, help="seconds between moves")
-    et.add_argument("--repeats", type=int, default=3)
-    et.add_argument("--recipe", default="demo")
-    et.add_argument("--out", default="benchmarks/results")
     et.add_argument("--standbys", type=int, default=1)
     et.add_argument("--no-replenish", action="store_true",
                     help="no new standby per move: start --standbys before the run instead "
                          "(on a small machine a standby's start-up shares the job's cores)")
     et.add_argument("--name", default="ettr", help="result file name")
     et.add_argument("--json", metavar="FILE", help="also write {\"results\": [...]} here")
-    et.set_defaults(fn=cmd_bench)
-    sg = bsub.add_parser("straggler", help="one worker slowed from a step on: detection "
-                                           "latency and efficiency loss, trainmover vs "
-                                           "restart-immediately vs defer")
+    sg = _bench_parser(bsub, "straggler", "one worker slowed from a step on: detection "
+                                          "latency and efficiency loss, trainmover vs "
+                                          "restart-immediately vs defer")
     sg.add_argument("--steps", type=int, default=400)
     sg.add_argument("--onset", type=int, default=60, help="the step the slowdown starts")
     sg.add_argument("--factor", type=float, default=1.2, help="compute slowdown (1.2: 20%%)")
-    sg.add_argument("--repeats", type=int, default=3)
     sg.add_argument("--every", type=int, default=50, help="checkpoint interval (steps)")
-    sg.add_argument("--recipe", default="demo")
-    sg.add_argument("--out", default="benchmarks/results")
     sg.add_argument("--json", metavar="FILE", help="also write {\"results\": [...]} here")
-    sg.set_defaults(fn=cmd_bench)
-    vw = bsub.add_parser("view", help="what the dashboard and metrics cost the step, and how "
-                                      "fast a running job's status answers")
+    vw = _bench_parser(bsub, "view", "what the dashboard and metrics cost the step, and how "
+                                     "fast a running job's status answers")
     vw.add_argument("--steps", type=int, default=300)
-    vw.add_argument("--repeats", type=int, default=3)
-    vw.add_argument("--recipe", default="demo")
-    vw.add_argument("--out", default="benchmarks/results")
-    vw.set_defaults(fn=cmd_bench)
     soak = bsub.add_parser("soak", help="a long job disrupted every ~20 s (crash, hang, "
                                         "migration, controller and standby kills), checked "
                                         "against the same job without events")

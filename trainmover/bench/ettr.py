@@ -14,7 +14,6 @@ favourable case for restart).
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -111,11 +110,7 @@ def bench_ettr(minutes: float = 10.0, every: float = 60.0, repeats: int = 3,
               "standbys": standbys, "replenish": replenish,
               "repeats": repeats, "results": results, "runs": runs}
     table = _table(result)
-    write_result(out_dir, name, result, table)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"results": results}, f, indent=2)
-    print(table)
+    write_result(out_dir, name, result, table, json_path)
     return result
 
 

@@ -60,5 +60,4 @@ def bench_false_positives(runs: int = 21, steps: int = 200, recipe: str = "tiny"
               for r in rows]
     table = "\n".join(lines) + "\n"
     write_result(out_dir, "straggler_false_positives", result, table)
-    print(table)
     return result

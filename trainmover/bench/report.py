@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import platform
 
 import torch
@@ -33,7 +34,18 @@ def git_commit() -> str | None:
         return None
 
 
-def write_result(out_dir: str, name: str, result: dict, table: str) -> None:
+def spread(values: list[float]) -> dict:
+    """A figure over repeats: its median, beside its min and max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def write_result(out_dir: str, name: str, result: dict, table: str,
+                 json_path: str | None = None) -> None:
+    """``<name>.json`` and ``<name>.md`` under ``out_dir``, the table printed; with
+    ``json_path``, also ``{"results": result["results"]}`` there (``--json FILE``)."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"results": result["results"]}, f, indent=2)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)

@@ -18,7 +18,7 @@ import os
 import statistics
 import tempfile
 
-from trainmover.bench.report import git_commit, machine_description, write_result
+from trainmover.bench.report import git_commit, machine_description, spread, write_result
 from trainmover.core.faults import Inject, worker_faults
 from trainmover.core.topology import Layout
 from trainmover.recipes import get_recipe
@@ -53,9 +53,6 @@ def _run(cfg, crash_step: int | None) -> dict:
     return {"summary": summary, "median_step_s": statistics.median(times)}
 
 
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
 
 def bench_sources(repeats: int = 3, steps: int = 60, every: int = 10, crash_step: int = 27,
                   recipe: str = "demo", out_dir: str = "benchmarks/results") -> dict:
@@ -77,9 +74,9 @@ def bench_sources(repeats: int = 3, steps: int = 60, every: int = 10, crash_step
             print(f"  repeat {rep} {cell:10s}: downtime {row['downtime_s']:.3f} s, lost "
                   f"{row['lost_steps']} steps, total {row['total_s']:.3f} s, weights equal "
                   f"{row['weights_equal']}", flush=True)
-    cells = {c: {"downtime_s": _spread([r["downtime_s"] for r in rows[c]]),
-                 "lost_steps": _spread([r["lost_steps"] for r in rows[c]]),
-                 "total_s": _spread([r["total_s"] for r in rows[c]]),
+    cells = {c: {"downtime_s": spread([r["downtime_s"] for r in rows[c]]),
+                 "lost_steps": spread([r["lost_steps"] for r in rows[c]]),
+                 "total_s": spread([r["total_s"] for r in rows[c]]),
                  "weights_equal": all(r["weights_equal"] for r in rows[c]),
                  "runs": rows[c]} for c in CELLS}
     result = {"commit": git_commit(), "machine": machine_description(), "recipe": recipe,

@@ -25,12 +25,11 @@ the README says so beside the figures.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
 
-from trainmover.bench.report import git_commit, machine_description, write_result
+from trainmover.bench.report import git_commit, machine_description, spread, write_result
 from trainmover.core.events import read_jsonl
 from trainmover.core.faults import Inject, worker_faults
 from trainmover.core.topology import Layout
@@ -110,9 +109,6 @@ def _repeat(recipe, steps, onset, factor, every, timeout_s) -> dict:
     }
 
 
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
 
 def bench_straggler(steps: int = 400, onset: int = 60, factor: float = 1.2, repeats: int = 3,
                     every: int = 50, recipe: str = "demo", out_dir: str = "benchmarks/results",
@@ -134,8 +130,8 @@ def bench_straggler(steps: int = 400, onset: int = 60, factor: float = 1.2, repe
               f"restart now {x['loss']['restart_immediately']:.2%}, "
               f"defer {x['loss']['defer']:.2%}", flush=True)
     strategies = ("trainmover", "restart_immediately", "defer")
-    det_steps = _spread([x["detection_steps"] for x in runs])
-    det_s = _spread([x["detection_s"] for x in runs])
+    det_steps = spread([x["detection_steps"] for x in runs])
+    det_s = spread([x["detection_s"] for x in runs])
     results = [{"strategy": s, "efficiency_loss": statistics.median(x["loss"][s] for x in runs),
                 "efficiency_loss_min": min(x["loss"][s] for x in runs),
                 "efficiency_loss_max": max(x["loss"][s] for x in runs),
@@ -146,11 +142,7 @@ def bench_straggler(steps: int = 400, onset: int = 60, factor: float = 1.2, repe
               "checkpoint_every": every, "repeats": repeats, "results": results, "runs": runs,
               "detection_steps": det_steps, "detection_s": det_s}
     table = _table(result)
-    write_result(out_dir, "straggler", result, table)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"results": results}, f, indent=2)
-    print(table)
+    write_result(out_dir, "straggler", result, table, json_path)
     return result
 
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.request
 
-from trainmover.bench.report import git_commit, machine_description, write_result
+from trainmover.bench.report import git_commit, machine_description, spread, write_result
 from trainmover.core.events import read_jsonl
 from trainmover.core.topology import Layout
 from trainmover.recipes import get_recipe
@@ -104,9 +104,6 @@ def _run(cfg, watched: bool, timeout_s: float) -> dict:
             "polls": len(timings["api_state_s"])}
 
 
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
 
 def bench_view(steps: int = 300, repeats: int = 3, recipe: str = "demo",
                out_dir: str = "benchmarks/results", timeout_s: float = 900.0) -> dict:
@@ -136,12 +133,12 @@ def bench_view(steps: int = 300, repeats: int = 3, recipe: str = "demo",
 
     def col(key):
         xs = [w[key] for w in watched if w[key] is not None]
-        return _spread(xs) if xs else None
+        return spread(xs) if xs else None
 
     result = {
         "commit": git_commit(), "machine": machine_description(), "recipe": recipe,
         "layout": "DP2 x PP2 x TP1", "steps": steps, "repeats": repeats, "runs": runs,
-        "step_cost": {**_spread([x - 1.0 for x in ratios]),
+        "step_cost": {**spread([x - 1.0 for x in ratios]),
                       "plain_step_spread": plain_spread,
                       "verdict": "no measurable difference" if abs(cost) <= plain_spread
                       else ("within the 1% target" if cost <= 0.01 else "over the 1% target")},
@@ -150,7 +147,6 @@ def bench_view(steps: int = 300, repeats: int = 3, recipe: str = "demo",
     }
     table = _table(result)
     write_result(out_dir, "view", result, table)
-    print(table)
     return result
 
 
