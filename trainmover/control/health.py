@@ -44,6 +44,7 @@ class Health:
         self._reports_seen: tuple[int, int] = (-1, 0)                 # epoch, count
         self._standbys_looked_at = 0.0
         self._unbeaten: dict[tuple[str, int], float] = {}             # first seen without a beat
+        self._reported: set[tuple[str, int]] = set()    # standby incarnations found hung
 
     def detect(self, handled: set[str]) -> list[Failure]:
         """New failures among the active workers, other than the ``handled`` ones."""
@@ -103,7 +104,9 @@ class Health:
     def hung_standbys(self) -> list[tuple[str, str]]:
         """Standbys, free or reserved as a joiner, alive by their process but silent:
         ``(name, why)``. By the same bound as a worker: the heartbeat timeout once it beat,
-        the start-up timeout from when its PID was known until its first beat."""
+        the start-up timeout from when its PID was known until its first beat. Each
+        incarnation is reported once: its agent carries out the kill, and the exit is seen
+        only a moment later, when the standby may look hung still."""
         ctx, health, now = self.ctx, self.ctx.cfg.health, time.time()
         if now - self._standbys_looked_at < health.check_interval_s:
             return []
@@ -121,9 +124,11 @@ class Health:
                 since = self._unbeaten.setdefault((name, pid), now)
                 if now - since > health.startup_timeout_s:
                     out.append((name, f"no heartbeat {now - since:.1f} s after it started"))
-                continue
-            if now - beat > health.heartbeat_timeout_s:
+            elif now - beat > health.heartbeat_timeout_s:
                 out.append((name, f"no heartbeat for {now - beat:.2f} s"))
+        out = [(name, why) for name, why in out
+               if (name, ctx.procs.procs[name].incarnation) not in self._reported]
+        self._reported.update((name, ctx.procs.procs[name].incarnation) for name, _ in out)
         return out
 
     def _check_hosts(self, now: float, beating: set[int], hung: set[int]) -> set[int]:

@@ -1,0 +1,67 @@
+"""The controller's health checks on their own, against a fake job context (no processes)."""
+from types import SimpleNamespace
+
+from trainmover.control import health as H
+from trainmover.core import decisions as C
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self):
+        return self.now
+
+    def monotonic(self):
+        return self.now
+
+
+class Store:
+    """Every heartbeat counter has moved once (the standby beat, then fell silent)."""
+
+    def add(self, key, amount):
+        return 1
+
+
+class Procs:
+    def __init__(self):
+        self.procs = {"s0": SimpleNamespace(node=0, incarnation=1, code=None, pid=41)}
+        self.lost = []
+
+    def known(self, name):
+        return name in self.procs
+
+    def running(self, name):
+        return self.procs[name].code is None
+
+    def pid(self, name):
+        return self.procs[name].pid
+
+
+def fake_ctx():
+    cfg = SimpleNamespace(health=SimpleNamespace(check_interval_s=0.0, heartbeat_timeout_s=5.0,
+                                                 startup_timeout_s=30.0))
+    return SimpleNamespace(cfg=cfg, store=Store(), procs=Procs(),
+                           membership=SimpleNamespace(standbys={"s0": C.StandbyState.RESERVED}))
+
+
+def test_a_hung_standby_is_reported_once_per_incarnation(monkeypatch):
+    """Fencing is carried out by the agent and the exit is seen later: until then the
+    standby still looks alive and silent, and must not be reported (fenced, logged) again."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    ctx = fake_ctx()
+    health = H.Health(ctx)
+    assert health.hung_standbys() == []          # its beat is first seen now
+    clock.now += 4.0
+    assert health.hung_standbys() == []          # quiet, within the timeout
+    clock.now += 2.0
+    ((name, why),) = health.hung_standbys()
+    assert name == "s0" and "no heartbeat for 6.00 s" in why
+    clock.now += 1.0
+    assert health.hung_standbys() == []          # killed, its exit not seen yet
+    # a new incarnation under the same name is a new process, watched afresh
+    ctx.procs.procs["s0"] = SimpleNamespace(node=0, incarnation=2, code=None, pid=42)
+    assert health.hung_standbys() == []
+    clock.now += 6.0
+    assert [n for n, _ in health.hung_standbys()] == ["s0"]
