@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow test-gpu bench-step soak vendor clean
+.PHONY: install demo test test-slow test-gpu bench-step benchmarks soak vendor clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,25 @@ test-gpu:
 
 bench-step: install
 	$(BIN)/trainmover bench step
+
+# Every result the README quotes, regenerated from the code as it is into benchmarks/results
+# (each file names the machine, the commit and its settings). Hours on 2 cores; not in CI.
+# `bench hosts` needs root (network namespaces); the soak is `make soak`.
+benchmarks: install
+	$(BIN)/trainmover bench step
+	$(BIN)/trainmover bench downtime --workers 4,8,16 --scenarios planned
+	$(BIN)/trainmover bench downtime --workers 4,8 --scenarios crash,hang \
+		--name downtime-failures
+	$(BIN)/trainmover project --bench benchmarks/results/downtime.json \
+		--bench benchmarks/results/downtime-failures.json
+	$(BIN)/trainmover bench checkpoint
+	$(BIN)/trainmover bench sources
+	$(BIN)/trainmover bench straggler --json benchmarks/results/straggler_results.json
+	$(BIN)/trainmover bench false-positives
+	$(BIN)/trainmover bench ettr --json benchmarks/results/ettr_results.json
+	$(BIN)/trainmover bench view
+	$(BIN)/trainmover bench example
+	$(BIN)/trainmover bench hosts
 
 # Not in CI: a 30-minute job disrupted every ~20 s, then run again without events
 # (benchmarks/results/soak.md). SOAK_MINUTES=5 for a shorter one.

@@ -131,6 +131,7 @@ MESSAGES = [
     P.SwitchReport(switch_s=0.01, transfer_s=0.004, transfer_bytes=123456,
                    rss_before={"rss_mb": 100.5}, rss_after={"rss_mb": 101.0}),
     P.MigrationAsk(["w1", "w2"], ["s0", "s1"]),
+    P.StepEnds(4, 10, 14, [1700000000.5 + 0.1 * i for i in range(13)]),
     P.ProcRecord(4242, 2),
     P.ExitRecord("w3", 1, -9, 1700000000.5),
     P.ControllerInfo(77, 3),

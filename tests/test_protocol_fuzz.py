@@ -15,7 +15,7 @@ json_values = st.recursive(
     max_leaves=20)
 
 MESSAGE_TYPES = [P.StandbyReport, P.FailureReport, P.ReadyReport, P.SwitchReport,
-                 P.MigrationAsk, P.ProcRecord, P.ExitRecord, P.ControllerInfo, P.AgentInfo]
+                 P.MigrationAsk, P.StepEnds, P.ProcRecord, P.ExitRecord, P.ControllerInfo, P.AgentInfo]
 READERS = [("command", P.decode_command, tuple(P.COMMANDS.values())),
            ("agent request", P.decode_agent_request, tuple(P.AGENT_REQUESTS.values()))] + \
           [(cls.__name__, (lambda c: lambda raw: P.read_message(c, raw))(cls), (cls,))

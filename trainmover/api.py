@@ -65,6 +65,10 @@ class Job:
         job._thread, job._summary, job._error, job.dashboard = None, None, None, None
         return job
 
+    def running(self) -> bool:
+        """Started and not ended (finished, stopped or failed)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self, timeout_s: float | None = None) -> dict:
         self._thread.join(timeout_s)
         if self._thread.is_alive():

@@ -451,6 +451,43 @@ def _bench_parser(bsub, name: str, help: str, recipe: str = "demo",
     return p
 
 
+def cmd_project(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from trainmover.bench.project import Cluster, costs_from_bench, write_projection
+
+    cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)
+                         if getattr(args, f.name) is not None})
+    cluster.validate()
+    write_projection(cluster, costs_from_bench(args.bench), args.out)
+    return 0
+
+
+def _project_parser(sub) -> None:
+    from dataclasses import fields
+
+    from trainmover.bench.project import Cluster
+
+    p = sub.add_parser("project", help="ETTR and GPU-hours lost per week at 1K-128K GPUs, "
+                                       "from measured per-event costs (a model)")
+    p.add_argument("--bench", action="append", required=True, metavar="FILE",
+                   help="a `trainmover bench downtime` result (planned and failure "
+                        "scenarios; give several files to combine them)")
+    p.add_argument("--out", default="benchmarks/results")
+    defaults = Cluster()
+    for f in fields(Cluster):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "gpus":
+            p.add_argument(flag, type=lambda s: [int(x) for x in s.split(",")], default=None,
+                           help="comma-separated cluster sizes (default "
+                                f"{','.join(map(str, defaults.gpus))})")
+        else:
+            kind = type(getattr(defaults, f.name))
+            p.add_argument(flag, type=kind, default=None,
+                           help=f"default {getattr(defaults, f.name)}")
+    p.set_defaults(fn=cmd_project)
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover",
                                 description="Keep distributed PyTorch training running through "
@@ -522,6 +559,7 @@ def make_parser() -> argparse.ArgumentParser:
     rep.add_argument("--bench", action="append", metavar="FILE",
                      help="a bench result (benchmarks/results/*.json) to plot beside it")
     rep.set_defaults(fn=cmd_report)
+    _project_parser(sub)
     stop = _job_command(sub, "stop", "stop a running job gracefully (a checkpoint, then "
                                      "every process exits); continue it with --resume")
     stop.add_argument("--reason", default="trainmover stop", help="recorded in the events")
@@ -629,6 +667,9 @@ def make_parser() -> argparse.ArgumentParser:
     down.add_argument("--name", default="downtime", help="result file name under --out")
     down.add_argument("--no-compile", action="store_true", help="eager mode (faster, less real)")
     down.add_argument("--event-step", type=int, default=8)
+    down.add_argument("--repeats", type=int, default=3, help="runs per cell (median, min, max)")
+    down.add_argument("--compile-up-to", type=int, default=8,
+                      help="larger jobs run eager (16 compiled processes do not fit 2 cores)")
     down.add_argument("--json", help="also write the results JSON here")
     down.add_argument("--out", default="benchmarks/results")
     down.set_defaults(fn=cmd_bench)

@@ -7,7 +7,6 @@ clipping and processes. Only the step loop differs.
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -285,263 +284,6 @@ def _step_table(r: dict) -> str:
 
 # --- bench downtime --------------------------------------------------------------------------
 
-LAYOUTS_BY_WORKERS = {4: Layout(2, 2, 1), 8: Layout(2, 2, 2), 16: Layout(2, 4, 2)}
-STRATEGIES = ("trainmover", "trainmover_cold", "naive", "restart")
-
-
-def _wait(cond, job, what: str, timeout_s: float = 1800) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if not job._thread.is_alive():
-            raise RuntimeError(f"the job ended while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def _reach_event(job, event_step: int, warm_standby: bool) -> None:
-    """Wait until the job reached ``event_step`` (and, if asked, every standby is warm)."""
-    from trainmover.core import decisions as C
-
-    coord = job.coordinator
-    if warm_standby:
-        _wait(lambda: all(st is C.StandbyState.WARM for st in coord.membership.standbys.values()),
-              job, "a warm standby")
-    _wait(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
-
-
-def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, victim: str,
-                 run_dir: str, steps_after: int = 6) -> dict:
-    """One job under one strategy with one unexpected failure of ``victim``, delivered from
-    outside the process (SIGKILL for a crash, SIGSTOP for a hang) once the job reached
-    ``event_step`` (and, for trainmover, once its standby is warm)."""
-    import signal as sig
-
-    from trainmover.api import Job
-
-    cfg = JobConfig.from_dict(cfg.to_dict())
-    cfg.train.steps = 100_000
-    if strategy == "trainmover":
-        cfg.standby.count = 1
-    elif strategy == "restart":
-        cfg.checkpoint.every = 1
-        cfg.baseline.restart_on_failure = True
-    else:
-        raise ValueError(f"strategy {strategy!r} has no {scenario} scenario")
-    job = Job(cfg, run_dir, timeout_s=3600).start()
-    coord = job.coordinator
-    try:
-        _reach_event(job, event_step, warm_standby=strategy == "trainmover")
-        pid = coord.procs.pid(victim)
-        coord.events.emit("fault_injected", worker=victim, kind=scenario, point="external")
-        os.kill(pid, sig.SIGKILL if scenario == "crash" else sig.SIGSTOP)
-        if strategy == "trainmover":
-            _wait(lambda: coord.recovery.done, job, "the recovery")
-            resume = coord.recovery.done[0]["resume_step"]
-        else:
-            _wait(lambda: coord.restarts, job, "the restart")
-            resume = coord.restarts[0]["step"]
-        _wait(lambda: coord.progress.last_step >= resume + steps_after, job, "steps after")
-    finally:
-        coord.stop()
-    summary = job.wait(600)
-    if strategy == "trainmover":
-        (event,) = summary["recoveries"]
-        detection = max(event["detection_latency_s"].values())
-    else:
-        (event,) = summary["restarts"]
-        detection = None
-    return {"downtime_s": event["downtime_s"], "phases": event["phases"],
-            "detection_latency_s": detection, "state_source": event.get("sources"),
-            "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
-            "first_step_ratio": None, "stayer_peak_rss_growth": None, "recording": None,
-            "standby_warmup_s": None}
-
-
-def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
-                  run_dir: str, steps_after: int = 6) -> dict:
-    """One job under one strategy with one planned event at ``event_step`` (for the
-    trainmover strategy: at that step or once the standby is warm, whichever is later, since
-    a warm standby is the point). The job runs until the event is accounted for, then stops."""
-    from trainmover.api import Job
-
-    cfg = JobConfig.from_dict(cfg.to_dict())
-    cfg.train.steps = 100_000  # stopped once the event is measured
-    if strategy in ("trainmover", "trainmover_cold"):
-        cfg.standby.count = 1
-        cfg.standby.warmup = cfg.standby.record = strategy == "trainmover"
-    if strategy == "restart":
-        cfg.checkpoint.every = 1
-        cfg.baseline.restart_at_step = event_step
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}")
-    job = Job(cfg, run_dir, timeout_s=3600).start()
-    coord = job.coordinator
-    try:
-        _reach_event(job, event_step, warm_standby=strategy == "trainmover")
-        if strategy == "restart":
-            _wait(lambda: coord.restarts and coord.progress.last_step >= event_step + steps_after,
-                  job, "the restart")
-        else:
-            result = coord.request_migration([leaver], naive=strategy == "naive",
-                                             source="bench").result(timeout=1800)
-            if result["status"] != "done":
-                raise RuntimeError(f"{strategy}: migration {result['status']}: {result}")
-            _wait(lambda: coord.progress.last_step >= result["switch_step"] + steps_after, job,
-                  "steps after the switch")
-    finally:
-        coord.stop()
-    summary = job.wait(600)
-    if strategy == "restart":
-        (event,) = summary["restarts"]
-        first_step_ratio = None
-    else:
-        (event,) = [m for m in summary["migrations"] if m["status"] == "done"]
-        first_step_ratio = event["phases"]["first_step_s"] / event["phases"]["normal_step_s"]
-    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
-    recorded = [e for e in events if e["event"] == "recorded"]
-    warmed = [e for e in events if e["event"] == "warmed"]
-    return {"downtime_s": event["downtime_s"], "phases": event["phases"],
-            "event_step": event.get("switch_step", event.get("step")),
-            "recording": {"files": len(recorded), "bytes": sum(e["bytes"] for e in recorded),
-                          "save_s": max([e["save_s"] for e in recorded] or [0.0])}
-            if recorded else None,
-            "standby_warmup_s": sum(e["duration_s"] for e in warmed) if warmed else None,
-            "first_step_ratio": first_step_ratio,
-            "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
-            "stayer_peak_rss_growth": event.get("stayer_peak_rss_growth")}
-
-
-CACHES = {
-    "trainmover": "joiner: a standby on a new machine whose own caches (in memory and on disk) "
-                  "were filled by its sandboxed warm-up; stayers: their own",
-    "trainmover_cold": "joiner: none (a standby on a new machine that skipped warm-up); "
-                       "stayers: their own",
-    "naive": "joiner: none (started cold on a new machine); stayers: their own",
-    "restart": "every restarted process: its own caches from the first start (same machines)",
-}
-
-
-SCENARIOS = ("planned", "crash", "hang")
-FAILURE_STRATEGIES = ("trainmover", "restart")
-
-
-def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8,
-                   out_dir: str = "benchmarks/results",
-                   json_path: str | None = None, strategies=STRATEGIES,
-                   scratch: str | None = None, scenarios=SCENARIOS,
-                   name: str = "downtime") -> dict:
-    import tempfile
-
-    for n in workers:
-        if n not in LAYOUTS_BY_WORKERS:
-            raise ValueError(f"--workers {n}: choose from {sorted(LAYOUTS_BY_WORKERS)}")
-    rows = []
-    scratch = scratch or tempfile.mkdtemp(prefix="tm-bench-downtime-")
-    for n in workers:
-        cfg = get_recipe("bench_downtime")
-        cfg.layout = LAYOUTS_BY_WORKERS[n]
-        cfg.train.compile = compile
-        # the benchmark's jobs run "forever" until it stops them: if the benchmark process
-        # itself dies, their agents must not restart a controller for them
-        cfg.controller.restart, cfg.controller.grace_s = "manual", 30.0
-        cfg.validate()
-        leaver = "w1"
-        for scenario in scenarios:
-            for strategy in strategies:
-                if scenario != "planned" and strategy not in FAILURE_STRATEGIES:
-                    continue
-                t0 = time.perf_counter()
-                run_dir = os.path.join(scratch, f"{scenario}-{strategy}-{n}")
-                try:
-                    res = _downtime_run(strategy, cfg, event_step, leaver, run_dir) \
-                        if scenario == "planned" else \
-                        _failure_run(strategy, scenario, cfg, event_step, leaver, run_dir)
-                except RuntimeError as exc:
-                    # one failed run is a result too (reported as such), not the end of
-                    # the others
-                    res = {"downtime_s": None, "error": str(exc)[:500]}
-                rows.append({"scenario": scenario, "strategy": strategy, "workers": n,
-                             "layout": cfg.layout.as_dict(), "compile": compile,
-                             "caches_at_start": CACHES[strategy],
-                             "bench_wall_s": time.perf_counter() - t0, **res})
-                print(f"  {n:>2} workers {scenario:>7} {strategy:>15}: " +
-                      (f"downtime {res['downtime_s']:.3f} s" if res["downtime_s"] is not None
-                       else f"FAILED: {res['error']}"), flush=True)
-                # written after every run: a long benchmark keeps what it measured so far
-                result = _downtime_result(rows, event_step, scratch, out_dir, name, json_path)
-    return result
-
-
-def _downtime_result(rows, event_step, scratch, out_dir, name, json_path) -> dict:
-    result = {"benchmark": "downtime", "event_step": event_step,
-              "recipe": "bench_downtime", "results": rows, "machine": machine_description(),
-              "scratch": scratch}
-    _add_ratios(result)
-    write_result(out_dir, name, result, _downtime_table(result))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
-
-
-def _add_ratios(result: dict) -> None:
-    measured = [r for r in result["results"] if r["downtime_s"] is not None]
-    by = {(r["strategy"], r["workers"]): r["downtime_s"] for r in measured
-          if r["scenario"] == "planned"}
-    ratios = {}
-    for scenario in ("crash", "hang"):
-        rows = {(r["strategy"], r["workers"]): r["downtime_s"] for r in measured
-                if r["scenario"] == scenario}
-        for (strategy, n), d in rows.items():
-            if strategy == "trainmover" and ("restart", n) in rows and d:
-                ratios[f"{scenario}_restart_over_trainmover_{n}"] = rows[("restart", n)] / d
-    for (strategy, n), d in by.items():
-        if strategy != "restart" and ("restart", n) in by and d:
-            ratios[f"restart_over_{strategy}_{n}"] = by[("restart", n)] / d
-    ns = sorted({n for _, n in by})
-    if len(ns) > 1:
-        for strategy in STRATEGIES:
-            if (strategy, ns[0]) in by and (strategy, ns[-1]) in by and by[(strategy, ns[0])]:
-                ratios[f"{strategy}_growth_{ns[0]}_to_{ns[-1]}"] = \
-                    by[(strategy, ns[-1])] / by[(strategy, ns[0])]
-    result["ratios"] = ratios
-
-
-def _downtime_table(r: dict) -> str:
-    lines = [f"# bench downtime: trainmover vs baselines (event at step "
-             f"{r['event_step']}, compile={r['results'][0]['compile']})", "",
-             "| scenario | workers | strategy | downtime (s) | detection (s) | first step / normal | "
-             "groups rebuilt | stayer peak RSS growth |", "|---|---|---|---|---|---|---|---|"]
-    for row in r["results"]:
-        if row["downtime_s"] is None:
-            lines.append(f"| {row['scenario']} | {row['workers']} | {row['strategy']} | "
-                         f"failed: {row['error']} | | | | |")
-            continue
-        ratio = row["first_step_ratio"]
-        rss = row["stayer_peak_rss_growth"]
-        det = row.get("detection_latency_s")
-        groups = (f"{row['groups_rebuilt']}/{row['groups_total']}"
-                  if row["groups_rebuilt"] is not None else "all")
-        lines.append(f"| {row['scenario']} | {row['workers']} | {row['strategy']} | "
-                     f"{row['downtime_s']:.3f} | {'' if det is None else f'{det:.3f}'} | "
-                     f"{'' if ratio is None else f'{ratio:.2f}'} | {groups} | "
-                     f"{'' if rss is None else f'{rss * 100:+.2f}%'} |")
-    lines += ["", "Phases (seconds):", ""]
-    for row in r["results"]:
-        if row["downtime_s"] is None:
-            continue
-        phases = ", ".join(f"{k} {v:.3f}" for k, v in row["phases"].items() if v is not None)
-        lines.append(f"- {row['scenario']}, {row['workers']} workers, {row['strategy']}: "
-                     f"{phases}")
-    lines += ["", "Caches each strategy starts with:", ""]
-    lines += [f"- {k}: {v}" for k, v in CACHES.items()]
-    lines += ["", "Ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()),
-              f"machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, "
-              f"torch {r['machine']['torch']}"]
-    return "\n".join(lines) + "\n"
-
-
 def main(args) -> int:
     if args.bench == "step":
         bench_step(args.recipe, args.dp, args.steps, args.repeats, args.out)
@@ -600,6 +342,8 @@ def main(args) -> int:
         bench_hosts(args.repeats, args.out)
         return 0
     if args.bench == "downtime":
+        from trainmover.bench.downtime import SCENARIOS, STRATEGIES, bench_downtime
+
         workers = [int(x) for x in args.workers.split(",")]
         strategies = args.strategies.split(",")
         for s in strategies:
@@ -612,6 +356,7 @@ def main(args) -> int:
                 raise ValueError(f"--scenarios: unknown scenario {s!r} "
                                  f"(known: {', '.join(SCENARIOS)})")
         bench_downtime(workers, not args.no_compile, args.event_step, args.out, args.json,
-                       strategies, scenarios=scenarios, name=args.name)
+                       strategies, scenarios=scenarios, name=args.name, repeats=args.repeats,
+                       compile_up_to=args.compile_up_to)
         return 0
     raise ValueError(f"unknown benchmark {args.bench!r}")

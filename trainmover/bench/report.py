@@ -7,10 +7,10 @@ import os
 import statistics
 import platform
 
-import torch
-
 
 def machine_description() -> dict:
+    import torch   # here, not at the top: the torch-free benches (project) use the rest
+
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:

@@ -6,6 +6,7 @@ planned events (``baseline.restart_at_step``) and failures (``baseline.restart_o
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 from trainmover.control.context import JobContext
@@ -95,5 +96,12 @@ class Restarts:
                 "groups_s": longest("groups_built"),
                 "checkpoint_load_s": longest("checkpoint_loaded"),
                 "first_step_s": first["step_time_s"],
-                "normal_step_s": normal}})
+                "normal_step_s": normal,
+                # first_step_s's own quantity (a step's time in the loop) before the stop
+                "normal_train_step_s": _median_step_time(records, k)}})
         return out
+
+
+def _median_step_time(records: list[dict], before: int, steps: int = 5) -> float | None:
+    times = [r["step_time_s"] for r in records if before - steps <= r["step"] < before]
+    return statistics.median(times) if times else None

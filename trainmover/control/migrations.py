@@ -11,6 +11,7 @@ in ``pending``.
 from __future__ import annotations
 
 import queue
+import statistics
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from trainmover.control.context import JobContext
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
-from trainmover.core.accounting import downtime_from_metrics
+from trainmover.core.accounting import (downtime_from_metrics, slowest_stayer,
+                                         stayer_downtime)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class ActiveMigration:
     t_go: float | None = None
     switch_step: int | None = None
     result: dict | None = None
+    t_accountable: float | None = None   # the job passed the steps its downtime spans
 
 
 class Migrations:
@@ -299,12 +302,48 @@ class Migrations:
 
     # --- accounting ----------------------------------------------------------------------------
     def finish_downtimes(self, final: bool = False) -> None:
-        """A migration's downtime is known once the job committed the first step after it."""
+        """A migration's downtime is known once the job committed the steps it spans and
+        every stayer posted its step-end times (``P.StepEnds``); after
+        ``controller.downtime_report_timeout_s`` without them (a stayer died or is slow) it
+        is measured from the ones there are, and at the job's end from what there is."""
+        ctx = self.ctx
         for mig in list(self.awaiting_downtime):
-            if self.ctx.progress.last_step < mig.switch_step and not final:
-                continue
+            if not final:
+                if ctx.progress.last_step < mig.switch_step + P.DOWNTIME_STEPS_AFTER:
+                    continue
+                keys = [P.mig_key(mig.plan.migration_id, "steps", w) for w in mig.plan.stayers]
+                if not ctx.store.check(keys):
+                    mig.t_accountable = mig.t_accountable or time.time()
+                    if time.time() - mig.t_accountable < \
+                            ctx.cfg.controller.downtime_report_timeout_s:
+                        continue
             self.awaiting_downtime.remove(mig)
             self._report(mig)
+
+    def _normal_train_step(self, before: int) -> float | None:
+        """The median of the reporter's own step times of the steps before ``before``."""
+        times = [r["step_time_s"] for r in self.ctx.progress.records
+                 if before - P.DOWNTIME_BASELINE_STEPS <= r["step"] < before
+                 and "step_time_s" in r]
+        return statistics.median(times) if times else None
+
+    def _stayer_accounts(self, mig: ActiveMigration
+                         ) -> tuple[dict[str, tuple[float, float, float]], int]:
+        """Each stayer's (downtime, normal gap, noise) from the step ends it posted, and
+        the first step at whose boundary a stayer began phase 1 (the switch step if none
+        posted)."""
+        out, began = {}, mig.switch_step
+        for w in mig.plan.stayers:
+            ends = self.ctx.read(P.StepEnds, P.mig_key(mig.plan.migration_id, "steps", w))
+            if ends is None or ends.switch_step != mig.switch_step:
+                continue
+            began = min(began, ends.prepare_step)
+            account = stayer_downtime(ends.first_step, ends.prepare_step, ends.switch_step,
+                                      ends.ends, P.DOWNTIME_STEPS_AFTER,
+                                      P.DOWNTIME_BASELINE_STEPS)
+            if account is not None:
+                out[w] = account
+        return out, began
 
     def _report(self, mig: ActiveMigration) -> None:
         ctx = self.ctx
@@ -314,9 +353,17 @@ class Migrations:
                    for w in plan.participants}
         ready = {w: r for w in plan.participants
                  if (r := ctx.read(P.ReadyReport, P.mig_key(mid, "ready", w))) is not None}
-        downtime, normal = (None, None)
+        # the job's downtime is its slowest stayer's (module doc of core/accounting.py); the
+        # reporter's commit gap is kept beside it, and stands in where no stayer posted
+        downtime = normal = noise = reporter = None
         if ctx.progress.last_step >= mig.switch_step:
-            downtime, normal = downtime_from_metrics(ctx.progress.records, mig.switch_step)
+            reporter, normal = downtime_from_metrics(ctx.progress.records, mig.switch_step)
+        accounts, began = self._stayer_accounts(mig)
+        slowest = slowest_stayer(accounts)
+        if slowest is not None:
+            _, downtime, normal, noise = slowest
+        else:
+            downtime = reporter
         leaver_r = [reports[p.leaver] for p in plan.pairs]
         joiner_r = [reports[p.joiner] for p in plan.pairs]
         stayer_r = [reports[w] for w in plan.stayers]
@@ -334,10 +381,16 @@ class Migrations:
             "joiner_recv_s": max(r.recv_s for r in joiner_r),
             "first_step_s": max(r.first_step_s for r in joiner_r),
             "normal_step_s": normal,
+            # the same quantity as first_step_s (a step's own time, from its start in the
+            # loop to its end), on the reporter before phase 1: their ratio is like for like
+            "normal_train_step_s": self._normal_train_step(began),
         }
         result = {"status": "done", **plan.describe(), "source": mig.request.source,
                   "switch_step": mig.switch_step,
                   "downtime_s": downtime, "phases": phases,
+                  "downtime_noise_s": noise, "downtime_reporter_s": reporter,
+                  "downtime_by": {"stayers": len(plan.stayers), "reported": len(accounts),
+                                  "slowest": slowest[0] if slowest else None},
                   "transfer_bytes": sum(r.transfer_bytes for r in leaver_r),
                   "stayer_peak_rss_growth": max(rss_growth) if rss_growth else None,
                   "naive": mig.request.naive,
@@ -357,10 +410,13 @@ class Migrations:
                 self.retention.migration_done(old["migration_id"],
                                               old["stayers"] + leavers + joiners, leavers)
         if downtime is not None:
+            step_s = phases["normal_train_step_s"]
             ctx.progress.say(
                 f"migration {mid} done at step {mig.switch_step}: downtime {downtime:.3f} s "
+                + (f"(steps vary by {noise:.3f} s) " if noise is not None else "") +
                 f"(transfer {phases['transfer_s']:.3f} s, group switch "
                 f"{phases['group_switch_s']:.3f} s, joiner's first step "
-                f"{phases['first_step_s']:.3f} s vs normal {normal:.3f} s); "
+                f"{phases['first_step_s']:.3f} s"
+                + (f" vs a normal step's {step_s:.3f} s" if step_s is not None else "") + "); "
                 f"{result['groups_rebuilt']}/{result['groups_total']} groups rebuilt")
         self.answer(mig.request, result)

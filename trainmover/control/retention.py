@@ -117,7 +117,7 @@ class Retention:
         for what in ("ready_count", "switched_count", "go", "switch_at", "abort"):
             store.delete_key(P.mig_key(migration_id, what))
         for w in participants:
-            for what in ("ready", "switched"):
+            for what in ("ready", "switched", "steps"):
                 store.delete_key(P.mig_key(migration_id, what, w))
         for w in leavers:
             for what in ("at_switch", "outcome"):

@@ -29,3 +29,37 @@ def downtime_from_metrics(records: list[dict], event_step: int, baseline_steps: 
             if s in t and s - 1 in t]
     normal = statistics.median(gaps) if gaps else 0.0
     return max(0.0, t[event_step] - t[event_step - 1] - normal), normal
+
+
+def stayer_downtime(first_step: int, prepare_step: int, switch_step: int, ends: list[float],
+                    after: int, baseline: int) -> tuple[float, float, float] | None:
+    """One stayer's downtime for a switch at ``switch_step``, from the wall times at which
+    its steps ended (``ends[i]`` for step ``first_step + i``): the time from the end of the
+    step before the switch to the end of ``after`` steps past it, minus as many normal steps
+    (a stall that spills into the steps after the switch is counted). Normal is the median
+    of up to ``baseline`` step-to-step gaps that ended before phase 1 began at
+    ``prepare_step`` (background preparation may slow the steps during phase 1).
+    Returns (downtime_s, normal_gap_s, noise_s) or None without a gap to measure normal by;
+    noise is the spread (max - min) of those normal gaps: a downtime inside it is no
+    measurable stall. Not clamped: a negative value is noise, reported as measured."""
+    t = {first_step + i: e for i, e in enumerate(ends)}
+    last = switch_step + after
+    if switch_step - 1 not in t or last not in t:
+        return None
+    gaps = [t[s] - t[s - 1] for s in range(prepare_step - baseline, prepare_step)
+            if s in t and s - 1 in t]
+    if not gaps:
+        return None
+    normal = statistics.median(gaps)
+    span = t[last] - t[switch_step - 1]
+    return span - (after + 1) * normal, normal, max(gaps) - min(gaps)
+
+
+def slowest_stayer(accounts: dict[str, tuple[float, float, float]]
+                   ) -> tuple[str, float, float, float] | None:
+    """The stayer whose downtime was the largest: (name, downtime_s, normal_gap_s, noise_s);
+    None when there is none. The job waits for its slowest member."""
+    if not accounts:
+        return None
+    name = max(accounts, key=lambda w: accounts[w][0])
+    return (name, *accounts[name])

@@ -510,6 +510,9 @@ class ControllerConfig:
     # How often the controller checks that no newer controller took over (it then steps
     # down): two controllers act at once for at most this long.
     incarnation_check_s: float = 0.25
+    # A migration's downtime is measured from every stayer's step-end times; a stayer that
+    # has not posted them this long after the job passed the steps they span is left out.
+    downtime_report_timeout_s: float = 10.0
     # A process told to stop gets SIGTERM, then SIGKILL after this (also at the job's end).
     stop_grace_s: float = 3.0
     # At the job's end, how long the controller waits for the agent to stop every process
@@ -527,7 +530,8 @@ class ControllerConfig:
                  snapshot_interval_s=self.snapshot_interval_s,
                  status_interval_s=self.status_interval_s,
                  incarnation_check_s=self.incarnation_check_s, stop_grace_s=self.stop_grace_s,
-                 agent_exit_timeout_s=self.agent_exit_timeout_s)
+                 agent_exit_timeout_s=self.agent_exit_timeout_s,
+                 downtime_report_timeout_s=self.downtime_report_timeout_s)
 
 
 @dataclass

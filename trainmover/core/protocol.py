@@ -46,6 +46,7 @@ MIGRATION_KEYS = {
     "at_switch": "a leaver reached the switch step (the naive baseline starts its joiner)",
     "outcome": "a leaver's point of no return: 'handover' (leaver) or 'abort' (controller), "
                "decided by one compare-and-set",
+    "steps": "StepEnds: a stayer's step-end times around the switch (the downtime)",
     # per migration
     "ready_count": "participants done with phase 1",
     "switched_count": "participants switched",
@@ -519,6 +520,27 @@ class SwitchReport:
     first_step_s: float = 0.0
     rss_before: dict[str, float] | None = None
     rss_after: dict[str, float] | None = None
+
+
+# A planned migration's downtime is measured on every stayer from its own step-end times:
+# the steps from the switch step through DOWNTIME_STEPS_AFTER more (a stall that spills into
+# the steps after the switch, such as a joiner's slow first backward, is counted) against
+# DOWNTIME_BASELINE_STEPS normal steps that ended before the stayer began phase 1.
+DOWNTIME_STEPS_AFTER = 2
+DOWNTIME_BASELINE_STEPS = 5
+STEP_END_HISTORY = 1024   # step-end times a worker keeps (phase 1 must fit in them)
+
+
+@dataclass(frozen=True)
+class StepEnds:
+    """``mig/<id>/steps/<w>``: when each step from ``first_step`` on ended on a stayer
+    (``ends``, wall clock, one per step through ``switch_step + DOWNTIME_STEPS_AFTER``);
+    ``prepare_step`` is the step at whose boundary it began phase 1."""
+
+    first_step: int
+    prepare_step: int
+    switch_step: int
+    ends: list[float]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import base64
 import html
 import json
 import os
+import statistics
 
 from matplotlib.figure import Figure
 
@@ -152,7 +153,13 @@ def bench_images(path: str, rows: list[dict], out_dir: str) -> dict[str, str]:
     stem = os.path.splitext(os.path.basename(path))[0]
     strategies = _strategies(rows)
     cells = sorted({(r["scenario"], r["workers"]) for r in rows})
-    value = {(r["scenario"], r["workers"], r["strategy"]): r["downtime_s"] for r in rows}
+    # repeated runs of a cell (``--repeats``): the bar is their median
+    runs: dict[tuple, list[float]] = {}
+    for r in rows:
+        if isinstance(r["downtime_s"], (int, float)):
+            runs.setdefault((r["scenario"], r["workers"], r["strategy"]), []).append(
+                r["downtime_s"])
+    value = {k: statistics.median(v) for k, v in runs.items()}
     fig = _figure()
     ax = fig.subplots()
     width = 0.8 / len(strategies)

@@ -103,6 +103,7 @@ class Participation:
     reported_ready: bool = False
     dropped: bool = False
     switch_at: int | None = None
+    prepare_step: int = 0              # the boundary at which phase 1 began here
     t_go: float | None = None
     build_s: float = 0.0
     rss_before: dict = field(default_factory=dict)
@@ -126,6 +127,18 @@ class Migrations:
         self.state = None   # the registered TrainState (what a leaver hands over)
         self.on_point = lambda point, step: None   # fault injection (faults.hit)
         self.stop_at: int | None = None   # a graceful stop's agreed step
+        # when each recent step ended here (wall clock), and the switches whose step-end
+        # times are still to be posted (migration id, prepare step, switch step)
+        self.step_ends: dict[int, float] = {}
+        self.timing_due: list[tuple[int, int, int]] = []
+
+    def step_ended(self, step: int, at: float | None = None) -> None:
+        """The loop finished ``step`` (committed and applied). A step redone after a
+        recovery overwrites its earlier end."""
+        self.step_ends.pop(step, None)
+        self.step_ends[step] = time.time() if at is None else at
+        while len(self.step_ends) > P.STEP_END_HISTORY:
+            del self.step_ends[next(iter(self.step_ends))]
 
     # --- the per-step hook ---------------------------------------------------------------
     def at_boundary(self, step: int) -> str | None:
@@ -136,6 +149,8 @@ class Migrations:
                              name="retire-groups").start()
         for cmd in self.commands.poll():
             self._accept(cmd, step)
+        if self.timing_due:
+            self._post_step_ends(step)
         if self.stop_at is not None and step >= self.stop_at:
             if step > self.stop_at:
                 raise RuntimeError(f"{self.name} is at step {step}, past the agreed stop "
@@ -166,7 +181,7 @@ class Migrations:
             return
         mid = cmd.migration_id
         part = Participation(mid, "stayer" if isinstance(cmd, P.Prepare) else "leaver", cmd,
-                             rss_before=rss_mb())
+                             prepare_step=step, rss_before=rss_mb())
         self.active[mid] = part
         self.events.emit("migration_prepare", migration_id=mid, part=part.kind,
                          groups=cmd.groups if isinstance(cmd, P.Prepare) else {},
@@ -274,6 +289,7 @@ class Migrations:
             # nothing can use them any more: every holder reads the new slots
             self.retired.extend(self.groups.install(part.built))
             report["install_s"] = time.perf_counter() - ti
+            self.timing_due.append((mid, part.prepare_step, step))
         report["switch_s"] = time.perf_counter() - t0
         report["rss_after"] = rss_mb()
         self.store.set(P.mig_key(mid, "switched", self.name),
@@ -283,6 +299,24 @@ class Migrations:
                          **{k: v for k, v in report.items() if k.endswith("_s")})
         del self.active[mid]
         return LEAVE if part.kind == "leaver" else None
+
+    def _post_step_ends(self, step: int) -> None:
+        """Once the steps through ``DOWNTIME_STEPS_AFTER`` past a switch have ended, post
+        their end times, from the baseline steps before phase 1 on (``P.StepEnds``)."""
+        for due in list(self.timing_due):
+            mid, prepare, switch = due
+            last = switch + P.DOWNTIME_STEPS_AFTER
+            if step <= last:
+                continue
+            self.timing_due.remove(due)
+            first = max(prepare - P.DOWNTIME_BASELINE_STEPS - 1, switch - P.STEP_END_HISTORY)
+            while first not in self.step_ends and first < switch:
+                first += 1   # the job (or this role's tenure) began later
+            ends = [self.step_ends.get(s) for s in range(first, last + 1)]
+            if None in ends:
+                continue   # a recovery redid part of it: no clean account
+            self.store.set(P.mig_key(mid, "steps", self.name), P.write_message(
+                P.StepEnds(first, prepare, switch, ends)))
 
     def _drop(self, part: Participation, reason: str) -> None:
         """Abandon a migration: the live groups were never touched; prepared ones are closed

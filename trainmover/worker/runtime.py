@@ -619,6 +619,7 @@ class _Loop:
             if self.snapshotter is not None and (step + 1) % cfg.snapshot.every == 0:
                 self.snapshotter.send(step + 1, ctx.epoch, rt.state.local_state()[0])
             self.meter.end(step, step_time, rt.comm_groups)
+            self.migrations.step_ended(step)
             if self.metrics is not None:
                 self._write_metrics(step, step_time, cur.metrics)
             every = cfg.health.verify_every
