@@ -659,6 +659,12 @@ def make_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--repeats", type=int, default=3)
     hosts.add_argument("--out", default="benchmarks/results")
     hosts.set_defaults(fn=cmd_bench)
+    tft = _bench_parser(bsub, "torchft", "trainmover and torchft side by side: one "
+                                         "data-parallel replica killed (needs torchft)")
+    tft.add_argument("--replicas", type=int, default=3)
+    tft.add_argument("--kill-after", type=int, default=30, help="steps at full width first")
+    tft.add_argument("--steps-after", type=int, default=10,
+                     help="steps at full width after the kill before a run ends")
     down = bsub.add_parser("downtime", help="planned migration vs naive migration vs restart")
     down.add_argument("--workers", default="4,8", help="comma list from 4, 8, 16")
     down.add_argument("--strategies", default="trainmover,trainmover_cold,naive,restart")

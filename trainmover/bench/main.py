@@ -341,6 +341,12 @@ def main(args) -> int:
             raise ValueError(f"bench hosts needs network namespaces: {why_not}")
         bench_hosts(args.repeats, args.out)
         return 0
+    if args.bench == "torchft":
+        from trainmover.bench.torchft_side import bench_torchft
+
+        bench_torchft(args.replicas, args.recipe, args.repeats, args.kill_after,
+                      args.steps_after, args.out)
+        return 0
     if args.bench == "downtime":
         from trainmover.bench.downtime import SCENARIOS, STRATEGIES, bench_downtime
 
