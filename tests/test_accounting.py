@@ -114,3 +114,13 @@ def test_cells_ratios_and_growth_from_repeats():
     assert "within step noise: no measurable stall" in table
     assert "spread exceeds the value" in table and "1 of 4 runs failed" in table
     assert "inf" not in table
+
+
+def test_phase_one_cost_is_the_steps_beyond_normal_before_the_switch():
+    from trainmover.core.accounting import phase_one_extra
+
+    # phase 1 from step 6: steps 6..9 take 0.15 s instead of 0.1 s (0.2 s in all)
+    gaps = [0.1] * 5 + [0.15] * 4 + [0.3, 0.1, 0.1]
+    ends = ends_from_gaps(0.0, gaps)
+    assert phase_one_extra(0, 6, 10, ends, 0.1) == pytest.approx(0.2)
+    assert phase_one_extra(7, 6, 10, ends[7:], 0.1) is None   # its start is not known

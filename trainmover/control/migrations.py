@@ -20,8 +20,8 @@ from trainmover.control.context import JobContext
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
-from trainmover.core.accounting import (downtime_from_metrics, slowest_stayer,
-                                         stayer_downtime)
+from trainmover.core.accounting import (downtime_from_metrics, phase_one_extra,
+                                         slowest_stayer, stayer_downtime)
 
 
 @dataclass
@@ -328,11 +328,11 @@ class Migrations:
         return statistics.median(times) if times else None
 
     def _stayer_accounts(self, mig: ActiveMigration
-                         ) -> tuple[dict[str, tuple[float, float, float]], int]:
-        """Each stayer's (downtime, normal gap, noise) from the step ends it posted, and
-        the first step at whose boundary a stayer began phase 1 (the switch step if none
-        posted)."""
-        out, began = {}, mig.switch_step
+                         ) -> tuple[dict[str, tuple[float, float, float]], int, float | None]:
+        """Each stayer's (downtime, normal gap, noise) from the step ends it posted; the
+        first step at whose boundary a stayer began phase 1 (the switch step if none
+        posted); and the most phase 1 cost a stayer's steps (``phase_one_extra``)."""
+        out, began, extra = {}, mig.switch_step, []
         for w in mig.plan.stayers:
             ends = self.ctx.read(P.StepEnds, P.mig_key(mig.plan.migration_id, "steps", w))
             if ends is None or ends.switch_step != mig.switch_step:
@@ -343,7 +343,11 @@ class Migrations:
                                       P.DOWNTIME_BASELINE_STEPS)
             if account is not None:
                 out[w] = account
-        return out, began
+                x = phase_one_extra(ends.first_step, ends.prepare_step, ends.switch_step,
+                                    ends.ends, account[1])
+                if x is not None:
+                    extra.append(x)
+        return out, began, max(extra) if extra else None
 
     def _report(self, mig: ActiveMigration) -> None:
         ctx = self.ctx
@@ -358,7 +362,7 @@ class Migrations:
         downtime = normal = noise = reporter = None
         if ctx.progress.last_step >= mig.switch_step:
             reporter, normal = downtime_from_metrics(ctx.progress.records, mig.switch_step)
-        accounts, began = self._stayer_accounts(mig)
+        accounts, began, phase_one = self._stayer_accounts(mig)
         slowest = slowest_stayer(accounts)
         if slowest is not None:
             _, downtime, normal, noise = slowest
@@ -373,6 +377,8 @@ class Migrations:
             # training continued through these (not downtime)
             "prepare_s": max([r.prepare_s if r.prepare_s is not None else r.build_s
                               for r in ready.values()] or [0.0]),
+            # what that background work cost the stayers' steps beyond normal ones
+            "phase1_slowdown_s": phase_one,
             "wait_boundary_s": max([r.wait_boundary_s for r in leaver_r] or [0.0]),
             # the switch itself
             "transfer_s": max(r.transfer_s for r in leaver_r),

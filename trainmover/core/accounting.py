@@ -55,6 +55,18 @@ def stayer_downtime(first_step: int, prepare_step: int, switch_step: int, ends: 
     return span - (after + 1) * normal, normal, max(gaps) - min(gaps)
 
 
+def phase_one_extra(first_step: int, prepare_step: int, switch_step: int, ends: list[float],
+                    normal: float) -> float | None:
+    """What phase 1 (groups built in the background while training goes on) cost a stayer:
+    the time its steps from ``prepare_step`` up to the switch took beyond as many normal
+    steps. Not downtime (training went on), but a cost all the same: on shared cores the
+    background work slows the steps."""
+    t = {first_step + i: e for i, e in enumerate(ends)}
+    if prepare_step - 1 not in t or switch_step - 1 not in t:
+        return None
+    return t[switch_step - 1] - t[prepare_step - 1] - (switch_step - prepare_step) * normal
+
+
 def slowest_stayer(accounts: dict[str, tuple[float, float, float]]
                    ) -> tuple[str, float, float, float] | None:
     """The stayer whose downtime was the largest: (name, downtime_s, normal_gap_s, noise_s);
