@@ -73,8 +73,14 @@ def _repeat(recipe: str, minutes: float, every: float, standbys: int, replenish:
     restart.baseline.restart_at_step = 20
     r = _run(restart, timeout_s)[0]["restarts"][0]["downtime_s"]
     clean_s, moving_s = _span(clean), _span(records)
+    done = [m for m in events if m["status"] == "done"]
+    # where the time went: the switches' stalls and what their background preparation cost
+    # the steps (both measured on every stayer); the rest is outside the migrations
+    stall = sum(m["downtime_s"] or 0.0 for m in done)
+    phase1 = sum(m["phases"].get("phase1_slowdown_s") or 0.0 for m in done)
     return {"steps": steps, "clean_s": clean_s, "trainmover_s": moving_s,
-            "events": len(events), "done": sum(1 for m in events if m["status"] == "done"),
+            "events": len(events), "done": len(done),
+            "lost_s": moving_s - clean_s, "stall_s": stall, "phase1_s": phase1,
             "migration_downtime_s": [m.get("downtime_s") for m in events],
             "restart_downtime_s": r,
             "ettr": {"trainmover": clean_s / moving_s,
@@ -133,4 +139,11 @@ def _table(r: dict) -> str:
     lines += ["", "Per repeat: " + "; ".join(
         f"{x['steps']} steps, clean {x['clean_s']:.1f} s, with events {x['trainmover_s']:.1f} "
         f"s, restart downtime {x['restart_downtime_s']:.2f} s" for x in r["runs"]) + "."]
+    lines += ["", "Where the lost time went, per repeat (seconds: lost = with events - clean; "
+              "the switches' stalls and their background preparation's cost to the steps are "
+              "measured on every stayer; the rest is outside the migrations, e.g. new standbys "
+              "starting on the same cores, or run-to-run noise): " + "; ".join(
+                  f"lost {x['lost_s']:.1f}, stalls {x['stall_s']:.2f}, preparation "
+                  f"{x['phase1_s']:.2f}, rest {x['lost_s'] - x['stall_s'] - x['phase1_s']:.1f}"
+                  for x in r["runs"] if "lost_s" in x) + "."]
     return "\n".join(lines) + "\n"
