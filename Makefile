@@ -52,6 +52,7 @@ benchmarks: install
 	$(BIN)/trainmover bench view
 	$(BIN)/trainmover bench example
 	$(BIN)/trainmover bench hosts
+	$(BIN)/python benchmarks/store_keys.py --steps 10000 --every 1000
 
 # Not in CI: a 30-minute job disrupted every ~20 s, then run again without events
 # (benchmarks/results/soak.md). SOAK_MINUTES=5 for a shorter one.
