@@ -236,3 +236,48 @@ def test_rolling_rebalance_moves_workers_in_turn(tmp_path, straggler_baseline):
     leavers = [m["pairs"][0]["leaver"] for m in done]
     assert len(done) >= 2 and leavers[:2] == ["w0", "w1"], leavers   # roles in turn
     assert summary["weights_sha256"] == straggler_baseline
+
+
+def test_the_meter_publishes_gpu_clock_and_temperature_where_torch_reads_them(monkeypatch):
+    """On a GPU each window carries its SM clock and temperature; where they cannot be read
+    (no NVML binding) they are left out and not asked for again. CPU here: the reading is
+    faked, the rest of the meter is real."""
+    from trainmover.core import protocol as P
+    from trainmover.worker import perf
+
+    class Store:
+        def __init__(self):
+            self.values = {}
+
+        def set(self, key, value):
+            self.values[key] = value
+
+    class Groups:
+        def slots(self):
+            return {}
+
+    def run(meter, store):
+        for step in range(4):
+            meter.begin(step, Groups())
+            meter.end(step, 0.01, Groups())
+        return P.read_message(P.StepPerf, store.values[P.perf_key("w0")])
+
+    monkeypatch.setattr(perf, "_gpu_signals", lambda index: (1410.0 + index, 66.0))
+    store = Store()
+    got = run(perf.StepMeter(store, "w0", "dp0.pp0.tp0", 0, 4, {}, True, True, gpu=1), store)
+    assert (got.gpu_clock_mhz, got.gpu_temp_c) == (1411.0, 66.0)
+
+    calls = []
+
+    def unreadable(index):
+        calls.append(index)
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(perf, "_gpu_signals", unreadable)
+    store = Store()
+    meter = perf.StepMeter(store, "w0", "dp0.pp0.tp0", 0, 2, {}, True, True, gpu=0)
+    got = run(meter, store)
+    assert (got.gpu_clock_mhz, got.gpu_temp_c) == (None, None)
+    assert calls == [0]          # two windows, asked once
+    got = run(perf.StepMeter(store, "w0", "dp0.pp0.tp0", 0, 4, {}, True, True), store)
+    assert got.gpu_clock_mhz is None

@@ -446,6 +446,8 @@ class StepPerf:
     load1: float | None = None       # the host's 1-minute load average
     steal: float | None = None       # share of CPU time stolen by the hypervisor
     recent: list[PerfWindow] = dataclasses.field(default_factory=list)
+    gpu_clock_mhz: float | None = None   # the GPU's SM clock (a throttled GPU runs slower)
+    gpu_temp_c: float | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ on CPU the main thread's CPU time (``straggler.measure``), which a process desch
 its neighbours does not inflate: with more processes than cores, wall-clock compute is
 mostly scheduling noise. Every
 ``straggler.window`` steps the medians go to ``perf/<worker>`` (one key, overwritten), with
-the host's load and CPU steal where Linux tells them.
+the host's load and CPU steal where Linux tells them, and on a GPU its SM clock and
+temperature where torch can read them (NVML's Python binding installed; no new dependency:
+without it they are left out).
 """
 from __future__ import annotations
 
@@ -31,9 +33,18 @@ def _cpu_times() -> tuple[int, int] | None:
     return sum(values), values[7] if len(values) > 7 else 0
 
 
+def _gpu_signals(index: int) -> tuple[float | None, float | None]:
+    """(SM clock in MHz, temperature in C) of GPU ``index``, through torch.cuda, which reads
+    them from NVML where its Python binding is installed; raises where it is not."""
+    import torch
+
+    return float(torch.cuda.clock_rate(index)), float(torch.cuda.temperature(index))
+
+
 class StepMeter:
     def __init__(self, store, name: str, role_name: str, tenure_start: int, window: int,
-                 slowdowns: dict[str, tuple[int, float]], publish: bool, cpu_time: bool):
+                 slowdowns: dict[str, tuple[int, float]], publish: bool, cpu_time: bool,
+                 gpu: int | None = None):
         self.store, self.name, self.role_name = store, name, role_name
         self.cpu_time = cpu_time       # compute = the main thread's CPU time (else wall)
         self._cpu_at = time.thread_time()
@@ -46,6 +57,7 @@ class StepMeter:
         self._rows: list[tuple[int, float, float, dict[str, float]]] = []
         self._recent: list[P.PerfWindow] = []
         self._cpu = _cpu_times()
+        self.gpu = gpu      # the device index whose clock and temperature go with each window
 
     def _active(self, fault: tuple[int, float] | None, step: int) -> float:
         return fault[1] if fault is not None and step >= fault[0] else 1.0
@@ -107,6 +119,12 @@ class StepMeter:
         if cpu is not None and self._cpu is not None and cpu[0] > self._cpu[0]:
             steal = round((cpu[1] - self._cpu[1]) / (cpu[0] - self._cpu[0]), 4)
         self._cpu = cpu
+        clock = temp = None
+        if self.gpu is not None:
+            try:
+                clock, temp = _gpu_signals(self.gpu)
+            except Exception:  # noqa: BLE001 - no NVML binding or no reading: stop asking
+                self.gpu = None
         slots = sorted({s for r in rows for s in r[3]})
         compute_s = round(median(r[2] for r in rows), 6)
         self._recent = (self._recent + [P.PerfWindow(rows[0][0], rows[-1][0], compute_s)]
@@ -115,4 +133,5 @@ class StepMeter:
             self.role_name, rows[0][0], rows[-1][0], self.tenure_start,
             round(median(r[1] for r in rows), 6), compute_s,
             {s: round(median(r[3].get(s, 0.0) for r in rows), 6) for s in slots},
-            None if load is None else round(load, 2), steal, list(self._recent))))
+            None if load is None else round(load, 2), steal, list(self._recent),
+            gpu_clock_mhz=clock, gpu_temp_c=temp)))

@@ -556,7 +556,8 @@ class _Loop:
         self.meter = StepMeter(ctx.store, rt.name, rt.role.name, step, cfg.straggler.window,
                                slowdowns(cfg.faults, rt.name),
                                publish=cfg.straggler.policy != "off",
-                               cpu_time=cfg.straggler.cpu_measure(ctx.device.type))
+                               cpu_time=cfg.straggler.cpu_measure(ctx.device.type),
+                               gpu=ctx.device.index if ctx.device.type == "cuda" else None)
         ctx.progress.arm(True)    # from here the main thread must keep showing progress
         try:
             yield from self._steps(step, start_step, record_key, tolerant)
