@@ -51,7 +51,7 @@ def main() -> int:
     with open(os.path.join(run_dir, "control.json")) as f:
         agent = json.load(f)["agent_pid"]
     samples, nxt = [], args.every
-    while nxt <= args.steps - 1 and job._thread.is_alive():
+    while nxt <= args.steps - 1 and job.running():
         if coord.progress.last_step + 1 >= nxt:
             samples.append({"step": coord.progress.last_step + 1,
                             "keys": coord.ctx.store.raw.num_keys(),
