@@ -39,3 +39,12 @@ def test_without_torchft_the_benchmark_says_so(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(T, "torchft_version", lambda: None)
     assert main(["bench", "torchft", "--out", str(tmp_path)]) == 2
     assert "needs torchft" in capsys.readouterr().err
+
+
+def test_a_layout_the_recipe_cannot_split_is_refused_before_launch(capsys, tmp_path):
+    if T.torchft_version() is None:
+        pytest.skip("torchft is not installed: the version check refuses first")
+    assert main(["bench", "torchft", "--replicas", "3", "--recipe", "demo",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--replicas 3" in err and "not divisible" in err

@@ -661,7 +661,8 @@ def make_parser() -> argparse.ArgumentParser:
     hosts.set_defaults(fn=cmd_bench)
     tft = _bench_parser(bsub, "torchft", "trainmover and torchft side by side: one "
                                          "data-parallel replica killed (needs torchft)")
-    tft.add_argument("--replicas", type=int, default=3)
+    tft.add_argument("--replicas", type=int, default=4,
+                     help="data-parallel replicas (must divide the recipe's batch)")
     tft.add_argument("--kill-after", type=int, default=30, help="steps at full width first")
     tft.add_argument("--steps-after", type=int, default=10,
                      help="steps at full width after the kill before a run ends")

@@ -321,6 +321,15 @@ def bench_torchft(replicas: int, recipe: str, repeats: int, kill_after: int, ste
                          "project's `torchft` extra); it is not installed here")
     if replicas < 2:
         raise ValueError(f"--replicas {replicas}: need at least 2 (one is killed)")
+    from trainmover.core.topology import Layout
+    from trainmover.recipes import get_recipe
+
+    cfg = get_recipe(recipe)
+    cfg.layout = Layout(replicas, 1, 1)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise ValueError(f"--replicas {replicas} with --recipe {recipe}: {exc}") from None
     scratch = scratch or tempfile.mkdtemp(prefix="tm-bench-torchft-")
     runs = []
     for rep in range(repeats):
