@@ -35,6 +35,19 @@ def test_stall_full_width_and_skipped_samples():
     assert got["steps_discarded"] == 1
 
 
+def test_full_width_comes_after_the_last_step_below_it():
+    # the step in flight when replica 1 died commits at full width just after the kill (its
+    # all-reduce was done); then two steps at width 2; full width again at t = 2.0
+    rows = [log(r, s, 0.1 * s, 3) for s in range(1, 10) for r in (0, 1, 2)]
+    t_kill = 0.95
+    rows += [log(r, 10, 1.0, 3) for r in (0, 2)]
+    rows += [log(r, s, t, 2) for s, t in ((11, 1.1), (12, 1.2)) for r in (0, 2)]
+    rows += [log(r, 13, 2.0, 3) for r in (0, 1, 2)]
+    got = T.summarize_torchft(rows, 3, victim=1, t_kill=t_kill, per_replica=8)
+    assert got["kill_to_full_width_s"] == pytest.approx(2.0 - 0.95)
+    assert got["samples_skipped"] == 2 * 8
+
+
 def test_without_torchft_the_benchmark_says_so(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(T, "torchft_version", lambda: None)
     assert main(["bench", "torchft", "--out", str(tmp_path)]) == 2

@@ -238,8 +238,13 @@ def summarize_torchft(rows: list[dict], n: int, victim: int, t_kill: float,
         normal = statistics.median(b - a for a, b in zip(before, before[1:]))
         normals.append(normal)
         stalls.append(after[0] - before[-1] - normal)
-    full_again = min((r["t"] for r in rows if r["t"] > t_kill and r["committed"] and
-                      r["participants"] == n), default=None)
+    # full width again: the first full-width commit after the last one below full width (a
+    # step in flight when the replica died can still commit at full width just after the
+    # kill, its all-reduce done: that is not the job back at full width)
+    after = [r for r in rows if r["t"] > t_kill and r["committed"]]
+    below = [r["t"] for r in after if r["participants"] < n]
+    full_again = min((r["t"] for r in after if r["participants"] == n and
+                      r["t"] > max(below, default=t_kill)), default=None)
     # one entry per committed step (every participant logs it with the same count)
     steps = {}
     for r in rows:
