@@ -52,8 +52,9 @@ def print_demo_summary(cfg: JobConfig, run_dir: str, summary: dict) -> None:
         noise = m.get("downtime_noise_s")
         stall = m["downtime_s"] > (noise or 0.0)
         print(f"    downtime          {m['downtime_s']:.3f} s" + (
-            "" if stall else f" (within the {noise:.3f} s that normal steps vary by: no "
-                             f"measurable stall)"))
+            "" if stall else " (no measurable stall" + (
+                f": within the {noise:.3f} s that normal steps vary by)" if noise is not None
+                else ")")))
         print(f"      state transfer  {ph['transfer_s']:.3f} s ({m['transfer_bytes'] / 1e6:.1f} MB)")
         print(f"      group switch    {ph['group_switch_s']:.3f} s "
               f"({m['groups_rebuilt']}/{m['groups_total']} groups rebuilt, prepared while "
