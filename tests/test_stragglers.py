@@ -168,13 +168,14 @@ def test_a_slow_worker_is_detected_and_moved_only_under_migrate(tmp_path, stragg
     # the onset falls inside a window); every window counts, however seldom the controller
     # reads them (measured here: step 63 in 3 of 3 runs)
     assert onset < found[0]["step"] <= onset + (s.min_windows // 2 + 2) * s.window, found
-    # the score at detection is the median over the rule's windows, so at most
-    # 1 / (1 + min_shift) by the rule itself; the injected 1.3x puts it near 1 / 1.3
-    # (measured: 0.78-0.81 in 6 runs), but a run whose slow windows read low is detected
-    # the moment their median crosses the threshold, at a score just under it (0.867 once in
-    # a full-suite run here): the lower bound says the slowdown was not overstated
+    # the score at detection is the median over the rule's windows, at most
+    # 1 / (1 + min_shift) by the rule itself (not asserted: it cannot fail); the injected
+    # 1.3x puts it near 1 / 1.3 (measured: 0.78-0.81 in 6 runs), but a run whose slow
+    # windows read low is detected the moment their median crosses the threshold, just
+    # under it (0.867 once in a full-suite run here). What can go wrong is overstating the
+    # slowdown: the score must not read as much worse than 1.3x
     assert found[0]["reference"] == "peers"
-    assert 1 / 1.45 < found[0]["score"] <= 1 / (1 + s.min_shift)
+    assert found[0]["score"] > 1 / 1.45
     moves = [m for m in summary["migrations"] if m["status"] == "done"]
     if policy == "alert":
         assert moves == [] and events_of(tmp_path, "straggler_migration") == []

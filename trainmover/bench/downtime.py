@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import signal
 import statistics
 import time
 
-from trainmover.bench.report import git_commit, machine_description, spread, write_result
+from trainmover.bench.children import collect
+from trainmover.bench.report import (fmt_spread, git_commit, machine_description, spread,
+                                     write_result)
 from trainmover.core.config import JobConfig
 from trainmover.core.events import read_jsonl
 from trainmover.core.topology import Layout
@@ -46,7 +47,7 @@ CACHES = {
 }
 
 
-def _wait(cond, job, what: str, timeout_s: float = 1800) -> None:
+def wait_for(cond, job, what: str, timeout_s: float = 1800) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         if not job.running():
@@ -62,12 +63,13 @@ def _reach_event(job, event_step: int, warm_standby: bool) -> None:
 
     coord = job.coordinator
     if warm_standby:
-        _wait(lambda: all(st is C.StandbyState.WARM for st in coord.membership.standbys.values()),
-              job, "a warm standby")
-    _wait(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
+        wait_for(lambda: all(st is C.StandbyState.WARM
+                             for st in coord.membership.standbys.values()),
+                 job, "a warm standby")
+    wait_for(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
 
 
-def _normal_gap_before(run_dir: str, t: float, steps: int = 5) -> float | None:
+def normal_gap_before(run_dir: str, t: float, steps: int = 5) -> float | None:
     """The median commit gap of the last ``steps`` steps committed before time ``t``."""
     times = sorted(r["time"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
                    if r["time"] < t)[-(steps + 1):]
@@ -100,12 +102,12 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
         coord.events.emit("fault_injected", worker=victim, kind=scenario, point="external")
         os.kill(pid, signal.SIGKILL if scenario == "crash" else signal.SIGSTOP)
         if strategy == "trainmover":
-            _wait(lambda: coord.recovery.done, job, "the recovery")
+            wait_for(lambda: coord.recovery.done, job, "the recovery")
             resume = coord.recovery.done[0]["resume_step"]
         else:
-            _wait(lambda: coord.restarts, job, "the restart")
+            wait_for(lambda: coord.restarts, job, "the restart")
             resume = coord.restarts[0]["step"]
-        _wait(lambda: coord.progress.last_step >= resume + steps_after, job, "steps after")
+        wait_for(lambda: coord.progress.last_step >= resume + steps_after, job, "steps after")
     finally:
         coord.stop()
     summary = job.wait(600)
@@ -116,7 +118,7 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
         (event,) = summary["restarts"]
         detection = None
     return {"downtime_s": event["downtime_s"], "phases": event["phases"],
-            "normal_step_s": _normal_gap_before(run_dir, t_fault), "downtime_noise_s": None,
+            "normal_step_s": normal_gap_before(run_dir, t_fault), "downtime_noise_s": None,
             "detection_latency_s": detection, "state_source": event.get("sources"),
             "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
             "first_step_ratio": None, "stayer_peak_rss_growth": None, "recording": None,
@@ -145,15 +147,15 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
     try:
         _reach_event(job, event_step, warm_standby=strategy == "trainmover")
         if strategy == "restart":
-            _wait(lambda: coord.restarts and coord.progress.last_step >= event_step + steps_after,
-                  job, "the restart")
+            wait_for(lambda: coord.restarts and
+                     coord.progress.last_step >= event_step + steps_after, job, "the restart")
         else:
             result = coord.request_migration([leaver], naive=strategy == "naive",
                                              source="bench").result(timeout=1800)
             if result["status"] != "done":
                 raise RuntimeError(f"{strategy}: migration {result['status']}: {result}")
-            _wait(lambda: coord.progress.last_step >= result["switch_step"] + steps_after, job,
-                  "steps after the switch")
+            wait_for(lambda: coord.progress.last_step >= result["switch_step"] + steps_after,
+                     job, "steps after the switch")
     finally:
         coord.stop()
     summary = job.wait(600)
@@ -223,24 +225,7 @@ def p2p_seconds(nbytes: int, repeats: int = 5, timeout_s: float = 120.0) -> floa
              for r in range(2)]
     for p in procs:
         p.start()
-    try:
-        got = {}
-        deadline = time.monotonic() + timeout_s
-        while len(got) < 2:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"bandwidth measurement exceeded {timeout_s} s")
-            try:
-                rank, times = out.get(timeout=1.0)
-                got[rank] = times
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a bandwidth measurement process failed") from None
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
+    got = collect(procs, out, "bandwidth measurement", timeout_s)
     return statistics.median(got[0])
 
 
@@ -415,9 +400,7 @@ def _growth(cells: list[dict]) -> list[dict]:
 
 
 def _fmt(s: dict | None, digits: int = 3) -> str:
-    if not s:
-        return ""
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+    return fmt_spread(s, digits, "")
 
 
 def downtime_table(r: dict) -> str:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
-import signal
 import statistics
 import time
 
@@ -20,6 +18,7 @@ from trainmover.comm.groups import GroupBuilder, StoreAddress, StoreClients, bui
 from trainmover.core.config import JobConfig
 from trainmover.train.data import BatchSource, load_tokens
 from trainmover.train.engine import Engine, lr_at
+from trainmover.bench.children import collect
 from trainmover.bench.report import git_commit, machine_description, write_result
 from trainmover.core.events import read_jsonl
 from trainmover.recipes import get_recipe
@@ -164,31 +163,7 @@ def run_strategy(strategy: str, cfg: JobConfig, timeout_s: float = 600) -> list[
              for r in range(cfg.layout.num_roles)]
     for p in procs:
         p.start()
-    results = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < len(procs):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"bench strategy {strategy} exceeded {timeout_s} s")
-            try:
-                rank, times = out.get(timeout=1.0)
-                results[rank] = times
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"bench strategy {strategy}: a process exited with "
-                                       f"code {dead[0].exitcode}")
-                if any(p.exitcode == 0 for p in procs) and time.monotonic() > deadline - \
-                        timeout_s + 120 and len(results) < len(procs):
-                    raise RuntimeError(f"bench strategy {strategy}: a process exited without "
-                                       f"reporting; the others are stuck")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
-    return results[0]
+    return collect(procs, out, f"bench strategy {strategy}", timeout_s)[0]
 
 
 def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats: int = 3,

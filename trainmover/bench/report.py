@@ -39,6 +39,13 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def fmt_spread(s: dict | None, digits: int = 3, missing: str = "-") -> str:
+    """A ``spread`` as "median (min-max)"; ``missing`` where there is none."""
+    if not s:
+        return missing
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
 def write_result(out_dir: str, name: str, result: dict, table: str,
                  json_path: str | None = None) -> None:
     """``<name>.json`` and ``<name>.md`` under ``out_dir``, the table printed; with

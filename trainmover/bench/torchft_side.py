@@ -267,7 +267,9 @@ def run_trainmover(n: int, recipe: str, kill_after: int, steps_after: int, victi
     """The same layout under trainmover, one warm standby, ``victim`` SIGKILLed once the job
     committed ``kill_after`` steps (and the standby is warm)."""
     from trainmover.api import Job
+    from trainmover.bench.downtime import normal_gap_before, wait_for
     from trainmover.core import decisions as C
+    from trainmover.core.events import read_jsonl
     from trainmover.core.topology import Layout
     from trainmover.recipes import get_recipe
 
@@ -279,33 +281,25 @@ def run_trainmover(n: int, recipe: str, kill_after: int, steps_after: int, victi
     cfg.validate()
     job = Job(cfg, run_dir, timeout_s=timeout_s).start()
     coord = job.coordinator
-    deadline = time.monotonic() + timeout_s
-
-    def wait(cond, what):
-        while not cond():
-            if not job.running() or time.monotonic() > deadline:
-                raise RuntimeError(f"trainmover run: no {what}; see {run_dir}")
-            time.sleep(0.02)
-
     try:
-        wait(lambda: all(st is C.StandbyState.WARM for st in coord.membership.standbys.values())
-             and coord.progress.last_step >= kill_after, "warm standby")
+        wait_for(lambda: all(st is C.StandbyState.WARM
+                             for st in coord.membership.standbys.values())
+                 and coord.progress.last_step >= kill_after, job, "a warm standby", timeout_s)
         t_kill = time.time()
         os.kill(coord.procs.pid(victim), signal.SIGKILL)
-        wait(lambda: coord.recovery.done, "recovery")
+        wait_for(lambda: coord.recovery.done, job, "the recovery", timeout_s)
         resume = coord.recovery.done[0]["resume_step"]
-        wait(lambda: coord.progress.last_step >= resume + steps_after, "steps after")
+        wait_for(lambda: coord.progress.last_step >= resume + steps_after, job, "steps after",
+                 timeout_s)
     finally:
         coord.stop()
     summary = job.wait(600)
     (rec,) = summary["recoveries"]
-    from trainmover.core.events import read_jsonl
-
     commits = sorted(r["time"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
-    before = [t for t in commits if t <= t_kill][-11:]
-    normal = statistics.median(b - a for a, b in zip(before, before[1:]))
+    last_before = max(t for t in commits if t <= t_kill)
+    normal = normal_gap_before(run_dir, t_kill, steps=10)
     first_after = min(t for t in commits if t > t_kill)
-    return {"survivor_stall_s": first_after - before[-1] - normal, "normal_step_s": normal,
+    return {"survivor_stall_s": first_after - last_before - normal, "normal_step_s": normal,
             # a recovery restores the role before any step commits: full width again at the
             # first step committed after the kill
             "kill_to_full_width_s": first_after - t_kill,
@@ -373,13 +367,9 @@ def bench_torchft(replicas: int, recipe: str, repeats: int, kill_after: int, ste
     return result
 
 
-def _fmt(s: dict | None, digits: int = 2) -> str:
-    if not s:
-        return "-"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
 def _table(r: dict) -> str:
+    from trainmover.bench.report import fmt_spread
+
     lines = [f"# trainmover vs torchft {r['torchft_version']}: one replica killed (commit "
              f"{r['commit']})", "",
              f"Recipe `{r['recipe']}`, data parallel only ({r['replicas']} replicas, one "
@@ -391,9 +381,10 @@ def _table(r: dict) -> str:
              "| system | kill to full width (s) | survivors' stall (s) | samples skipped | "
              "normal step (s) |", "|---|---|---|---|---|"]
     for system, c in r["cells"].items():
-        lines.append(f"| {system} | {_fmt(c['kill_to_full_width_s'])} | "
-                     f"{_fmt(c['survivor_stall_s'])} | {_fmt(c['samples_skipped'], 0)} | "
-                     f"{_fmt(c['normal_step_s'], 3)} |" +
+        lines.append(f"| {system} | {fmt_spread(c['kill_to_full_width_s'], 2)} | "
+                     f"{fmt_spread(c['survivor_stall_s'], 2)} | "
+                     f"{fmt_spread(c['samples_skipped'], 0)} | "
+                     f"{fmt_spread(c['normal_step_s'], 3)} |" +
                      (f" ({c['failed']} failed)" if c["failed"] else ""))
     lines += ["", "torchft settings (None: torchft's own default):", ""]
     lines += [f"- {k}: " + ", ".join(f"{n} {v}" for n, v in s.items())

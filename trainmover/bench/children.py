@@ -1,0 +1,39 @@
+"""Benchmark child processes that each put one ``(rank, result)`` on a queue: collected with
+a deadline, a failed or silent child reported as an error, every child stopped at the end."""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+
+
+def collect(procs: list, out, what: str, timeout_s: float) -> dict:
+    """``{rank: result}`` from every started process in ``procs`` via ``out``; raises
+    ``RuntimeError`` naming ``what`` past ``timeout_s``, when one exits with an error, or
+    when one exited cleanly without reporting for 120 s (the others are then stuck)."""
+    results = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < len(procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} exceeded {timeout_s} s")
+            try:
+                rank, result = out.get(timeout=1.0)
+                results[rank] = result
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{what}: a process exited with code "
+                                       f"{dead[0].exitcode}") from None
+                if any(p.exitcode == 0 for p in procs) and time.monotonic() > deadline - \
+                        timeout_s + 120 and len(results) < len(procs):
+                    raise RuntimeError(f"{what}: a process exited without reporting; the "
+                                       f"others are stuck") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    return results
