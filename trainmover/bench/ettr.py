@@ -1,8 +1,10 @@
 """``bench ettr``: effective training time ratio under rolling maintenance. A job runs for
 ``minutes`` with a worker moved onto a warm standby every ``every`` seconds
-(``maintenance.rebalance_every_s``, standbys replenished), and again without events; ETTR =
-the event-free run's time for the same steps / the run's own (1.0: the events cost
-nothing).
+(``maintenance.rebalance_every_s``), and again without events. ETTR = useful step time /
+wall time, relative to the same for the run without events; the useful time is the run's
+steps at its own normal pace (median commit gap), so the pace of the shared machine, which
+drifts between two runs, cancels out. Beside it: the plain ratio of the two runs' times for
+the same steps, and both runs' normal steps (a slowdown of every step would show there).
 
 Per repeat: a calibration of the step time sizes the runs (both run the same steps); the
 trainmover run and the clean run are measured commit to commit (metrics.jsonl, warm-up
@@ -54,6 +56,19 @@ def _span(records: list[dict]) -> float:
     return records[-1]["time"] - start
 
 
+def _efficiency(records: list[dict]) -> tuple[float, float]:
+    """(useful step time / wall time, normal step) over the same span as ``_span``: the
+    useful time is the span's steps at the run's own normal pace (the median commit gap).
+    Run against run, this ratio is immune to the machine's speed drifting between two runs
+    (a shared machine's pace moves by several percent from one run to the next); what it
+    cannot see is a slowdown of every step of one run, which the normal steps printed beside
+    it show."""
+    times = [r["time"] for r in records if r["step"] >= SKIP - 1]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    normal = statistics.median(gaps)
+    return normal * len(gaps) / (times[-1] - times[0]), normal
+
+
 def _repeat(recipe: str, minutes: float, every: float, standbys: int, replenish: bool,
             timeout_s: float) -> dict:
     _, calib = _run(_job(recipe, 60, standbys, replenish), timeout_s)
@@ -73,6 +88,7 @@ def _repeat(recipe: str, minutes: float, every: float, standbys: int, replenish:
     restart.baseline.restart_at_step = 20
     r = _run(restart, timeout_s)[0]["restarts"][0]["downtime_s"]
     clean_s, moving_s = _span(clean), _span(records)
+    (clean_eff, clean_step), (moving_eff, moving_step) = _efficiency(clean), _efficiency(records)
     done = [m for m in events if m["status"] == "done"]
     # where the time went: the switches' stalls and what their background preparation cost
     # the steps (both measured on every stayer); the rest is outside the migrations
@@ -83,8 +99,10 @@ def _repeat(recipe: str, minutes: float, every: float, standbys: int, replenish:
             "lost_s": moving_s - clean_s, "stall_s": stall, "phase1_s": phase1,
             "migration_downtime_s": [m.get("downtime_s") for m in events],
             "restart_downtime_s": r,
-            "ettr": {"trainmover": clean_s / moving_s,
-                     "restart": clean_s / (clean_s + len(events) * r)}}
+            "clean_step_s": clean_step, "trainmover_step_s": moving_step,
+            "ettr": {"trainmover": moving_eff / clean_eff,
+                     "restart": clean_s / (clean_s + len(events) * r)},
+            "ettr_same_steps": clean_s / moving_s}
 
 
 def bench_ettr(minutes: float = 10.0, every: float = 60.0, repeats: int = 3,
@@ -97,6 +115,10 @@ def bench_ettr(minutes: float = 10.0, every: float = 60.0, repeats: int = 3,
         raise ValueError(f"--standbys {standbys}: a migration needs a standby")
     if not minutes > 0 or not 0 < every < minutes * 60:
         raise ValueError(f"--every {every} s must be within the run's --minutes {minutes}")
+    moves = int(minutes * 60 // every)
+    if not replenish and standbys < moves:
+        raise ValueError(f"--standbys {standbys} with --no-replenish: a run of {minutes} min "
+                         f"moves a worker about {moves} times, each onto a standby of its own")
     timeout_s = timeout_s or minutes * 60 * 3 + 600
     runs = []
     for k in range(repeats):
@@ -128,8 +150,11 @@ def _table(r: dict) -> str:
         f"({r['standbys']} standby(s), "
         + ("replenished: each new standby starts, imports and warms up on the job's cores"
            if r["replenish"] else "started before the run, not replenished")
-        + f"); {r['repeats']} repeats (median, min-max). ETTR: the clean run's time for the "
-        f"same steps over the run's own (the clean run has the same standbys).", "",
+        + f"); {r['repeats']} repeats (median, min-max). ETTR: useful step time (the run's "
+        f"steps at its own normal pace) over wall time, relative to the same for the run "
+        f"without events (which has the same standbys); this cancels the machine's pace "
+        f"drifting between runs. Same-steps ratio: the clean run's time for the same steps "
+        f"over the run's own, drift included.", "",
         "| strategy | ETTR | events | how obtained |", "|---|---|---|---|"]
     how = {"trainmover": "measured (weights equal to the clean run's)",
            "restart": "composed: clean time + one measured restart downtime per event"}
@@ -138,7 +163,10 @@ def _table(r: dict) -> str:
                      f"{x['ettr_max']:.4f}) | {x['events']:.0f} | {how[x['strategy']]} |")
     lines += ["", "Per repeat: " + "; ".join(
         f"{x['steps']} steps, clean {x['clean_s']:.1f} s, with events {x['trainmover_s']:.1f} "
-        f"s, restart downtime {x['restart_downtime_s']:.2f} s" for x in r["runs"]) + "."]
+        f"s (same-steps ratio {x['clean_s'] / x['trainmover_s']:.4f}), normal step "
+        f"{x['clean_step_s'] * 1e3:.1f} / {x['trainmover_step_s'] * 1e3:.1f} ms, restart "
+        f"downtime {x['restart_downtime_s']:.2f} s" for x in r["runs"] if "clean_step_s" in x)
+        + "."]
     lines += ["", "Where the lost time went, per repeat (seconds: lost = with events - clean; "
               "the switches' stalls and their background preparation's cost to the steps are "
               "measured on every stayer; the rest is outside the migrations, e.g. new standbys "
