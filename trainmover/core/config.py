@@ -187,10 +187,11 @@ class ProcessConfig:
             raise ValueError(f"training script {cmd[0]!r} does not exist or is not a file")
 
 
-MAX_STANDBYS_SMALL_JOB = 8
-"""A job never needs more standbys than worker roles (each replaces one role); a small job
-may keep a few more to ride out repeated failures. Beyond that, a count is a typo that
-would start hundreds of processes."""
+MAX_STANDBYS_SMALL_JOB = 16
+"""A job never needs more standbys than worker roles (each replaces one role) to survive one
+event; a small job may keep more to ride out repeated failures or to move one worker after
+another without replenishing (rolling maintenance: one standby per move). Beyond that, a
+count is a typo that would start hundreds of processes."""
 
 
 @dataclass
