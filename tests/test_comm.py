@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mp_harness import run_processes, values
-from trainmover.comm.groups import (CommError, GroupBuilder, StoreClients, build_comm_groups)
+from trainmover.comm.groups import (CommError, DeviceMismatch, GroupBuilder, StoreClients,
+                                    build_comm_groups)
 from trainmover.core.topology import Layout, Role
 
 LAYOUT = Layout(2, 1, 2)  # 4 processes: two TP pairs, two DP pairs
@@ -201,3 +202,52 @@ def test_an_abandoned_allreduce_that_completes_late_cannot_touch_live_gradients(
     assert old == [6.0] * 4          # the late completion wrote into the old buffer ...
     assert grad == [0.0] * 4         # ... never into the gradients in use
     assert grad_in_bucket
+
+
+def _checked(rank, address):
+    """comm.check_devices: tensors on the group's device pass every operation; one on
+    another device is refused by name before anything is issued, so the group stays usable."""
+    from trainmover.core.topology import GroupSpec
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30.0, check_devices=True)
+    spec = GroupSpec("dp.check", "dp", (Role(0, 0, 0), Role(1, 0, 0)))
+    group = builder.build_ranked(spec, rank, 0)
+    refused = []
+    for op in ("allreduce", "broadcast", "allgather", "send", "recv"):
+        elsewhere = torch.empty(2, device="meta")
+        args = {"broadcast": (0,), "send": (1 - rank,), "recv": (1 - rank,)}.get(op, ())
+        try:
+            getattr(group, op)(elsewhere, *args)
+        except DeviceMismatch as exc:
+            refused.append(str(exc))
+    issued_after_refusals = dict(group.issued)
+    t = torch.tensor([float(rank + 1)])
+    group.allreduce(t)
+    gathered = [float(x) for x in group.allgather(torch.tensor([float(rank)]))]
+    box = torch.zeros(1)
+    if rank == 0:
+        group.send(torch.tensor([7.0]), 1).wait()
+    else:
+        group.recv(box, 0).wait()
+    trivial = builder.build_ranked(GroupSpec("tp.check", "tp", (Role(0, 0, 0),)), 0, 0)
+    try:
+        trivial.allreduce(torch.empty(1, device="meta"))
+        trivial_refused = False
+    except DeviceMismatch:
+        trivial_refused = True
+    group.shutdown()
+    return refused, issued_after_refusals, float(t), gathered, float(box), trivial_refused
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_on_another_device_is_refused_before_it_reaches_the_backend():
+    res = values(run_processes(_checked, 2))
+    for rank, (refused, issued, total, gathered, box, trivial_refused) in res.items():
+        assert len(refused) == 5
+        for op, msg in zip(("allreduce", "broadcast", "allgather", "send", "recv"), refused):
+            assert msg == (f"{op} on group dp.check: a tensor on meta, but the group's device "
+                           f"is cpu")
+        assert issued == {"coll": 0, "sent": 0, "recv": 0}
+        assert total == 3.0 and gathered == [0.0, 1.0]
+        if rank == 1:
+            assert box == 7.0
+        assert trivial_refused

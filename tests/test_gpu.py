@@ -32,6 +32,9 @@ def gpu_job(dp: int, pp: int, standbys: int):
     cfg.train.steps = STEPS
     cfg.train.threads_per_worker = 1
     cfg.process.device = "cuda"
+    # a host tensor handed to a group is an error here too, not only under NCCL (gloo
+    # through host memory would accept it)
+    cfg.comm.check_devices = True
     cfg.override(standby_count=standbys, health_heartbeat_timeout_s=5.0,
                  recovery_report_timeout_s=10.0)
     return cfg.validate()

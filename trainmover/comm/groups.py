@@ -108,6 +108,21 @@ class CommError(RuntimeError):
         super().__init__(f"{op} on group {group} gen{generation} failed: {cause}")
 
 
+class DeviceMismatch(ValueError):
+    """A tensor handed to a group lives on another device than the group's (``comm.
+    check_devices``): NCCL would reject it, and gloo through host memory would hide it."""
+
+    def __init__(self, group: str, op: str, tensor: torch.device, declared: torch.device):
+        super().__init__(f"{op} on group {group}: a tensor on {tensor}, but the group's "
+                         f"device is {declared}")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Same kind and, where both name one, the same index (``cuda`` and ``cuda:0`` in a
+    process whose current device is 0 are both accepted)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 # --- store ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -275,7 +290,7 @@ class Group:
 
     def __init__(self, spec: GroupSpec, generation: int, rank: int, pg=None,
                  device: torch.device | None = None, sandbox: bool = False,
-                 stage: bool = False):
+                 stage: bool = False, check_devices: bool = False):
         self.spec = spec
         self.generation = generation
         self.rank = rank
@@ -284,6 +299,8 @@ class Group:
         # gloo over device tensors (several workers share a GPU, where NCCL refuses two ranks
         # on one device): each operation goes through a host copy of its tensor
         self.stage = stage
+        # every operation's tensor must be on ``device`` (comm.check_devices)
+        self.check_devices = check_devices
         self.error: CommError | None = None
         self.closed = False
         self._pg = pg
@@ -351,7 +368,12 @@ class Group:
     def _trivial(self) -> bool:
         return self._pg is None and self.spec.size == 1
 
+    def _placed(self, tensor: torch.Tensor, op: str) -> None:
+        if self.check_devices and not same_device(tensor.device, self.device):
+            raise DeviceMismatch(self.name, op, tensor.device, self.device)
+
     def allreduce(self, tensor: torch.Tensor, op=SUM, async_op: bool = False):
+        self._placed(tensor, "allreduce")
         if self._trivial():
             self._check("allreduce")
             return _DoneWork() if async_op else None
@@ -361,6 +383,7 @@ class Group:
         return self._run("allreduce", lambda: self._pg.allreduce([host], opts), async_op, after)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        self._placed(tensor, "broadcast")
         if self._trivial():
             self._check("broadcast")
             return _DoneWork() if async_op else None
@@ -371,6 +394,7 @@ class Group:
         return self._run("broadcast", lambda: self._pg.broadcast([host], opts), async_op, after)
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._placed(tensor, "allgather")
         if self._trivial():
             self._check("allgather")
             return [tensor.clone()]
@@ -387,12 +411,14 @@ class Group:
 
     # -- point to point (peer is a rank in this group) --
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+        self._placed(tensor, "send")
         if self.spec.size == 1:
             raise self._fail("send", "send on a single-member group")
         host, _ = self._staged(tensor, copy_in=True)
         return self._run("send", lambda: self._pg.send([host], peer, tag), True)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Work:
+        self._placed(tensor, "recv")
         if self.spec.size == 1:
             raise self._fail("recv", "recv on a single-member group")
         host, after = self._staged(tensor, copy_in=False)
@@ -460,8 +486,9 @@ class GroupBuilder:
 
     def __init__(self, stores: StoreClients, device: torch.device, timeout_s: float,
                  gloo_host: str | None = None, abort_signal: AbortSignal | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", check_devices: bool = False):
         self.stores = stores
+        self.check_devices = check_devices
         self.abort_signal = abort_signal
         self.device = device
         self.backend = backend_for(device, backend)
@@ -479,7 +506,8 @@ class GroupBuilder:
         """Build with an explicit group rank (a transfer channel's two members hold the same
         role, so the role cannot name the rank)."""
         if spec.trivial:
-            return Group(spec, generation, rank, None, self.device)
+            return Group(spec, generation, rank, None, self.device,
+                         check_devices=self.check_devices)
         group = self._build_pg(spec, rank, generation)
         group.abort_signal = self.abort_signal
         return group
@@ -495,7 +523,8 @@ class GroupBuilder:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host)]
             opts._timeout = self.timeout
             pg = dist.ProcessGroupGloo(store, rank, spec.size, opts)
-        return Group(spec, generation, rank, pg, self.device, stage=self.stage)
+        return Group(spec, generation, rank, pg, self.device, stage=self.stage,
+                     check_devices=self.check_devices)
 
     def build_many(self, specs: Iterable[GroupSpec], role: Role,
                    generations: dict[str, int]) -> tuple[dict[str, Group], dict[str, float]]:

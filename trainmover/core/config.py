@@ -239,6 +239,10 @@ class CommConfig:
     # with CUDA stages every operation through host memory (workers sharing GPUs: for
     # tests and small machines, not for speed).
     backend: str = "auto"
+    # Refuse any tensor handed to a group that is not on the group's device (an error naming
+    # the group, the operation and both devices). For tests and debugging on a GPU: gloo
+    # through host memory accepts a host tensor that NCCL would reject.
+    check_devices: bool = False
 
     def validate(self) -> None:
         if self.backend not in ("auto", "nccl", "gloo"):

@@ -78,7 +78,8 @@ class WorkerContext:
         self.epoch = epoch
         self.builder = GroupBuilder(self.stores, self.device, cfg.comm.group_timeout_s,
                                     abort_signal=self.abort if cfg.health.recover else None,
-                                    backend=cfg.comm.backend)
+                                    backend=cfg.comm.backend,
+                                    check_devices=cfg.comm.check_devices)
         self.progress = MainProgress(self.abort)
         self.heartbeat = Heartbeat(self.stores, name, cfg.health.heartbeat_interval_s,
                                    self.progress, cfg.health.main_stall_s, self.events) \
