@@ -45,3 +45,33 @@ def test_elsewhere_one_plain_line_per_step(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and lines[-1].startswith("step     3/3") and lines[-1].endswith("[w1]")
     assert p.eta_s() == 0
+
+
+def test_a_bench_on_a_terminal_shows_its_run_and_time_left(monkeypatch):
+    from trainmover.bench import report
+
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.delenv("TRAINMOVER_PLAIN", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    clock = iter([100.0, 100.0, 130.0])      # made, first start, second start
+    line = report.BenchLine("bench x", 3, clock=lambda: next(clock))
+    line.start("cell a")
+    line.finish("cell a: 1.0 s")
+    line.start("cell b")
+    shown = out.getvalue()
+    line.close()
+    assert "bench x: run 1/3: cell a  (0:00 elapsed)" in shown
+    assert "cell a: 1.0 s" in shown
+    # one run took 30 s: two left, about a minute
+    assert "bench x: run 2/3: cell b  (0:30 elapsed, about 1:00 left)" in shown
+
+
+def test_a_bench_elsewhere_prints_only_its_results(capsys):
+    from trainmover.bench.report import BenchLine
+
+    line = BenchLine("bench x", 2)
+    line.start("cell a")
+    line.finish("cell a: 1.0 s")
+    line.close()
+    assert capsys.readouterr().out == "cell a: 1.0 s\n"

@@ -26,8 +26,8 @@ import statistics
 import time
 
 from trainmover.bench.children import collect
-from trainmover.bench.report import (fmt_spread, git_commit, machine_description, spread,
-                                     write_result)
+from trainmover.bench.report import (BenchLine, fmt_spread, git_commit, machine_description,
+                                     spread, write_result)
 from trainmover.core.config import JobConfig
 from trainmover.core.events import read_jsonl
 from trainmover.core.topology import Layout
@@ -253,6 +253,9 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
     settings = {"event_step": event_step, "repeats": repeats, "compile": compile,
                 "compile_up_to": compile_up_to}
     result = None
+    line = BenchLine("bench downtime", repeats * sum(
+        1 for _ in workers for sc in scenarios for st in strategies
+        if sc == "planned" or st in FAILURE_STRATEGIES))
     for rep in range(repeats):
         for n in workers:
             cfg = get_recipe("bench_downtime")
@@ -267,6 +270,7 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
                 for strategy in strategies:
                     if scenario != "planned" and strategy not in FAILURE_STRATEGIES:
                         continue
+                    line.start(f"{scenario}, {strategy}, {n} workers, round {rep + 1}")
                     t0 = time.perf_counter()
                     run_dir = os.path.join(scratch, f"{scenario}-{strategy}-{n}-r{rep}")
                     try:
@@ -282,14 +286,15 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
                                  "compile": cfg.train.compile,
                                  "caches_at_start": CACHES[strategy],
                                  "bench_wall_s": time.perf_counter() - t0, **res})
-                    print(f"  round {rep + 1}/{repeats} {n:>2} workers {scenario:>7} "
-                          f"{strategy:>15}: " +
-                          (f"downtime {res['downtime_s']:.3f} s"
-                           if res["downtime_s"] is not None else f"FAILED: {res['error']}"),
-                          flush=True)
+                    line.finish(f"  round {rep + 1}/{repeats} {n:>2} workers {scenario:>7} "
+                                f"{strategy:>15}: " +
+                                (f"downtime {res['downtime_s']:.3f} s"
+                                 if res["downtime_s"] is not None
+                                 else f"FAILED: {res['error']}"))
                     # written after every run: a long benchmark keeps what it measured so far
                     result = downtime_result(rows, settings, scratch, {})
                     write_result(out_dir, name, result, downtime_table(result), json_path)
+    line.close()
     limits = {}
     for n in workers:
         sizes = [r["transfer_bytes"] for r in rows if r["workers"] == n and

@@ -20,7 +20,7 @@ import os
 import statistics
 import tempfile
 
-from trainmover.bench.report import git_commit, machine_description, write_result
+from trainmover.bench.report import BenchLine, git_commit, machine_description, write_result
 from trainmover.core.events import read_jsonl
 from trainmover.core.topology import Layout
 from trainmover.recipes import get_recipe
@@ -121,11 +121,14 @@ def bench_ettr(minutes: float = 10.0, every: float = 60.0, repeats: int = 3,
                          f"moves a worker about {moves} times, each onto a standby of its own")
     timeout_s = timeout_s or minutes * 60 * 3 + 600
     runs = []
+    line = BenchLine("bench ettr", repeats)
     for k in range(repeats):
+        line.start(f"repeat {k + 1}: calibration, clean run, run with moves, a restart")
         runs.append(_repeat(recipe, minutes, every, standbys, replenish, timeout_s))
         x = runs[-1]
-        print(f"repeat {k + 1}/{repeats}: {x['events']} events, ETTR trainmover "
-              f"{x['ettr']['trainmover']:.4f}, restart {x['ettr']['restart']:.4f}", flush=True)
+        line.finish(f"repeat {k + 1}/{repeats}: {x['events']} events, ETTR trainmover "
+                    f"{x['ettr']['trainmover']:.4f}, restart {x['ettr']['restart']:.4f}")
+    line.close()
     results = []
     for s in ("trainmover", "restart"):
         xs = [x["ettr"][s] for x in runs]

@@ -6,6 +6,7 @@ import json
 import os
 import statistics
 import platform
+import time
 
 
 def machine_description() -> dict:
@@ -22,6 +23,45 @@ def machine_description() -> dict:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
+
+
+class BenchLine:
+    """Where a long benchmark is. On a terminal, one line redrawn in place (the run in
+    progress out of how many, time elapsed, an estimate of the time left from the runs done)
+    with each run's result printed above it; elsewhere (logs, CI) the results' plain lines
+    only. Drawn only between runs, never while one is timed."""
+
+    def __init__(self, name: str, total: int, clock=time.monotonic):
+        from trainmover.control.context import LiveLine
+
+        self.name, self.total, self.done = name, total, 0
+        self.clock = clock
+        self.t0 = clock()
+        self.live = LiveLine.make()
+
+    def start(self, what: str) -> None:
+        if self.live is None:
+            return
+        elapsed = self.clock() - self.t0
+        left = (f", about {_minutes(elapsed / self.done * (self.total - self.done))} left"
+                if self.done else "")
+        self.live.show(f"{self.name}: run {self.done + 1}/{self.total}: {what}  "
+                       f"({_minutes(elapsed)} elapsed{left})", force=True)
+
+    def finish(self, result: str) -> None:
+        self.done += 1
+        if self.live is None:
+            print(result, flush=True)
+        else:
+            self.live.say(result)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.close()
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
 def git_commit() -> str | None:

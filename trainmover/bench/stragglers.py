@@ -29,7 +29,8 @@ import os
 import statistics
 import tempfile
 
-from trainmover.bench.report import git_commit, machine_description, spread, write_result
+from trainmover.bench.report import (BenchLine, git_commit, machine_description, spread,
+                                     write_result)
 from trainmover.core.events import read_jsonl
 from trainmover.core.faults import Inject, worker_faults
 from trainmover.core.topology import Layout
@@ -122,13 +123,16 @@ def bench_straggler(steps: int = 400, onset: int = 60, factor: float = 1.2, repe
     if every < 1:
         raise ValueError(f"--every {every}: a checkpoint interval of at least 1 step")
     runs = []
+    line = BenchLine("bench straggler", repeats)
     for k in range(repeats):
+        line.start(f"repeat {k + 1}: clean, slow and restart runs")
         runs.append(_repeat(recipe, steps, onset, factor, every, timeout_s))
         x = runs[-1]
-        print(f"repeat {k + 1}/{repeats}: detected after {x['detection_steps']} steps "
-              f"({x['detection_s']:.2f} s); loss trainmover {x['loss']['trainmover']:.2%}, "
-              f"restart now {x['loss']['restart_immediately']:.2%}, "
-              f"defer {x['loss']['defer']:.2%}", flush=True)
+        line.finish(f"repeat {k + 1}/{repeats}: detected after {x['detection_steps']} steps "
+                    f"({x['detection_s']:.2f} s); loss trainmover {x['loss']['trainmover']:.2%}, "
+                    f"restart now {x['loss']['restart_immediately']:.2%}, "
+                    f"defer {x['loss']['defer']:.2%}")
+    line.close()
     strategies = ("trainmover", "restart_immediately", "defer")
     det_steps = spread([x["detection_steps"] for x in runs])
     det_s = spread([x["detection_s"] for x in runs])

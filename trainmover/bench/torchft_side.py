@@ -312,7 +312,8 @@ def bench_torchft(replicas: int, recipe: str, repeats: int, kill_after: int, ste
                   out_dir: str, scratch: str | None = None) -> dict:
     import tempfile
 
-    from trainmover.bench.report import git_commit, machine_description, spread, write_result
+    from trainmover.bench.report import (BenchLine, git_commit, machine_description, spread,
+                                         write_result)
 
     version = torchft_version()
     if version is None:
@@ -331,8 +332,10 @@ def bench_torchft(replicas: int, recipe: str, repeats: int, kill_after: int, ste
         raise ValueError(f"--replicas {replicas} with --recipe {recipe}: {exc}") from None
     scratch = scratch or tempfile.mkdtemp(prefix="tm-bench-torchft-")
     runs = []
+    line = BenchLine("bench torchft", repeats * 3)
     for rep in range(repeats):
         for system in ("trainmover", "torchft_default", "torchft_tuned"):
+            line.start(f"{system}, round {rep + 1}")
             where = os.path.join(scratch, f"{system}-r{rep}")
             t0 = time.perf_counter()
             try:
@@ -345,10 +348,11 @@ def bench_torchft(replicas: int, recipe: str, repeats: int, kill_after: int, ste
                 res = {"error": str(exc)[:500]}
             runs.append({"system": system, "repeat": rep, "bench_wall_s":
                          time.perf_counter() - t0, **res})
-            print(f"  round {rep + 1}/{repeats} {system:>16}: " + (
+            line.finish(f"  round {rep + 1}/{repeats} {system:>16}: " + (
                 f"kill to full width {res['kill_to_full_width_s']:.2f} s, stall "
                 f"{res['survivor_stall_s']:.2f} s, {res['samples_skipped']} samples skipped"
-                if "error" not in res else f"FAILED: {res['error']}"), flush=True)
+                if "error" not in res else f"FAILED: {res['error']}"))
+    line.close()
     cells = {}
     for system in ("trainmover", "torchft_default", "torchft_tuned"):
         ok = [r for r in runs if r["system"] == system and "error" not in r]
