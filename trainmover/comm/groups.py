@@ -118,8 +118,8 @@ class DeviceMismatch(ValueError):
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
-    """Same kind and, where both name one, the same index (``cuda`` and ``cuda:0`` in a
-    process whose current device is 0 are both accepted)."""
+    """Same kind and, where both name one, the same index: a device given without an index
+    (``cuda``, the current one) is not compared by index."""
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
