@@ -48,7 +48,8 @@ benchmarks: install
 	$(BIN)/trainmover bench sources
 	$(BIN)/trainmover bench straggler --json benchmarks/results/straggler_results.json
 	$(BIN)/trainmover bench false-positives
-	$(BIN)/trainmover bench ettr --json benchmarks/results/ettr_results.json
+	$(BIN)/trainmover bench ettr --minutes 10 --every 60 --standbys 10 --no-replenish \
+		--name ettr_10min --json benchmarks/results/ettr_results.json
 	$(BIN)/trainmover bench view
 	$(BIN)/trainmover bench example
 	$(BIN)/trainmover bench hosts
