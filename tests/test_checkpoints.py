@@ -74,6 +74,41 @@ def test_the_manifest_lists_each_file_with_its_size_and_sha256(tmp_path):
     assert "not the job's" in check_checkpoint(run_dir, 4, ROLES + ["dp1.pp0.tp0"])
 
 
+def test_a_checkpoint_pruned_while_the_controller_looks_is_not_reported_skipped(
+        tmp_path, monkeypatch):
+    """The controller lists the complete checkpoints, then checks each; the workers may
+    prune an old one in between. It is gone, not damaged: no warning, and the newer ones
+    stay usable."""
+    from trainmover.core import files
+
+    run_dir = str(tmp_path)
+    for step in (0, 3):
+        write_set(run_dir, step)
+    real_check = files.check_checkpoint
+
+    def check_while_pruning(run_dir_, step, roles=None):
+        if step == 0:
+            write_set(run_dir, 6, keep=2)       # step 6 completes; the workers drop step 0
+        return real_check(run_dir_, step, roles)
+
+    monkeypatch.setattr(files, "check_checkpoint", check_while_pruning)
+    usable, skipped = usable_checkpoints(run_dir, ROLES)
+    assert skipped == {} and usable == [3]      # as listed before step 6 was complete
+    # the pruned folder is deleted, not left aside
+    assert sorted(os.listdir(os.path.join(run_dir, "ckpt"))) == ["step3", "step6"]
+
+
+def test_a_prune_cut_short_is_finished_by_the_next_one(tmp_path):
+    from trainmover.train.checkpoint import PRUNED
+
+    run_dir = str(tmp_path)
+    write_set(run_dir, 0)
+    leftover = os.path.join(run_dir, "ckpt", f"{PRUNED}step0-123")
+    os.rename(step_dir(run_dir, 0), leftover)   # as a pruner that died after its rename
+    write_set(run_dir, 3, keep=1)
+    assert sorted(os.listdir(os.path.join(run_dir, "ckpt"))) == ["step3"]
+
+
 def test_a_set_missing_a_role_is_not_complete(tmp_path):
     run_dir = str(tmp_path)
     store = CountingStore()

@@ -95,8 +95,9 @@ def usable_checkpoints(run_dir: str, roles: list[str] | None = None
         why = check_checkpoint(run_dir, step, roles)
         if why is None:
             usable.append(step)
-        else:
+        elif os.path.exists(os.path.join(step_dir(run_dir, step), COMPLETE)):
             skipped[step] = why
+        # else: pruned (an older one the workers dropped) between the listing and the check
     return usable, skipped
 
 

@@ -20,6 +20,9 @@ from trainmover.core.files import (COMPLETE, CORRUPT, MANIFEST_VERSION, complete
                                    entry_path, local_path, read_manifest, step_dir)
 
 
+PRUNED = ".pruned-"   # a checkpoint folder on its way out
+
+
 def save_canonical(state: dict[str, torch.Tensor], path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -185,8 +188,18 @@ class AsyncCheckpointer:
         floor = min(keep) if keep else newest
         root = os.path.join(self.run_dir, "ckpt")
         for name in os.listdir(root):
-            if name.startswith("step") and name[4:].isdigit() and int(name[4:]) < floor:
+            if name.startswith(PRUNED):
+                # one whose deletion was cut short (the process died meanwhile)
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            elif name.startswith("step") and name[4:].isdigit() and int(name[4:]) < floor:
+                # out of sight in one atomic rename, then deleted: the controller listing
+                # the complete checkpoints never finds one whose files are half gone
+                doomed = os.path.join(root, f"{PRUNED}{name}-{os.getpid()}")
+                try:
+                    os.rename(os.path.join(root, name), doomed)
+                except OSError:
+                    continue      # another role's checkpointer took it first
+                shutil.rmtree(doomed, ignore_errors=True)
 
     def wait(self) -> None:
         if self._thread is not None:
