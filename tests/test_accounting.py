@@ -87,6 +87,10 @@ def test_cells_ratios_and_growth_from_repeats():
     rows += [_row("planned", "restart", 4, d, rep=i) for i, d in enumerate([20.0, 21.0, 22.0])]
     rows += [_row("planned", "naive", 4, d, rep=i) for i, d in enumerate([10.0, 50.0, 20.0])]
     rows += [_row("planned", "naive", 4, None, rep=3) | {"error": "boom"}]
+    # 8 workers: a planned restart grows; trainmover's migration is inside the noise there
+    rows += [_row("planned", "restart", 8, d, rep=i) for i, d in enumerate([40.0, 42.0, 44.0])]
+    rows += [_row("planned", "trainmover", 8, d, noise=0.05, rep=i)
+             for i, d in enumerate([-0.01, 0.02, 0.01])]
     r = downtime_result(rows, {"event_step": 8, "repeats": 3, "compile": True,
                                "compile_up_to": 8}, "/tmp/x", {4: {"bytes": 1_000_000,
                                                                     "seconds": 0.01}})
@@ -110,7 +114,13 @@ def test_cells_ratios_and_growth_from_repeats():
     (g,) = [g for g in r["growth"] if g["scenario"] == "crash" and g["strategy"] == "trainmover"]
     assert g["seconds"] == pytest.approx(2.0)                 # 0.5 / 0.25
     assert g["steps"] == pytest.approx((0.5 / 0.2) / 2.5)     # in normal steps: no growth
+    (g,) = [g for g in r["growth"] if g["scenario"] == "planned" and g["strategy"] == "restart"]
+    assert g["seconds"] == pytest.approx(2.0) and g["within_noise"] == []
+    (g,) = [g for g in r["growth"] if g["scenario"] == "planned" and g["strategy"] == "trainmover"]
+    assert "seconds" not in g and "steps" not in g and g["within_noise"] == [4, 8]
     table = downtime_table(r)
+    assert "planned trainmover, 4 -> 8 workers: no ratio: within step noise at 4 and 8 " \
+        "workers" in table
     assert "within step noise: no measurable stall" in table
     assert "spread exceeds the value" in table and "1 of 4 runs failed" in table
     assert "inf" not in table

@@ -393,13 +393,17 @@ def _growth(cells: list[dict]) -> list[dict]:
             for c in mine[1:]:
                 row = {"scenario": scenario, "strategy": strategy,
                        "from": base["workers"], "to": c["workers"],
-                       "compile": [base["compile"], c["compile"]]}
-                if base["downtime_s"]["median"] > 0 and not base.get("within_noise"):
+                       "compile": [base["compile"], c["compile"]],
+                       # a downtime inside the noise (or clamped at 0) divides into nothing
+                       "within_noise": [n for n, x in ((base["workers"], base),
+                                                       (c["workers"], c))
+                                        if x.get("within_noise") or
+                                        x["downtime_s"]["median"] <= 0]}
+                if not row["within_noise"]:
                     row["seconds"] = c["downtime_s"]["median"] / base["downtime_s"]["median"]
-                if base.get("downtime_steps") and c.get("downtime_steps") and \
-                        base["downtime_steps"]["median"] > 0 and not base.get("within_noise"):
-                    row["steps"] = c["downtime_steps"]["median"] / \
-                        base["downtime_steps"]["median"]
+                    if base.get("downtime_steps") and c.get("downtime_steps"):
+                        row["steps"] = c["downtime_steps"]["median"] / \
+                            base["downtime_steps"]["median"]
                 out.append(row)
     return out
 
@@ -453,8 +457,10 @@ def downtime_table(r: dict) -> str:
                 parts.append(f"{g['seconds']:.2f}x in seconds")
             if "steps" in g:
                 parts.append(f"{g['steps']:.2f}x in normal steps")
+            noise = g.get("within_noise") or []
             lines.append(f"- {g['scenario']} {g['strategy']}, {g['from']} -> {g['to']} "
-                         f"workers: " + (", ".join(parts) or "base within noise") +
+                         f"workers: " + (", ".join(parts) or "no ratio: within step noise at "
+                                         + " and ".join(str(n) for n in noise) + " workers") +
                          ("" if all(g["compile"]) else
                           " (eager at " + ", ".join(str(n) for n, c in
                                                     zip((g['from'], g['to']), g['compile'])
