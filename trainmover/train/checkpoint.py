@@ -192,8 +192,8 @@ class AsyncCheckpointer:
                 # one whose deletion was cut short (the process died meanwhile)
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             elif name.startswith("step") and name[4:].isdigit() and int(name[4:]) < floor:
-                # out of sight in one atomic rename, then deleted: the controller listing
-                # the complete checkpoints never finds one whose files are half gone
+                # out of sight in one atomic rename, then deleted: no checkpoint is ever
+                # half gone under its step's name (one listed just before is gone whole)
                 doomed = os.path.join(root, f"{PRUNED}{name}-{os.getpid()}")
                 try:
                     os.rename(os.path.join(root, name), doomed)
