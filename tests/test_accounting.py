@@ -91,9 +91,12 @@ def test_cells_ratios_and_growth_from_repeats():
     rows += [_row("planned", "restart", 8, d, rep=i) for i, d in enumerate([40.0, 42.0, 44.0])]
     rows += [_row("planned", "trainmover", 8, d, noise=0.05, rep=i)
              for i, d in enumerate([-0.01, 0.02, 0.01])]
+    # 16 workers: a measurable stall, 25x its physical limit
+    rows += [_row("planned", "trainmover", 16, d, noise=0.05, rep=i)
+             for i, d in enumerate([0.2, 0.3, 0.25])]
+    limit = {"bytes": 1_000_000, "seconds": 0.01}
     r = downtime_result(rows, {"event_step": 8, "repeats": 3, "compile": True,
-                               "compile_up_to": 8}, "/tmp/x", {4: {"bytes": 1_000_000,
-                                                                    "seconds": 0.01}})
+                               "compile_up_to": 8}, "/tmp/x", {4: limit, 16: limit})
     cell = {(c["scenario"], c["workers"], c["strategy"]): c for c in r["cells"]}
     crash = cell[("crash", 4, "trainmover")]
     assert crash["downtime_s"] == {"median": 0.25, "min": 0.2, "max": 0.3}
@@ -103,7 +106,10 @@ def test_cells_ratios_and_growth_from_repeats():
     assert naive["spread_exceeds_value"] and naive["failed"] == 1 and naive["runs"] == 4
     planned = cell[("planned", 4, "trainmover")]
     assert planned["within_noise"]
-    assert planned["downtime_over_limit"]["median"] == pytest.approx(2.5)
+    # inside the noise: the limit is reported, but nothing is divided by it
+    assert planned["limit_s"] == 0.01 and "downtime_over_limit" not in planned
+    assert cell[("planned", 16, "trainmover")]["downtime_over_limit"]["median"] == \
+        pytest.approx(25.0)
     ratios = {(x["scenario"], x["workers"], x["strategy"]): x for x in r["ratios"]}
     x = ratios[("crash", 4, "trainmover")]
     assert x["median"] == pytest.approx(60.0)
@@ -116,7 +122,8 @@ def test_cells_ratios_and_growth_from_repeats():
     assert g["steps"] == pytest.approx((0.5 / 0.2) / 2.5)     # in normal steps: no growth
     (g,) = [g for g in r["growth"] if g["scenario"] == "planned" and g["strategy"] == "restart"]
     assert g["seconds"] == pytest.approx(2.0) and g["within_noise"] == []
-    (g,) = [g for g in r["growth"] if g["scenario"] == "planned" and g["strategy"] == "trainmover"]
+    (g,) = [g for g in r["growth"] if g["scenario"] == "planned" and g["strategy"] ==
+            "trainmover" and g["to"] == 8]
     assert "seconds" not in g and "steps" not in g and g["within_noise"] == [4, 8]
     table = downtime_table(r)
     assert "planned trainmover, 4 -> 8 workers: no ratio: within step noise at 4 and 8 " \
@@ -124,6 +131,7 @@ def test_cells_ratios_and_growth_from_repeats():
     assert "within step noise: no measurable stall" in table
     assert "spread exceeds the value" in table and "1 of 4 runs failed" in table
     assert "inf" not in table
+    assert "| no ratio (limit 10.0 ms) |" in table and "| 25.0 (20.0-30.0) |" in table
 
 
 def test_phase_one_cost_is_the_steps_beyond_normal_before_the_switch():

@@ -341,7 +341,8 @@ def downtime_result(rows: list[dict], settings: dict, scratch: str, limits: dict
             limit = limits.get(n)
             if limit and strategy == "trainmover" and scenario == "planned":
                 cell["limit_s"] = limit["seconds"]
-                cell["downtime_over_limit"] = spread([d / limit["seconds"] for d in down])
+                if not cell["within_noise"]:   # a stall inside the noise has no ratio
+                    cell["downtime_over_limit"] = spread([d / limit["seconds"] for d in down])
             groups = [(r["groups_rebuilt"], r["groups_total"]) for r in ok
                       if r.get("groups_rebuilt") is not None]
             cell["groups"] = f"{groups[0][0]}/{groups[0][1]}" if groups else "all"
@@ -436,7 +437,9 @@ def downtime_table(r: dict) -> str:
             + (f" ({'; '.join(note)})" if note else "") +
             f" | {_fmt(c['downtime_steps'], 2)} | {_fmt(c['downtime_noise_s'])} | "
             f"{_fmt(c['detection_latency_s'])} | {_fmt(c['first_step_ratio'], 2)} | "
-            f"{_fmt(c.get('downtime_over_limit'), 1)} | {c['groups']} |")
+            + (f"{_fmt(c.get('downtime_over_limit'), 1)}" if c.get("downtime_over_limit")
+               else f"no ratio (limit {c['limit_s'] * 1e3:.1f} ms)" if c.get("limit_s")
+               else "") + f" | {c['groups']} |")
     lines += ["", "Restart's downtime over each strategy's (ratio of medians; range from the "
               "extremes):", ""]
     for x in r["ratios"]:
