@@ -2,6 +2,7 @@
 under ``benchmarks/results/``."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import statistics
@@ -38,6 +39,9 @@ class BenchLine:
         self.clock = clock
         self.t0 = clock()
         self.live = LiveLine.make()
+        if self.live is not None:
+            # a bench that fails mid-way still gives the terminal back (cursor, line)
+            atexit.register(self.close)
 
     def start(self, what: str) -> None:
         if self.live is None:
@@ -56,8 +60,9 @@ class BenchLine:
             self.live.say(result)
 
     def close(self) -> None:
-        if self.live is not None:
-            self.live.close()
+        live, self.live = self.live, None
+        if live is not None:
+            live.close()
 
 
 def _minutes(seconds: float) -> str:
