@@ -3,12 +3,11 @@ deadline: on timeout every child is killed by PID and the test fails instead of 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
-import signal
 import time
 import traceback
 
+from trainmover.bench.children import stop_children
 from trainmover.comm.groups import StoreAddress, start_store_server
 
 
@@ -48,11 +47,7 @@ def run_processes(fn, nprocs: int, *args, timeout: float = 60.0, expect: int | N
                 continue
             out[rank] = (status, value)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
+        stop_children(procs)
     return out
 
 

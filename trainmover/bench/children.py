@@ -1,5 +1,6 @@
 """Benchmark child processes that each put one ``(rank, result)`` on a queue: collected with
-a deadline, a failed or silent child reported as an error, every child stopped at the end."""
+a deadline, a failed or silent child reported as an error, every child stopped at the end
+(``stop_children``, also the test harness's)."""
 from __future__ import annotations
 
 import os
@@ -31,9 +32,14 @@ def collect(procs: list, out, what: str, timeout_s: float) -> dict:
                     raise RuntimeError(f"{what}: a process exited without reporting; the "
                                        f"others are stuck") from None
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join()
+        stop_children(procs)
     return results
+
+
+def stop_children(procs: list, grace_s: float = 5.0) -> None:
+    """Join each process, killing by PID one still alive after ``grace_s``."""
+    for p in procs:
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
