@@ -70,24 +70,52 @@ class AbortSignal:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason = ""
-        self.in_step = False
+        self._in_step = False
+        # the forwarding backends' copy of this signal (``comm/torch_groups.py``): torch's own
+        # code paths wait in C++, where they watch it instead of this object
+        self.native = None
         # Every wait of the thread that owns the signal (the worker's main thread) polls it:
         # when it last did is a sign that thread is alive though blocked (``MainProgress``).
         self._owner = threading.get_ident()
         self.polled_at = time.monotonic()
 
+    @property
+    def in_step(self) -> bool:
+        return self._in_step
+
+    @in_step.setter
+    def in_step(self, value: bool) -> None:
+        self._in_step = value
+        if self.native is not None:
+            self.native.in_step = value
+
+    def attach(self, native) -> None:
+        """Mirror this signal into the forwarding backends' ``Signal`` from now on."""
+        self.native = native
+        native.in_step = self._in_step
+        if self._event.is_set():
+            native.set(self.reason)
+
     def set(self, reason: str) -> None:
         if not self._event.is_set():
             self.reason = reason
         self._event.set()
+        if self.native is not None:
+            self.native.set(reason)
 
     def clear(self) -> None:
         self.reason = ""
         self._event.clear()
+        if self.native is not None:
+            self.native.clear()
 
     def is_set(self) -> bool:
         if threading.get_ident() == self._owner:
             self.polled_at = time.monotonic()
+        if not self._event.is_set() and self.native is not None and self.native.is_set():
+            # an operation issued by torch's code failed and doomed the step in C++
+            self.reason = self.native.reason()
+            self._event.set()
         return self._event.is_set()
 
     def doom(self, error: BaseException) -> bool:
@@ -314,6 +342,11 @@ class Group:
         self.wait_s = 0.0
         self.slow_factor = 1.0
         self._waiter_thread: _Waiter | None = None
+        # the operations torch's code issued on this communicator through a forwarding
+        # backend (``comm/torch_groups.py``), counted there; and what is told when the
+        # communicator is released
+        self.forwarded_counts: Callable[[], dict] | None = None
+        self.on_release: list[Callable[["Group"], None]] = []
         if pg is None and spec.size != 1 and not sandbox:
             raise ValueError(f"group {spec.name} has {spec.size} members but no communicator")
 
@@ -440,9 +473,18 @@ class Group:
         return self._waiter_thread
 
     def accounting(self) -> dict:
-        """Operations issued and still pending on this group (see ``controller.dirty_groups``)."""
-        return {**self.issued, "pending": self.pending, "generation": self.generation,
-                "rank": self.rank}
+        """Operations issued and still pending on this group (see ``controller.dirty_groups``),
+        the runtime's and torch's together: both go over the same communicator."""
+        out = {**self.issued, "pending": self.pending}
+        if self.forwarded_counts is not None:
+            for key, value in self.forwarded_counts().items():
+                out[key] += value
+        return {**out, "generation": self.generation, "rank": self.rank}
+
+    @property
+    def backend(self):
+        """The c10d backend of this generation (None when trivial or released)."""
+        return self._pg
 
     # -- lifecycle --
     def abort(self) -> None:
@@ -457,6 +499,8 @@ class Group:
         self._release()
 
     def _release(self) -> None:
+        for hook in self.on_release:
+            hook(self)
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
@@ -554,6 +598,8 @@ class CommGroups:
     p2p_prev: Group | None = None
     p2p_next: Group | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # told after every install (the torch process groups follow the new generation)
+    listeners: list = field(default_factory=list, repr=False, compare=False)
 
     def slots(self) -> dict[str, Group]:
         return {s: g for s in SLOTS if (g := getattr(self, s)) is not None}
@@ -571,6 +617,8 @@ class CommGroups:
                 if new is not None and new is not old:
                     setattr(self, slot, new)
                     replaced.append(old)
+        for listener in self.listeners:
+            listener(self)
         return replaced
 
     def shutdown(self) -> None:

@@ -1,0 +1,181 @@
+"""trainmover's groups as torch.distributed process groups (comm/torch_groups.py): a group
+object held by user code, by DDP, by a DeviceMesh or by FSDP2 before a switch serves the new
+generation after it; a dead peer never blocks a survivor inside a step."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_harness import run_processes, values
+from trainmover.comm.groups import AbortSignal, GroupBuilder, StoreClients, build_comm_groups
+from trainmover.core.topology import Layout, Role
+
+LAYOUT = Layout(2, 1, 1)
+STAYER, LEAVER, JOINER = 0, 1, 2
+VALUE = {STAYER: 1.0, LEAVER: 10.0, JOINER: 100.0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_extension():
+    # built once here, as the launcher does before any worker starts
+    from trainmover.comm import native
+
+    native.ensure_built()
+
+
+def _torch_groups(address, role, generation, joining=False):
+    from trainmover.comm.torch_groups import TorchGroups
+
+    sig = AbortSignal()
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30.0, abort_signal=sig)
+    groups, _ = build_comm_groups(builder, LAYOUT, role,
+                                  {n: generation for n in LAYOUT.communicator_groups()})
+    tg = TorchGroups(groups, LAYOUT, role, sig, torch.device("cpu"), joining=joining)
+    return builder, groups, tg, sig
+
+
+def _uses(pg, model, mesh, fsdp, value):
+    """One use of every kind of holder: dist.* on the group and the default group, a DDP
+    step, a DTensor gather over the mesh, an FSDP2 step. Returns what each gave."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out = {}
+    t = torch.tensor([value])
+    dist.all_reduce(t, group=pg)
+    out["all_reduce"] = t.item()
+    t = torch.tensor([value])
+    dist.all_reduce(t)                      # the default group (the world is the dp axis)
+    out["world"] = t.item()
+    model.zero_grad()
+    model(torch.full((1, 2), value)).sum().backward()
+    out["ddp_grad"] = model.module.weight.grad.sum().item()
+    local = torch.full((1,), value)
+    x = distribute_tensor(torch.zeros(2), mesh, [Shard(0)])
+    x.to_local().copy_(local)
+    out["dtensor"] = x.full_tensor().tolist()
+    fsdp.zero_grad()
+    fsdp(torch.full((1, 2), value)).sum().backward()
+    out["fsdp_grad"] = fsdp.weight.grad.full_tensor().sum().item()
+    return out
+
+
+def _holders(tg):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    pg = tg.process_groups["dp"]
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1), process_group=pg)
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    torch.manual_seed(0)
+    fsdp = torch.nn.Linear(2, 2)
+    fully_shard(fsdp, mesh=mesh)
+    return pg, model, mesh, fsdp
+
+
+def _migration(rank, address):
+    store = StoreClients(address).raw()
+    role = Role(0 if rank == STAYER else 1, 0, 0)
+    if rank == JOINER:
+        # the joiner's process groups are built on generation 1 once the leaver is gone
+        store.wait(["left"])
+        _, _, tg, _ = _torch_groups(address, role, 1, joining=True)
+        holders = _holders(tg)
+        # set-up and two steps answered locally (DDP's start-up broadcast, and the bucket
+        # rebuild it does once after its first step: the stayers did theirs long ago)
+        for _ in range(2):
+            _uses(*holders, VALUE[rank])
+        tg.live()
+        return {"after": _uses(*holders, VALUE[rank])}
+    builder, groups, tg, _ = _torch_groups(address, role, 0)
+    holders = _holders(tg)
+    before = _uses(*holders, VALUE[rank])
+    before = _uses(*holders, VALUE[rank])     # DDP's second step rebuilds its buckets
+    if rank == LEAVER:
+        groups.shutdown()
+        store.set("left", "1")
+        return {"before": before}
+    spec = LAYOUT.dp_group(role)
+    new = builder.build(spec, role, 1)       # rendezvous with the joiner
+    for old in groups.install({spec.name: new}):
+        old.shutdown()
+    after = _uses(*holders, VALUE[rank])
+    return {"before": before, "after": after, "generation": tg.generation("dp"),
+            "accounting": groups.dp.accounting()}
+
+
+@pytest.mark.timeout(180)
+def test_process_groups_held_before_a_switch_serve_the_new_generation_after_it():
+    res = values(run_processes(_migration, 3, timeout=150))
+    stayer, joiner = res[STAYER], res[JOINER]
+    before = VALUE[STAYER] + VALUE[LEAVER]
+    after = VALUE[STAYER] + VALUE[JOINER]
+    assert stayer["before"]["all_reduce"] == stayer["before"]["world"] == before
+    # the stayer's group, default group, DDP model, mesh and FSDP module were all made before
+    # the switch; after it they reach the joiner (the leaver's process is gone)
+    assert stayer["after"]["all_reduce"] == stayer["after"]["world"] == after
+    assert stayer["after"] == joiner["after"]
+    assert stayer["after"]["dtensor"] == [VALUE[STAYER], VALUE[JOINER]]
+    # DDP averages: the weight gradient sums the two inputs over 2 replicas
+    assert stayer["after"]["ddp_grad"] == pytest.approx(after)
+    assert stayer["before"]["ddp_grad"] == pytest.approx(before)
+    # FSDP2 averages too: every entry of the 2x2 weight gradient is the mean input
+    assert stayer["after"]["fsdp_grad"] == pytest.approx(2 * after)
+    # the new generation's communicator carried them, counted with the group's own
+    assert stayer["generation"] == 2
+    assert stayer["accounting"]["generation"] == 1
+    assert stayer["accounting"]["coll"] > 0 and stayer["accounting"]["pending"] == 0
+
+
+def _dead_peer(rank, address, in_step):
+    store = StoreClients(address).raw()
+    role = LAYOUT.role_of(rank)
+    _, groups, tg, sig = _torch_groups(address, role, 0)
+    pg, model, mesh, fsdp = _holders(tg)
+    _uses(pg, model, mesh, fsdp, 1.0)          # warm: both sides reached steady state
+    if rank == 1:
+        store.set("ready", "1")
+        time.sleep(60)                          # killed by rank 0's order below
+        return None
+    store.wait(["ready"])
+    os.kill(int(store.get("pid1").decode()), signal.SIGSTOP)   # a hung peer: nothing raises
+    sig.in_step = in_step
+    # the watcher would set the signal when the controller aborts the step: here a timer
+    import threading
+
+    threading.Timer(0.5, lambda: sig.set("step 7 aborted by the job")).start()
+    t0 = time.monotonic()
+    try:
+        out = _uses(pg, model, mesh, fsdp, 1.0)
+        result = ("returned", out)
+    except RuntimeError as exc:
+        result = ("raised", str(exc))
+    elapsed = time.monotonic() - t0
+    os.kill(int(store.get("pid1").decode()), signal.SIGKILL)
+    return result, elapsed, sig.is_set(), tg.process_groups["dp"] is pg
+
+
+def _dead_peer_entry(rank, address, in_step):
+    if rank == 1:
+        StoreClients(address).raw().set("pid1", str(os.getpid()))
+    return _dead_peer(rank, address, in_step)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "outside-a-step"])
+def test_a_hung_peer_never_blocks_torch_code_past_the_abort(in_step):
+    res = run_processes(_dead_peer_entry, 2, in_step, timeout=90, expect=1)
+    status, value = res[0]
+    assert status == "ok", value
+    (kind, detail), elapsed, signalled, same = value
+    assert signalled and same
+    # the group's timeout is 30 s: everything ended within a few seconds of the abort
+    assert elapsed < 10, elapsed
+    if in_step:
+        # a doomed step: torch's code ran on to the end without an exception
+        assert kind == "returned"
+    else:
+        assert kind == "raised" and "step 7 aborted by the job" in detail

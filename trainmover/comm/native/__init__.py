@@ -1,0 +1,113 @@
+"""The forwarding backend (``forwarding.cpp``), compiled once per torch build and machine.
+
+Why compiled here and not shipped: a c10d ``Backend`` subclass links against the exact torch
+it runs in (CPU or CUDA build, version), which is the user's. ``trainmover launch``/``run``
+build it before any worker starts (``ensure_built``), so workers only load it; the build
+takes about a minute on two cores, once.
+
+Where it lives: a per-user cache folder (``$TRAINMOVER_EXT_DIR``, else
+``$XDG_CACHE_HOME/trainmover/ext``, else ``~/.cache/trainmover/ext``), one subfolder per
+(torch version, source digest). Loading a shared object runs its code, so the folder and
+every folder above the cache root must belong to this user (or root) and not be writable
+by others, and a symlinked folder is refused: a path another local user created first
+(``/tmp/torch_extensions`` is torch's default) is never loaded from.
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import stat
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forwarding.cpp")
+NAME = "trainmover_forwarding"
+
+
+class NativeUnavailable(RuntimeError):
+    """The forwarding backend cannot be built here (no C++ compiler, unsafe cache folder)."""
+
+
+def source_digest() -> str:
+    with open(SOURCE, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def cache_root() -> str:
+    explicit = os.environ.get("TRAINMOVER_EXT_DIR")
+    if explicit:
+        return os.path.abspath(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.abspath(base), "trainmover", "ext")
+
+
+def _private_dir(path: str) -> None:
+    """Create ``path`` (mode 0700) or accept it only if it is a real folder of this user that
+    nobody else can write; refuse otherwise, naming the path and what is wrong."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot create the extension folder {path}: {exc}") from exc
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NativeUnavailable(f"extension folder {path} is not a plain folder (a symlink?); "
+                                f"refusing to load code from it")
+    if st.st_uid != os.getuid():
+        raise NativeUnavailable(f"extension folder {path} belongs to uid {st.st_uid}, not "
+                                f"this user ({os.getuid()}); refusing to load code from it")
+    if st.st_mode & 0o022:
+        os.chmod(path, st.st_mode & ~0o022 & 0o7777)
+
+
+def _check_parents(path: str) -> None:
+    """Every folder above ``path`` must not be writable by other users unless sticky (as
+    /tmp is) and owned by this user or root: otherwise another user could swap the tree."""
+    parent = os.path.dirname(path)
+    while True:
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.getuid()):
+            raise NativeUnavailable(f"{parent} (above the extension folder) belongs to uid "
+                                    f"{st.st_uid}; set TRAINMOVER_EXT_DIR to a private folder")
+        if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            raise NativeUnavailable(f"{parent} (above the extension folder) is writable by "
+                                    f"everyone; set TRAINMOVER_EXT_DIR to a private folder")
+        nxt = os.path.dirname(parent)
+        if nxt == parent:
+            return
+        parent = nxt
+
+
+def build_dir() -> str:
+    import torch
+
+    version = torch.__version__.replace("+", "_")
+    return os.path.join(cache_root(), f"{NAME}-{version}-{source_digest()}")
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled module (built first if needed; concurrent builders wait on one lock)."""
+    import torch.utils.cpp_extension as ext
+
+    root = cache_root()
+    _private_dir(root)
+    _check_parents(root)
+    path = build_dir()
+    _private_dir(path)
+    with open(os.path.join(path, "build.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return ext.load(NAME, [SOURCE], build_directory=path,
+                            extra_cflags=["-O2"], verbose=False)
+        except (OSError, RuntimeError, ImportError) as exc:
+            raise NativeUnavailable(
+                f"could not build trainmover's forwarding backend in {path} (needs a C++ "
+                f"compiler and ninja; torch process groups for user code depend on it): "
+                f"{exc}") from exc
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_built() -> None:
+    """Build before workers start (the launcher calls it), so none of them compiles."""
+    load()

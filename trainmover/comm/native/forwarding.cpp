@@ -1,0 +1,623 @@
+// A c10d Backend that forwards every operation to the current generation of one of
+// trainmover's groups.
+//
+// Why C++: torch's DeviceMesh, DTensor, FSDP2 and functional collectives reach a process
+// group's backend through ProcessGroup::getBackend(device), a C++ Backend registered once
+// per device; registering another backend later does not replace it. A Python ProcessGroup
+// subclass is therefore not enough. Instead the ProcessGroup a user holds keeps this one
+// forwarding backend for its whole life, and trainmover swaps what it forwards to
+// (`set_inner`) at a step boundary, when no operation of the old generation is pending.
+//
+// The forwarding keeps trainmover's doomed-step rule on torch's code paths: a wait on any
+// operation watches the worker's abort Signal. Inside a step an abort (or a failed
+// operation) dooms the step: waits return at once, leaving output tensors as they are, and
+// later operations are not issued at all; the commit vote then answers "not committed".
+// Outside a step the wait raises instead. Futures (DDP's comm hooks wait on them) are
+// completed the same way, so no thread stays blocked on a dead or hung peer.
+//
+// A sandbox forwarder (a standby's warm-up) has no inner backend: it answers every
+// operation locally (see `Local*` below) and never touches the network.
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+namespace py = pybind11;
+
+namespace trainmover {
+
+using c10d::Backend;
+using c10d::OpType;
+using c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+class ForwardWork;
+
+// The abort state of one worker, shared by all its forwarders (mirrors the Python
+// AbortSignal: the watcher thread sets it; the runtime sets in_step around a step body).
+class Signal {
+ public:
+  void set(const std::string& reason) {
+    std::vector<c10::weak_intrusive_ptr<Work>> pending;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!aborted_.load()) {
+        reason_ = reason;
+      }
+      aborted_.store(true);
+      pending.swap(pending_);
+    }
+    finish_pending(pending);
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    aborted_.store(false);
+    reason_.clear();
+  }
+  bool is_set() const { return aborted_.load(); }
+  std::string reason() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return reason_;
+  }
+  bool in_step() const { return in_step_.load(); }
+  void set_in_step(bool v) { in_step_.store(v); }
+
+  // A work whose future someone may wait on: completed (doomed) when the signal is set.
+  // Returns false when the signal is already set (the caller finishes the work itself).
+  bool track(const c10::intrusive_ptr<Work>& work) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (aborted_.load()) {
+      return false;
+    }
+    if (pending_.size() > 64) {  // drop references to works long finished
+      std::vector<c10::weak_intrusive_ptr<Work>> alive;
+      for (auto& w : pending_) {
+        if (w.use_count() > 0) alive.push_back(w);
+      }
+      pending_.swap(alive);
+    }
+    pending_.emplace_back(work);
+    return true;
+  }
+
+ private:
+  void finish_pending(std::vector<c10::weak_intrusive_ptr<Work>>& pending);
+
+  std::mutex mutex_;
+  std::atomic<bool> aborted_{false};
+  std::atomic<bool> in_step_{false};
+  std::string reason_;
+  std::vector<c10::weak_intrusive_ptr<Work>> pending_;
+};
+
+// Operation counts of one generation (which groups stay usable after an aborted step is
+// decided from them: every member must agree on the sequence of operations).
+struct Counts {
+  std::atomic<int64_t> coll{0}, sent{0}, recv{0}, pending{0};
+};
+
+// One thread per forwarder that blocks in point-to-point waits (gloo's send/recv works
+// complete only inside wait()), so the waiting thread can watch the signal meanwhile.
+struct WaitBox {
+  std::atomic<bool> done{false};
+  std::exception_ptr error;
+};
+
+class Waiter {
+ public:
+  Waiter() : state_(std::make_shared<State>()) {
+    auto state = state_;
+    std::thread([state] {
+      while (true) {
+        std::pair<WorkPtr, std::shared_ptr<WaitBox>> item;
+        {
+          std::unique_lock<std::mutex> lock(state->mutex);
+          state->cv.wait(lock, [&] { return !state->queue.empty(); });
+          item = std::move(state->queue.front());
+          state->queue.pop_front();
+        }
+        try {
+          item.first->wait();
+        } catch (...) {
+          item.second->error = std::current_exception();
+        }
+        item.second->done.store(true);
+      }
+    }).detach();  // a wait abandoned on abort stays blocked until gloo's own timeout
+  }
+  std::shared_ptr<WaitBox> submit(const WorkPtr& work) {
+    auto box = std::make_shared<WaitBox>();
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->queue.emplace_back(work, box);
+    }
+    state_->cv.notify_one();
+    return box;
+  }
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::pair<WorkPtr, std::shared_ptr<WaitBox>>> queue;
+  };
+  std::shared_ptr<State> state_;
+};
+
+std::string op_name(OpType op) { return c10d::opTypeToString(op); }
+
+class ForwardWork : public Work {
+ public:
+  ForwardWork(WorkPtr inner, OpType op, std::shared_ptr<Signal> signal,
+              std::shared_ptr<Counts> counts, std::shared_ptr<Waiter> waiter, bool p2p,
+              std::vector<at::Tensor> outputs, std::string group)
+      : Work(-1, op),
+        p2p_(p2p),
+        inner_(std::move(inner)),
+        op_(op),
+        signal_(std::move(signal)),
+        counts_(std::move(counts)),
+        waiter_(std::move(waiter)),
+        outputs_(std::move(outputs)),
+        group_(std::move(group)) {
+    done_.store(inner_ == nullptr);  // a doomed or local operation: nothing was issued
+  }
+
+  bool isCompleted() override {
+    return done_.load() || inner_->isCompleted();
+  }
+  bool isSuccess() const override { return true; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  void synchronize() override {
+    if (inner_ && !doomed_.load()) inner_->synchronize();
+  }
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    if (done_.load()) {
+      return true;
+    }
+    try {
+      // Collectives that report completion are polled (cheapest); gloo's send/recv and some
+      // of its collectives (_reduce_scatter_base in 2.13) complete only inside wait(), so
+      // what is not done after a short spin is waited on by the helper thread.
+      bool completed = false;
+      for (int i = 0; !p2p_ && i < 32 && !(completed = inner_->isCompleted()); ++i) {
+        if (signal_->is_set()) throw Aborted{};
+      }
+      if (completed) {
+        inner_->wait(timeout);
+      } else {
+        auto box = waiter_->submit(inner_);
+        poll([&] { return box->done.load(); });
+        if (done_.load()) return true;
+        if (box->error) std::rethrow_exception(box->error);
+      }
+    } catch (const Aborted&) {
+      return finish_or_throw(signal_->reason());
+    } catch (const std::exception& e) {
+      // a failed operation inside a step dooms the step (every other wait ends too)
+      if (signal_->in_step()) {
+        signal_->set(std::string(op_name(op_)) + " on " + group_ + " failed: " + e.what());
+        return finish_or_throw(signal_->reason());
+      }
+      finish(false);
+      throw;
+    }
+    finish(false);
+    return true;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    {
+      std::lock_guard<std::mutex> lock(future_mutex_);
+      if (future_) {
+        return future_;
+      }
+      future_ = c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()));
+    }
+    if (done_.load()) {
+      complete_future();
+      return future_;
+    }
+    // (no lock held: a completed inner future runs the callback inline). The callback holds
+    // the work: DDP keeps only the future, and the work must live to complete it.
+    auto self = c10::intrusive_ptr<ForwardWork>::reclaim_copy(this);
+    inner_->getFuture()->addCallback([work = self](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        auto& signal = work->signal_;
+        if (signal->in_step()) {
+          signal->set(std::string(op_name(work->op_)) + " on " + work->group_ +
+                      " failed: " + f.tryRetrieveErrorMessage());
+        } else {
+          work->fail_future(f.exception_ptr());
+        }
+        return;
+      }
+      work->finish(false);
+    });
+    if (!signal_->track(c10::intrusive_ptr<Work>(self))) {
+      doom();
+    }
+    return future_;
+  }
+
+  // The signal was set: a wait inside a step returns, outside a step it raises.
+  void doom() {
+    if (signal_->in_step()) {
+      finish(true);
+    } else {
+      fail_future(std::make_exception_ptr(
+          std::runtime_error("trainmover: " + std::string(op_name(op_)) + " on " + group_ +
+                             " abandoned: " + signal_->reason())));
+    }
+  }
+
+ private:
+  struct Aborted {};
+
+  template <typename F>
+  void poll(F&& completed) {
+    // a short spin, then sleeps of ~50 us, then 1 ms: completed operations return at once and
+    // an abort is noticed within about a millisecond
+    int polls = 0;
+    while (!completed()) {
+      if (done_.load()) return;  // finished by the signal (a doomed future)
+      if (signal_->is_set()) throw Aborted{};
+      ++polls;
+      if (polls > 32) {
+        std::this_thread::sleep_for(std::chrono::microseconds(polls < 232 ? 50 : 1000));
+      }
+    }
+  }
+
+  bool finish_or_throw(const std::string& reason) {
+    if (signal_->in_step()) {
+      finish(true);
+      return true;
+    }
+    TORCH_CHECK(false, "trainmover: ", op_name(op_), " on ", group_, " abandoned: ", reason);
+  }
+
+  void finish(bool doomed) {
+    bool expected = false;
+    if (!done_.compare_exchange_strong(expected, true)) {
+      return;
+    }
+    doomed_.store(doomed);
+    if (!doomed) {
+      counts_->pending.fetch_sub(1);  // a doomed operation stays pending: the group is dirty
+    }
+    complete_future();
+  }
+
+  // Completes the future once, outside any lock (its callbacks run inline).
+  void complete_future() {
+    auto future = held_future();
+    if (future && !future_set_.exchange(true)) {
+      future->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+  void fail_future(std::exception_ptr error) {
+    auto future = held_future();
+    if (future && !future_set_.exchange(true)) {
+      future->setError(std::move(error));
+    }
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> held_future() {
+    std::lock_guard<std::mutex> lock(future_mutex_);
+    return future_;
+  }
+
+  bool p2p_;
+  WorkPtr inner_;
+  OpType op_;
+  std::shared_ptr<Signal> signal_;
+  std::shared_ptr<Counts> counts_;
+  std::shared_ptr<Waiter> waiter_;
+  std::vector<at::Tensor> outputs_;
+  std::string group_;
+  std::atomic<bool> done_{false};
+  std::atomic<bool> doomed_{false};
+  std::atomic<bool> future_set_{false};
+  std::mutex future_mutex_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+void Signal::finish_pending(std::vector<c10::weak_intrusive_ptr<Work>>& pending) {
+  for (auto& weak : pending) {
+    if (auto work = weak.lock()) {
+      static_cast<ForwardWork*>(work.get())->doom();
+    }
+  }
+}
+
+std::vector<at::Tensor> flat(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (auto& l : lists) out.insert(out.end(), l.begin(), l.end());
+  return out;
+}
+
+class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
+ public:
+  ForwardingBackend(int rank, int size, std::shared_ptr<Signal> signal, std::string name)
+      : Backend(rank, size),
+        signal_(std::move(signal)),
+        name_(std::move(name)),
+        counts_(std::make_shared<Counts>()) {}
+
+  // The generation operations go to from now on (None: no communicator). Called only at a
+  // step boundary, when nothing is pending on the old one.
+  void set_inner(const py::object& backend) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (backend.is_none()) {
+      inner_.reset();
+    } else {
+      auto* raw = backend.cast<Backend*>();
+      inner_ = c10::intrusive_ptr<Backend>::reclaim_copy(raw);
+    }
+    counts_ = std::make_shared<Counts>();
+    generation_ += 1;
+  }
+  void set_local(bool local) { local_ = local; }
+  // why this group cannot communicate at all (a usage error, raised even inside a step)
+  void set_unavailable(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    unavailable_ = why;
+  }
+  std::string unavailable() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return unavailable_;
+  }
+  bool has_inner() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return inner_ != nullptr;
+  }
+  py::dict counts() {
+    auto c = current_counts();
+    py::dict d;
+    d["coll"] = c->coll.load();
+    d["sent"] = c->sent.load();
+    d["recv"] = c->recv.load();
+    d["pending"] = c->pending.load();
+    return d;
+  }
+  int64_t generation() { return generation_; }
+
+  const std::string getBackendName() const override { return "trainmover"; }
+  bool supportsCoalescing() const override { return false; }
+
+  WorkPtr broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
+    return run(OpType::BROADCAST, t, [&](Backend& b) { return b.broadcast(t, o); },
+               [] {});
+  }
+  WorkPtr allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
+    return run(OpType::ALLREDUCE, t, [&](Backend& b) { return b.allreduce(t, o); }, [] {});
+  }
+  WorkPtr allreduce_coalesced(std::vector<at::Tensor>& t,
+                              const c10d::AllreduceCoalescedOptions& o) override {
+    return run(OpType::ALLREDUCE_COALESCED, t,
+               [&](Backend& b) { return b.allreduce_coalesced(t, o); }, [] {});
+  }
+  WorkPtr reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
+    return run(OpType::REDUCE, t, [&](Backend& b) { return b.reduce(t, o); }, [] {});
+  }
+  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
+                    const c10d::AllgatherOptions& o) override {
+    return run(OpType::ALLGATHER, flat(out),
+               [&](Backend& b) { return b.allgather(out, in, o); }, [&] {
+                 for (size_t i = 0; i < out.size(); ++i)
+                   for (auto& t : out[i]) t.copy_(in[i]);
+               });
+  }
+  WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in,
+                          const c10d::AllgatherOptions& o) override {
+    return run(OpType::_ALLGATHER_BASE, {out},
+               [&](Backend& b) { return b._allgather_base(out, in, o); },
+               [&] { local_gather(out, in); });
+  }
+  WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
+                              std::vector<at::Tensor>& in,
+                              const c10d::AllgatherOptions& o) override {
+    return run(OpType::ALLGATHER_COALESCED, flat(out),
+               [&](Backend& b) { return b.allgather_coalesced(out, in, o); }, [&] {
+                 for (auto& l : out)
+                   for (size_t i = 0; i < l.size() && i < in.size(); ++i) l[i].copy_(in[i]);
+               });
+  }
+  WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& out,
+                                          std::vector<at::Tensor>& in,
+                                          const c10d::AllgatherOptions& o) override {
+    return run(OpType::COALESCED, out,
+               [&](Backend& b) { return b.allgather_into_tensor_coalesced(out, in, o); },
+               [&] {
+                 for (size_t i = 0; i < out.size(); ++i) local_gather(out[i], in[i]);
+               });
+  }
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
+                 const c10d::GatherOptions& o) override {
+    return run(OpType::GATHER, flat(out), [&](Backend& b) { return b.gather(out, in, o); },
+               [&] {
+                 for (auto& l : out)
+                   for (auto& t : l) t.copy_(in[0]);
+               });
+  }
+  WorkPtr scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
+                  const c10d::ScatterOptions& o) override {
+    return run(OpType::SCATTER, out, [&](Backend& b) { return b.scatter(out, in, o); }, [&] {
+      if (!in.empty() && !in[0].empty()) out[0].copy_(in[0][getRank()]);
+    });
+  }
+  WorkPtr reduce_scatter(std::vector<at::Tensor>& out,
+                         std::vector<std::vector<at::Tensor>>& in,
+                         const c10d::ReduceScatterOptions& o) override {
+    return run(OpType::REDUCE_SCATTER, out,
+               [&](Backend& b) { return b.reduce_scatter(out, in, o); }, [&] {
+                 for (size_t i = 0; i < out.size(); ++i) out[i].copy_(in[i][getRank()]);
+               });
+  }
+  WorkPtr _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                               const c10d::ReduceScatterOptions& o) override {
+    return run(OpType::_REDUCE_SCATTER_BASE, {out},
+               [&](Backend& b) { return b._reduce_scatter_base(out, in, o); },
+               [&] { local_scatter(out, in); });
+  }
+  WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& out,
+                                          std::vector<at::Tensor>& in,
+                                          const c10d::ReduceScatterOptions& o) override {
+    return run(OpType::REDUCE_SCATTER_TENSOR_COALESCED, out,
+               [&](Backend& b) { return b.reduce_scatter_tensor_coalesced(out, in, o); },
+               [&] {
+                 for (size_t i = 0; i < out.size(); ++i) local_scatter(out[i], in[i]);
+               });
+  }
+  WorkPtr alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+                        std::vector<int64_t>& in_splits,
+                        const c10d::AllToAllOptions& o) override {
+    return run(OpType::ALLTOALL_BASE, {out},
+               [&](Backend& b) { return b.alltoall_base(out, in, out_splits, in_splits, o); },
+               [&] {
+                 if (out.sizes() == in.sizes()) out.copy_(in);
+               });
+  }
+  WorkPtr alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
+                   const c10d::AllToAllOptions& o) override {
+    return run(OpType::ALLTOALL, out, [&](Backend& b) { return b.alltoall(out, in, o); }, [&] {
+      for (size_t i = 0; i < out.size() && i < in.size(); ++i)
+        if (out[i].sizes() == in[i].sizes()) out[i].copy_(in[i]);
+    });
+  }
+  WorkPtr barrier(const c10d::BarrierOptions& o) override {
+    return run(OpType::BARRIER, {}, [&](Backend& b) { return b.barrier(o); }, [] {});
+  }
+  WorkPtr send(std::vector<at::Tensor>& t, int dst, int tag) override {
+    return run(OpType::SEND, t, [&](Backend& b) { return b.send(t, dst, tag); }, [] {});
+  }
+  WorkPtr recv(std::vector<at::Tensor>& t, int src, int tag) override {
+    // a sandbox receive yields zeros: a warm-up must not run on uninitialised memory
+    return run(OpType::RECV, t, [&](Backend& b) { return b.recv(t, src, tag); }, [&] {
+      for (auto& x : t) x.zero_();
+    });
+  }
+  WorkPtr recvAnysource(std::vector<at::Tensor>& t, int tag) override {
+    return run(OpType::RECVANYSOURCE, t, [&](Backend& b) { return b.recvAnysource(t, tag); },
+               [&] {
+                 for (auto& x : t) x.zero_();
+               });
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    auto b = current();
+    if (b) b->setTimeout(timeout);
+  }
+
+ private:
+  void local_gather(at::Tensor& out, const at::Tensor& in) {
+    auto chunks = out.flatten().chunk(getSize());
+    for (auto& c : chunks) c.copy_(in.flatten());
+  }
+  void local_scatter(at::Tensor& out, const at::Tensor& in) {
+    out.flatten().copy_(in.flatten().chunk(getSize())[getRank()]);
+  }
+
+  std::shared_ptr<Counts> current_counts() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return counts_;
+  }
+
+  c10::intrusive_ptr<Backend> current() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return inner_;
+  }
+
+  template <typename Issue, typename Local>
+  WorkPtr run(OpType op, std::vector<at::Tensor> outputs, Issue&& issue, Local&& local) {
+    auto counts = current_counts();
+    if (signal_->is_set()) {
+      // a doomed step issues nothing more; outside a step the caller hears why
+      TORCH_CHECK(signal_->in_step(), "trainmover: ", op_name(op), " on ", name_,
+                  " refused: ", signal_->reason());
+      return done(op, std::move(outputs), counts);
+    }
+    if (local_) {
+      local();
+      return done(op, std::move(outputs), counts);
+    }
+    auto inner = current();
+    if (!inner) {
+      std::string why = unavailable();
+      if (why.empty() && signal_->in_step()) {
+        // the communicator was released (aborted) during the step: the step is doomed
+        signal_->set(std::string(op_name(op)) + " on " + name_ + ": communicator released");
+        return done(op, std::move(outputs), counts);
+      }
+      TORCH_CHECK(false, "trainmover: ", op_name(op), " on group ", name_, ": ",
+                  why.empty() ? "the group has no communicator in this process" : why);
+    }
+    counts = current_counts();
+    WorkPtr work;
+    try {
+      work = issue(*inner);
+    } catch (const std::exception& e) {
+      if (!signal_->in_step()) throw;
+      signal_->set(std::string(op_name(op)) + " on " + name_ + " failed: " + e.what());
+      return done(op, std::move(outputs), counts);
+    }
+    bool p2p = op == OpType::SEND || op == OpType::RECV || op == OpType::RECVANYSOURCE;
+    (op == OpType::SEND ? counts->sent : p2p ? counts->recv : counts->coll).fetch_add(1);
+    counts->pending.fetch_add(1);
+    std::shared_ptr<Waiter> waiter;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!waiter_) waiter_ = std::make_shared<Waiter>();
+      waiter = waiter_;
+    }
+    return c10::make_intrusive<ForwardWork>(work, op, signal_, counts, waiter, p2p,
+                                            std::move(outputs), name_);
+  }
+
+  WorkPtr done(OpType op, std::vector<at::Tensor> outputs, std::shared_ptr<Counts> counts) {
+    return c10::make_intrusive<ForwardWork>(nullptr, op, signal_, counts, nullptr, false,
+                                            std::move(outputs), name_);
+  }
+
+  std::shared_ptr<Signal> signal_;
+  std::string name_;
+  std::mutex mutex_;
+  c10::intrusive_ptr<Backend> inner_;
+  std::shared_ptr<Counts> counts_;
+  std::shared_ptr<Waiter> waiter_;
+  bool local_ = false;
+  std::string unavailable_;
+  int64_t generation_ = 0;
+};
+
+}  // namespace trainmover
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace trainmover;
+  py::class_<Signal, std::shared_ptr<Signal>>(m, "Signal")
+      .def(py::init<>())
+      .def("set", &Signal::set)
+      .def("clear", &Signal::clear)
+      .def("is_set", &Signal::is_set)
+      .def("reason", &Signal::reason)
+      .def_property("in_step", &Signal::in_step, &Signal::set_in_step);
+  py::class_<ForwardingBackend, c10d::Backend, c10::intrusive_ptr<ForwardingBackend>>(
+      m, "ForwardingBackend")
+      .def(py::init<int, int, std::shared_ptr<Signal>, std::string>())
+      .def("set_inner", &ForwardingBackend::set_inner)
+      .def("set_local", &ForwardingBackend::set_local)
+      .def("set_unavailable", &ForwardingBackend::set_unavailable)
+      .def("has_inner", &ForwardingBackend::has_inner)
+      .def("counts", &ForwardingBackend::counts)
+      .def_property_readonly("generation", &ForwardingBackend::generation);
+}

@@ -1,0 +1,186 @@
+"""trainmover's groups as ``torch.distributed`` process groups, for the user's own parallelism.
+
+What a script gets after ``trainmover.init()``: a default process group (``dist.*`` without
+``group=``, ``DistributedDataParallel(model)``), and one ``ProcessGroup`` per axis
+(``rt.groups.dp.process_group`` ...), each registered with torch like any ``new_group``, so
+DDP, ``DeviceMesh.from_group``, DTensor, FSDP2, pipelining and DCP accept them.
+
+How they survive a migration: every such ``ProcessGroup`` has one backend for its whole
+life, a *forwarding backend* (``comm/native/forwarding.cpp``) that hands each operation to
+the communicator of the group's current generation. ``CommGroups.install`` (the one place a
+worker switches generations, at a step boundary) re-points every forwarder, so a group object
+held by user code, by DDP's reducer or inside a DeviceMesh serves the new generation at once.
+Why a compiled backend and not a Python ``ProcessGroup`` subclass: DeviceMesh, DTensor,
+FSDP2 and the functional collectives reach ``ProcessGroup::getBackend(device)`` in C++,
+which a Python subclass does not intercept, and a registered backend cannot be replaced.
+
+The world group: global ranks are role ranks (dp-major, then pp, then tp), which never
+change, since a standby takes a role one-for-one. When one axis spans the whole job (pure
+data, tensor or pipeline parallelism) the world *is* that axis's group and shares its
+communicator, so it costs nothing and moves with it. With two or more parallel axes the
+world group has no communicator yet: an operation on it is refused, naming the axis groups
+to use instead (docs/torch-groups.md).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainmover.comm.groups import AbortSignal, CommGroups, Group
+from trainmover.core.topology import GroupSpec, Layout, Role
+
+BACKEND = "trainmover"
+AXES = ("dp", "pp", "tp")
+
+_pending = []           # the forwarder the next group creation hands torch (see _create)
+_registered = False
+
+
+def _create(dist_opts, backend_opts):
+    """The creator torch calls inside ``init_process_group`` / ``new_group``: the forwarding
+    backend prepared for exactly that call."""
+    if not _pending:
+        raise RuntimeError(f"the {BACKEND!r} backend is created by trainmover.init(), not by "
+                           f"init_process_group(backend={BACKEND!r}) in user code")
+    fwd, size = _pending.pop()
+    if dist_opts.group_size != size:
+        raise RuntimeError(f"{BACKEND} backend: expected a group of {size}, torch asked for "
+                           f"{dist_opts.group_size}")
+    return fwd
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
+        _registered = True
+
+
+class TorchGroups:
+    """The torch process groups of one worker, bound to its ``CommGroups`` (see module doc).
+
+    ``sandbox``: a standby's warm-up run: every operation is answered locally (no network).
+    ``joining``: a joiner's script set-up (model construction, DDP's and DTensor's start-up
+    broadcasts) runs before its state arrives and while the stayers are mid-training, so
+    every operation is answered locally until ``live()`` (its first step)."""
+
+    def __init__(self, holder: CommGroups, layout: Layout, role: Role, signal: AbortSignal,
+                 device: torch.device, sandbox: bool = False, joining: bool = False):
+        from trainmover.comm import native
+
+        module = native.load()
+        if dist.is_initialized():
+            raise RuntimeError("a default process group already exists in this process: "
+                               "under trainmover, trainmover.init() creates it (remove the "
+                               "script's own init_process_group call)")
+        _register()
+        self.holder, self.layout, self.role = holder, layout, role
+        self.sandbox = sandbox
+        self.local = sandbox or joining
+        self.native_signal = module.Signal()
+        signal.attach(self.native_signal)
+        self._module = module
+        self._forwarders: dict[str, object] = {}   # axis (or "world") -> ForwardingBackend
+        self._bound: dict[str, Group | None] = {}
+        self.process_groups: dict[str, dist.ProcessGroup] = {}
+        rank, size = layout.global_rank(role), layout.num_roles
+        world = self._forwarder("world", rank, size)
+        _pending.append((world, size))
+        # a local store: torch's own bookkeeping never reaches the job's (signed) store
+        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=size,
+                                timeout=timedelta(days=1))
+        self.process_groups["world"] = dist.group.WORLD
+        specs = layout.groups_of(role)
+        for axis in AXES:
+            spec = specs[axis]
+            fwd = self._forwarder(axis, spec.rank_of(role), spec.size)
+            ranks = [layout.global_rank(r) for r in spec.members]
+            _pending.append((fwd, spec.size))
+            pg = dist.new_group(ranks, backend=BACKEND, use_local_synchronization=True)
+            if dist.get_group_rank(pg, rank) != spec.rank_of(role):
+                raise AssertionError(f"torch orders group {spec.name} otherwise than its spec")
+            self.process_groups[axis] = pg
+        self.world_axis = self._world_axis()
+        if self.world_axis is None and size > 1:
+            wide = [a for a in AXES if getattr(layout, a) > 1]
+            world.set_unavailable(
+                f"the world group of a {layout} layout has no communicator under trainmover "
+                f"(it would be rebuilt across every worker at each migration); pass "
+                f"group= one of " + ", ".join(f"rt.groups.{a}.process_group" for a in wide))
+        self.refresh(holder)
+        holder.listeners.append(self.refresh)
+
+    def _forwarder(self, name: str, rank: int, size: int):
+        fwd = self._module.ForwardingBackend(rank, size, self.native_signal, name)
+        fwd.set_local(self.local or size == 1)
+        self._forwarders[name] = fwd
+        self._bound[name] = None
+        return fwd
+
+    def live(self) -> None:
+        """From now on operations reach the job (a joiner's first step)."""
+        if self.sandbox or not self.local:
+            return
+        self.local = False
+        for name, fwd in self._forwarders.items():
+            size = self.layout.num_roles if name == "world" else self.spec(name).size
+            fwd.set_local(size == 1)
+
+    def close(self) -> None:
+        """The end of one run of the script: torch forgets these groups (the communicators
+        are the runtime's and stay), so the process's next run can have its own."""
+        if self.refresh in self.holder.listeners:
+            self.holder.listeners.remove(self.refresh)
+        for name in self._forwarders:
+            self._forwarders[name].set_inner(None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _world_axis(self) -> str | None:
+        """The axis whose group is the whole job, if one is."""
+        for axis in AXES:
+            if getattr(self.layout, axis) == self.layout.num_roles > 1:
+                return axis
+        return None
+
+    def spec(self, axis: str) -> GroupSpec:
+        return self.layout.groups_of(self.role)[axis]
+
+    def refresh(self, holder: CommGroups) -> None:
+        """Point every forwarder at its group's current generation (after ``install``)."""
+        if self.sandbox:
+            return
+        for axis in AXES:
+            self._bind(axis, getattr(holder, axis))
+        if self.world_axis is not None:
+            self._bind("world", getattr(holder, self.world_axis))
+
+    def _bind(self, name: str, group: Group) -> None:
+        if self._bound[name] is group or group.size == 1:
+            return
+        fwd = self._forwarders[name]
+        fwd.set_inner(group.backend)
+        self._bound[name] = group
+        if name != "world" or self.world_axis is None:
+            group.forwarded_counts = fwd.counts
+        else:
+            axis_fwd = self._forwarders[self.world_axis]
+            group.forwarded_counts = lambda: _sum(axis_fwd.counts(), fwd.counts())
+        group.on_release.append(lambda g, name=name: self._released(name, g))
+
+    def _released(self, name: str, group: Group) -> None:
+        # an aborted generation: torch's next operation on it dooms the step (it must not
+        # reach a communicator that its peers may have abandoned)
+        if self._bound.get(name) is group:
+            self._forwarders[name].set_inner(None)
+
+    def generation(self, name: str) -> int:
+        """How many times the forwarder was re-pointed (tests)."""
+        return self._forwarders[name].generation
+
+
+def _sum(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
