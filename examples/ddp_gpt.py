@@ -1,9 +1,10 @@
 """A nanoGPT-style GPT on the Python standard library's own sources as a byte-level corpus
 (no download). `ddp_gpt_plain.py` is the plain DistributedDataParallel script (torchrun);
-`ddp_gpt.py` is the same script made resilient with trainmover: diff the two files.
+`torch_ddp.py` is the same script made resilient with trainmover, DistributedDataParallel
+kept, and `ddp_gpt.py` the same with trainmover's own data-parallel wrapper: diff the files.
 
     torchrun --nproc-per-node 2 examples/ddp_gpt_plain.py
-    trainmover launch --nproc 2 --standbys 1 -- python examples/ddp_gpt.py
+    trainmover launch --nproc 2 --standbys 1 -- python examples/torch_ddp.py
 """
 import argparse
 import math

@@ -141,6 +141,19 @@ class Coordinator:
         return self.migrations.request(workers, targets, naive, source)
 
     # --- set-up ----------------------------------------------------------------------------
+    def _build_native(self) -> None:
+        """The script's torch process groups need the forwarding backend: built here, once
+        per machine, before any process starts (in a child: the controller stays torch-free)."""
+        from trainmover.comm import native
+
+        try:
+            native.build_in_subprocess(self.cfg.comm.build_timeout_s)
+        except native.NativeUnavailable as exc:
+            raise ValueError(f"comm.torch_groups={self.cfg.comm.torch_groups!r}: the script's "
+                             f"torch process groups need trainmover's forwarding backend, "
+                             f"which could not be built: {exc} (comm.torch_groups='off' runs "
+                             f"without them)") from exc
+
     def _prepare(self) -> None:
         ctx = self.ctx
         if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
@@ -149,6 +162,8 @@ class Coordinator:
             raise ValueError(f"run dir {self.run_dir!r} already holds a job; choose a new "
                              f"--run-dir, or continue it with --resume")
         self._place_on_gpus()
+        if self.cfg.has_torch_groups():
+            self._build_native()
         # the run dir holds the job's secret, logs and checkpoints: its owner's alone
         os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
         os.chmod(self.run_dir, 0o700)

@@ -243,12 +243,23 @@ class CommConfig:
     # the group, the operation and both devices). For tests and debugging on a GPU: gloo
     # through host memory accepts a host tensor that NCCL would reject.
     check_devices: bool = False
+    # torch.distributed process groups over the job's groups (a default group and one per
+    # axis, for the script's own DDP, FSDP2, DTensor, dist.* calls; comm/torch_groups.py):
+    # "auto" gives them to every script but the built-in trainer (which has no use for
+    # them); "on", "off". They need the forwarding backend, compiled once per machine.
+    torch_groups: str = "auto"
+    # the one-time build of that backend, done by the launcher before any process starts
+    build_timeout_s: float = 600.0
 
     def validate(self) -> None:
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"comm.backend must be 'auto', 'nccl' or 'gloo', got "
                              f"{self.backend!r}")
+        if self.torch_groups not in ("auto", "on", "off"):
+            raise ValueError(f"comm.torch_groups must be 'auto', 'on' or 'off', got "
+                             f"{self.torch_groups!r}")
         _seconds("comm", group_timeout_s=self.group_timeout_s,
+                 build_timeout_s=self.build_timeout_s,
                  store_timeout_s=self.store_timeout_s,
                  client_connect_timeout_s=self.client_connect_timeout_s)
 
@@ -605,6 +616,12 @@ class JobConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
     faults: list = field(default_factory=list)  # faults.WorkerFault as dicts (tests, chaos)
+
+    def has_torch_groups(self) -> bool:
+        """Whether the script's workers get torch process groups (``CommConfig.torch_groups``)."""
+        if self.comm.torch_groups == "auto":
+            return not self.process.builtin
+        return self.comm.torch_groups == "on"
 
     def takes_snapshots(self) -> bool:
         """Whether workers send peer snapshots (``SnapshotConfig``): only roles without a

@@ -53,6 +53,8 @@ def run_script(ctx: WorkerContext) -> None:
             runpy.run_path(command[0], run_name="__main__")
     finally:
         sys.argv = saved
+        if ctx.runtime is not None:
+            ctx.runtime.close()
 
 
 def run_active(ctx: WorkerContext, resume_step: int, generation: int) -> int:

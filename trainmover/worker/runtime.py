@@ -97,12 +97,28 @@ _OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp
 class LiveGroup:
     """A handle on one of this worker's groups that always reaches its current generation:
     it reads the slot at every call, so a handle kept across a migration's group switch
-    stays valid. Not a ``torch.distributed.ProcessGroup``: call its methods
-    (``dp.allreduce(t)``), not ``dist.all_reduce(t, group=...)``."""
+    stays valid. Call its methods (``dp.allreduce(t)``), or hand torch its
+    ``process_group`` (``dist.all_reduce(t, group=rt.groups.dp.process_group)``, DDP,
+    ``DeviceMesh.from_group``), which moves with it."""
 
-    def __init__(self, holder: CommGroups, slot: str, peer: int | None = None):
+    def __init__(self, holder: CommGroups, slot: str, peer: int | None = None,
+                 torch_groups=None):
         self._holder, self._slot = holder, slot
         self.peer = peer   # for a pipeline pair: the other side's rank in it
+        self._torch_groups = torch_groups
+
+    @property
+    def process_group(self) -> torch.distributed.ProcessGroup:
+        """This axis's ``torch.distributed.ProcessGroup``: the same object for the whole run
+        of the script, serving the group's current generation."""
+        tg = self._torch_groups
+        if tg is None:
+            raise UsageError("torch process groups are off for this job (comm.torch_groups="
+                             "'off', or the built-in trainer): set comm.torch_groups='on'")
+        if self._slot not in tg.process_groups:
+            raise UsageError(f"rt.groups {self._slot!r} (a pipeline pair) has no torch "
+                             f"process group: use rt.groups.pp.process_group")
+        return tg.process_groups[self._slot]
 
     @property
     def group(self) -> Group:
@@ -145,10 +161,10 @@ class GroupView:
     """``rt.groups``: ``dp``, ``tp``, ``pp`` (the pipeline column: loss and norm reductions)
     and ``prev`` / ``next`` (the pipeline neighbours; None at the ends)."""
 
-    def __init__(self, holder: CommGroups):
-        self.dp = LiveGroup(holder, "dp")
-        self.tp = LiveGroup(holder, "tp")
-        self.pp = LiveGroup(holder, "pp")
+    def __init__(self, holder: CommGroups, torch_groups=None):
+        self.dp = LiveGroup(holder, "dp", torch_groups=torch_groups)
+        self.tp = LiveGroup(holder, "tp", torch_groups=torch_groups)
+        self.pp = LiveGroup(holder, "pp", torch_groups=torch_groups)
         self.prev = LiveGroup(holder, "p2p_prev", peer=0) if holder.p2p_prev else None
         self.next = LiveGroup(holder, "p2p_next", peer=1) if holder.p2p_next else None
 
@@ -234,8 +250,25 @@ class Runtime:
                     ctx.builder, self.layout, self.role, cmd)
             self.joining = Joining(channel, t_init, time.perf_counter() - t_init)
         ctx.events.fixed["role"] = self.role.name
-        self.groups = GroupView(self.comm_groups)
+        self.torch_groups = self._torch_groups() if ctx.cfg.has_torch_groups() else None
+        self.groups = GroupView(self.comm_groups, self.torch_groups)
         self.is_reporter = self.role == reporter_role(self.layout) and not self.sandbox
+
+    def _torch_groups(self):
+        """The script's torch.distributed process groups (``comm/torch_groups.py``): a
+        standby's shadow run answers them locally; a joiner's set-up too, until its first
+        step."""
+        from trainmover.comm.torch_groups import TorchGroups
+
+        return TorchGroups(self.comm_groups, self.layout, self.role, self.ctx.abort,
+                           self.device, sandbox=self.sandbox,
+                           joining=isinstance(self.ctx.launch, Join))
+
+    def close(self) -> None:
+        """The end of this run of the script (the worker's, between runs)."""
+        if self.torch_groups is not None:
+            self.torch_groups.close()
+            self.torch_groups = None
 
     # --- where this worker is --------------------------------------------------------------
     @property
@@ -309,6 +342,8 @@ class Runtime:
             for w in self._wrappers:
                 if model is w or model is w.module:
                     buckets = w.buckets
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            _fix_ddp_buckets(model)
         self.state = TrainState(model, optimizer, extra, buckets)
         launch = self.ctx.launch
         if isinstance(launch, Join) and isinstance(launch.command, P.AssignMigration):
@@ -433,6 +468,22 @@ class Runtime:
                 f"iterator's state), or a joiner would train on other samples")
 
 
+def _fix_ddp_buckets(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Fix a DDP module's gradient buckets now, the same on every process of the job.
+
+    Why: DDP lays its buckets out once more after its first backward, in the order that
+    backward produced gradients, and agrees on it with a broadcast. A joiner's DDP is new
+    while the stayers' rebuilt long ago: its first steps would all-reduce buckets laid out
+    otherwise (mixing up parameters) and then broadcast alone. Rebuilding here, from the
+    parameters' order, before any step, gives every process (first start, joiner, restart)
+    one layout and no later rebuild. (Uses the reducer's own rebuild entry points; the cost
+    is that buckets no longer follow the backward order, so less of the all-reduce overlaps
+    the backward.)"""
+    reducer = ddp.reducer
+    reducer._push_all_rebuilt_params()
+    reducer._rebuild_buckets()
+
+
 def _tensors_in(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -540,6 +591,8 @@ class _Loop:
     def run(self) -> Iterator[int]:
         rt, ctx, cfg = self.rt, self.ctx, self.cfg
         step = start_step = self._start()
+        if rt.torch_groups is not None:
+            rt.torch_groups.live()     # a joiner's state is in: its next operations are real
         # the stage structure this worker is the representative of (it records step 0 and
         # publishes batch fingerprints for the standbys' warm-up), if any
         self.structure = self._record_key(step)

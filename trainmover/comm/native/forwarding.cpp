@@ -231,6 +231,11 @@ class ForwardWork : public Work {
     // the work: DDP keeps only the future, and the work must live to complete it.
     auto self = c10::intrusive_ptr<ForwardWork>::reclaim_copy(this);
     inner_->getFuture()->addCallback([work = self](c10::ivalue::Future& f) {
+      if (work->done_.load()) {
+        // doomed earlier: the operation's late end (often an error once its peer is gone)
+        // belongs to an abandoned step and must not doom the step running now
+        return;
+      }
       if (f.hasError()) {
         auto& signal = work->signal_;
         if (signal->in_step()) {

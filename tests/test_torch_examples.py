@@ -1,0 +1,53 @@
+"""The user's own torch.distributed code under `trainmover launch`: DistributedDataParallel
+itself (not trainmover's wrapper) on trainmover's process groups survives a planned
+migration, a crash and a hang with the weights of its own uninterrupted run."""
+import difflib
+
+import pytest
+
+from test_examples import DDP_PLAIN, ROOT, STEPS, events, launch
+
+TORCH_DDP = ROOT / "examples" / "torch_ddp.py"
+ARGS = ("--steps", str(STEPS))
+
+
+def test_torch_ddp_example_is_the_plain_torchrun_script_with_at_most_10_changed_lines():
+    plain, resilient = DDP_PLAIN.read_text().splitlines(), TORCH_DDP.read_text().splitlines()
+    changed = [line for line in difflib.unified_diff(plain, resilient, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 0 < len(changed) <= 10, changed
+    # torch's own data parallelism stays: the script still builds DistributedDataParallel
+    assert "    model = DDP(model)" in resilient
+    assert not any("data_parallel" in line for line in changed)
+
+
+@pytest.fixture(scope="module")
+def torch_ddp_base(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("torch-ddp") / "base"
+    res, summary = launch(run_dir, ["--nproc", "2"], TORCH_DDP, ARGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary["steps"] == STEPS
+    return summary
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", ["migrate@3:w1", "migrate@5:w0", "crash@9:w0", "hang@9:w1"])
+def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
+        tmp_path, torch_ddp_base, fault):
+    run_dir = tmp_path / "run"
+    res, summary = launch(run_dir, ["--nproc", "2"], TORCH_DDP, ARGS,
+                          ["--standbys", "1", "--inject", fault])
+    assert res.returncode == 0, res.stderr[-3000:]
+    kind, worker = fault.split("@")[0], fault.split(":")[1]
+    if kind == "migrate":
+        (m,) = summary["migrations"]
+        assert m["status"] == "done" and m["pairs"][0]["leaver"] == worker, m
+    else:
+        (r,) = summary["recoveries"]
+        assert r["failures"] == {worker: kind} and r["lost_steps"] == 0, r
+    # no step failed after the event was handled (a late end of an abandoned operation
+    # must not doom a later step)
+    failed = [e for e in events(run_dir, "step_failed") if e["step"] > 9]
+    assert not failed, failed
+    assert summary["steps"] == STEPS
+    assert summary["weights_sha256"] == torch_ddp_base["weights_sha256"]
