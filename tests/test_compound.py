@@ -18,6 +18,19 @@ def run(tmp_path, cfg, *injects):
     return summary, read_jsonl(os.path.join(run_dir, "events.jsonl"))
 
 
+# Tests that need a migration's switch to happen: the joiner's preparation takes a few tenths
+# of a second, in which the tiny recipe runs ten or more steps, so a 16-step job could finish
+# before the switch step (a run where it did: "the job finished before the switch step").
+SWITCH_STEPS = 48
+
+
+@pytest.fixture(scope="module")
+def long_baseline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("long-baseline")
+    return run_job(job(steps=SWITCH_STEPS), str(root / "run"), quiet=True,
+                   timeout_s=300)["weights_sha256"]
+
+
 def fired(events):
     return [(e["worker"], e["point"]) for e in events if e["event"] == "fault_injected"]
 
@@ -40,14 +53,14 @@ def test_failure_while_preparing_a_migration(tmp_path, baseline, victim):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", ["w1", "w3"], ids=["leaver", "stayer"])
-def test_failure_at_the_switch_of_a_migration(tmp_path, baseline, victim):
+def test_failure_at_the_switch_of_a_migration(tmp_path, long_baseline, victim):
     """The switch was ordered; w1 (the leaver, before sending its state) or w3 (a stayer,
     before installing the new groups) crashes at the switch boundary."""
-    cfg = with_faults(job(), Inject("crash", 6, victim, "switch"))
+    cfg = with_faults(job(steps=SWITCH_STEPS), Inject("crash", 6, victim, "switch"))
     summary, events = run(tmp_path, cfg, Inject("migrate", 6, "w1"))
     assert fired(events) == [(victim, "switch")]
-    assert summary["weights_sha256"] == baseline
-    assert summary["steps"] == 16
+    assert summary["weights_sha256"] == long_baseline
+    assert summary["steps"] == SWITCH_STEPS
     (mig,) = summary["migrations"]
     (rec,) = summary["recoveries"]
     assert rec["failures"] == {victim: "crash"}
@@ -171,11 +184,11 @@ def test_a_crash_after_the_last_commit_without_a_replica_stops_resumably(tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_a_joiner_that_dies_at_the_switch_is_recovered(tmp_path, baseline):
+def test_a_joiner_that_dies_at_the_switch_is_recovered(tmp_path, long_baseline):
     """w1 hands its role to a standby; the joiner dies with the state in hand, before its
     first step (the leaver has left). The dead joiner held the role: the migration is
     settled with that pair committed, and the role is recovered from its replica."""
-    cfg = with_faults(job(), Inject("crash", 6, "joiner", "joiner_start"))
+    cfg = with_faults(job(steps=SWITCH_STEPS), Inject("crash", 6, "joiner", "joiner_start"))
     summary, events = run(tmp_path, cfg, Inject("migrate", 6, "w1"))
     ((joiner, point),) = fired(events)
     assert point == "joiner_start"
@@ -184,4 +197,4 @@ def test_a_joiner_that_dies_at_the_switch_is_recovered(tmp_path, baseline):
     (rec,) = summary["recoveries"]
     assert rec["failures"] == {joiner: "crash"}
     assert rec["sources"] == {"dp0.pp1.tp0": "replica:w3"}
-    assert summary["weights_sha256"] == baseline
+    assert summary["weights_sha256"] == long_baseline

@@ -2,6 +2,10 @@
 itself (not trainmover's wrapper) on trainmover's process groups survives a planned
 migration, a crash and a hang with the weights of its own uninterrupted run."""
 import difflib
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,3 +55,18 @@ def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
     assert not failed, failed
     assert summary["steps"] == STEPS
     assert summary["weights_sha256"] == torch_ddp_base["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_torch_ddp_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
+        tmp_path, torch_ddp_base):
+    out = tmp_path / "torchrun.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(ROOT / "tests" / "data" /
+                                                       "torchrun_weights.py"),
+                          str(out), str(DDP_PLAIN), *ARGS],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    plain = json.loads(out.read_text())["weights_sha256"]
+    assert plain == torch_ddp_base["weights_sha256"]

@@ -179,3 +179,47 @@ def test_a_hung_peer_never_blocks_torch_code_past_the_abort(in_step):
         assert kind == "returned"
     else:
         assert kind == "raised" and "step 7 aborted by the job" in detail
+
+
+MESH_LAYOUT = Layout(2, 1, 2)
+
+
+def _mesh_switch(rank, address):
+    """A 2-D ("dp", "tp") mesh and a DTensor sharded on both axes, made before dp0's tensor
+    group moves to generation 1; after the switch the same mesh serves the new one."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from trainmover.comm.torch_groups import TorchGroups
+
+    role = MESH_LAYOUT.role_of(rank)
+    sig = AbortSignal()
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30.0, abort_signal=sig)
+    groups, _ = build_comm_groups(builder, MESH_LAYOUT, role)
+    tg = TorchGroups(groups, MESH_LAYOUT, role, sig, torch.device("cpu"))
+    mesh = tg.device_mesh(("dp", "tp"))
+    full = torch.arange(16.0).reshape(4, 4)
+    x = distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None)
+    x.to_local().copy_(full[role.dp * 2:(role.dp + 1) * 2, role.tp * 2:(role.tp + 1) * 2])
+    before = x.full_tensor()
+    if role.dp == 0:
+        spec = MESH_LAYOUT.tp_group(role)
+        for old in groups.install({spec.name: builder.build(spec, role, 1)}):
+            old.shutdown()
+    after = x.redistribute(mesh, [Shard(0), Shard(0)]).full_tensor()
+    return (before.tolist() == full.tolist(), after.tolist() == full.tolist(),
+            mesh.mesh.tolist(), mesh.mesh_dim_names, tg.generation("tp"),
+            groups.tp.accounting())
+
+
+@pytest.mark.timeout(120)
+def test_a_two_dimensional_device_mesh_follows_a_switch_of_one_of_its_groups():
+    res = values(run_processes(_mesh_switch, 4, timeout=90))
+    for rank, (before, after, mesh, names, generation, acct) in res.items():
+        role = MESH_LAYOUT.role_of(rank)
+        assert before and after
+        assert names == ("dp", "tp") and mesh == [[0, 1], [2, 3]]
+        if role.dp == 0:
+            # re-pointed once more, and the new generation carried the ops after the switch
+            assert generation == 2 and acct["generation"] == 1 and acct["coll"] > 0
+        else:
+            assert generation == 1 and acct["generation"] == 0

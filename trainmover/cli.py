@@ -595,8 +595,12 @@ def make_parser() -> argparse.ArgumentParser:
     step.add_argument("--repeats", type=int, default=3)
     step.add_argument("--out", default="benchmarks/results")
     step.set_defaults(fn=cmd_bench)
-    ex = bsub.add_parser("example", help="examples/ddp_gpt.py under trainmover vs the plain "
-                                         "DDP script under torchrun (run from the repo root)")
+    ex = bsub.add_parser("example", help="examples/ddp_gpt.py (or --script torch_ddp) under "
+                                         "trainmover vs the plain DDP script under torchrun "
+                                         "(run from the repo root)")
+    ex.add_argument("--script", choices=("ddp_gpt", "torch_ddp"), default="ddp_gpt",
+                    help="ddp_gpt: trainmover's data-parallel wrapper; torch_ddp: torch's "
+                         "DistributedDataParallel on trainmover's process groups")
     ex.add_argument("--nproc", type=int, default=2)
     ex.add_argument("--steps", type=int, default=40)
     ex.add_argument("--repeats", type=int, default=3)

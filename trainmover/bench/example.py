@@ -1,7 +1,9 @@
 """``bench example``: a user's DDP script under trainmover against the same script without it.
 
 `examples/ddp_gpt_plain.py` (torch's DistributedDataParallel, launched by torchrun) and
-`examples/ddp_gpt.py` (the same script made resilient, launched by `trainmover launch`) both
+`examples/ddp_gpt.py` (the same script made resilient, launched by `trainmover launch`; or
+`examples/torch_ddp.py` with ``--script torch_ddp``: DistributedDataParallel kept, on
+trainmover's process groups through the forwarding backend) both
 print each step's time as rank 0 sees it from one step's end to the next, so everything the
 runtime adds between steps (the commit vote, the boundary check, metrics) is counted. Runs
 alternate between the two (ABBA order over the repeats), one intra-op thread per worker,
@@ -54,12 +56,13 @@ def run_plain(nproc: int, steps: int, timeout_s: float) -> list[float]:
     return _step_times(res.stdout)
 
 
-def run_trainmover(nproc: int, steps: int, timeout_s: float, scratch: str) -> list[float]:
+def run_trainmover(nproc: int, steps: int, timeout_s: float, scratch: str,
+                   script: str = "ddp_gpt") -> list[float]:
     run_dir = os.path.join(scratch, f"tm-{time.time_ns()}")
     res = subprocess.run(
         [sys.executable, "-m", "trainmover", "launch", "--nproc", str(nproc), "--threads", "1",
          "--run-dir", run_dir, "--quiet", "--", sys.executable,
-         os.path.join(_examples_dir(), "ddp_gpt.py"), "--steps", str(steps)],
+         os.path.join(_examples_dir(), f"{script}.py"), "--steps", str(steps)],
         capture_output=True, text=True, timeout=timeout_s)
     if res.returncode != 0:
         raise RuntimeError(f"trainmover launch failed: {res.stderr[-2000:]}")
@@ -69,8 +72,14 @@ def run_trainmover(nproc: int, steps: int, timeout_s: float, scratch: str) -> li
     return times
 
 
+SCRIPTS = ("ddp_gpt", "torch_ddp")
+
+
 def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
-                  out_dir: str = "benchmarks/results", timeout_s: float = 600) -> dict:
+                  out_dir: str = "benchmarks/results", timeout_s: float = 600,
+                  script: str = "ddp_gpt") -> dict:
+    if script not in SCRIPTS:
+        raise ValueError(f"--script must be one of {SCRIPTS}, got {script!r}")
     if steps <= SKIP + 5:
         raise ValueError(f"--steps must be > {SKIP + 5} (the first {SKIP} are warm-up)")
     scratch = tempfile.mkdtemp(prefix="tm-bench-example-")
@@ -80,7 +89,7 @@ def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
         pair = ("plain", "trainmover") if r % 2 == 0 else ("trainmover", "plain")
         for strategy in pair:
             times = run_plain(nproc, steps, timeout_s) if strategy == "plain" else \
-                run_trainmover(nproc, steps, timeout_s, scratch)
+                run_trainmover(nproc, steps, timeout_s, scratch, script)
             if len(times) != steps:
                 raise RuntimeError(f"{strategy}: {len(times)} step times for {steps} steps")
             runs[strategy].append(statistics.median(times[SKIP:]))
@@ -93,7 +102,8 @@ def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
     ratio = med["trainmover"] / med["plain"]
     noise = max(max(v) / min(v) - 1 for v in runs.values())
     result = {
-        "benchmark": "example", "machine": machine_description(), "nproc": nproc,
+        "benchmark": "example", "script": script, "machine": machine_description(),
+        "nproc": nproc,
         "steps": steps, "warmup_steps_skipped": SKIP, "repeats": repeats, "order": order,
         "median_step_s": {k: {"median": med[k], "min": min(v), "max": max(v), "runs": v}
                           for k, v in runs.items()},
@@ -103,7 +113,8 @@ def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
                     f"{(ratio - 1) * 100:+.1f}%"),
         "commit": git_commit(),
     }
-    write_result(out_dir, "example_overhead", result, _table(result))
+    name = "example_overhead" if script == "ddp_gpt" else f"example_overhead_{script}"
+    write_result(out_dir, name, result, _table(result))
     return result
 
 
@@ -111,7 +122,8 @@ def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
 
 def _table(r: dict) -> str:
     m = r["median_step_s"]
-    lines = [f"# bench example: examples/ddp_gpt.py under trainmover vs ddp_gpt_plain.py "
+    lines = [f"# bench example: examples/{r.get('script', 'ddp_gpt')}.py under trainmover vs "
+             f"ddp_gpt_plain.py "
              f"under torchrun (DDP), {r['nproc']} processes, 1 thread each",
              "",
              f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, torch "

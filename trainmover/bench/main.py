@@ -266,7 +266,7 @@ def main(args) -> int:
     if args.bench == "example":
         from trainmover.bench.example import bench_example
 
-        bench_example(args.nproc, args.steps, args.repeats, args.out)
+        bench_example(args.nproc, args.steps, args.repeats, args.out, script=args.script)
         return 0
     if args.bench == "checkpoint":
         from trainmover.bench.checkpoint import bench_checkpoint

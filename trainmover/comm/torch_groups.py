@@ -80,6 +80,7 @@ class TorchGroups:
         self.holder, self.layout, self.role = holder, layout, role
         self.sandbox = sandbox
         self.local = sandbox or joining
+        self.device_type = device.type
         self.native_signal = module.Signal()
         signal.attach(self.native_signal)
         self._module = module
@@ -176,6 +177,30 @@ class TorchGroups:
         # reach a communicator that its peers may have abandoned)
         if self._bound.get(name) is group:
             self._forwarders[name].set_inner(None)
+
+    def device_mesh(self, axes: tuple[str, ...] | None = None):
+        """A ``DeviceMesh`` over this worker's axis groups, dimensions named after the axes:
+        by default every axis of the layout (``("dp", "pp", "tp")``); ``axes`` picks some, in
+        the order given (the mesh of the roles that share this worker's position on the other
+        axes, e.g. ``("dp", "tp")``: this pipeline stage's data x tensor mesh)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        axes = tuple(AXES) if axes is None else tuple(axes)
+        if not axes or len(set(axes)) != len(axes) or not set(axes) <= set(AXES):
+            raise ValueError(f"device_mesh(axes): distinct names among {AXES}, got {axes!r}")
+        sizes = [getattr(self.layout, a) for a in axes]
+        ranks = []
+        for index in range(self.layout.num_roles):
+            role = self.layout.role_of(index)
+            if all(getattr(role, a) == getattr(self.role, a) for a in AXES if a not in axes):
+                ranks.append((tuple(getattr(role, a) for a in axes), index))
+        mesh = torch.tensor([r for _, r in sorted(ranks)], dtype=torch.int).reshape(sizes)
+        groups = [self.process_groups[a] for a in axes]
+        device = self.device_type
+        if len(groups) == 1:
+            return DeviceMesh.from_group(groups[0], device, mesh=mesh.tolist(),
+                                         mesh_dim_names=axes)
+        return DeviceMesh.from_group(groups, device, mesh=mesh, mesh_dim_names=axes)
 
     def generation(self, name: str) -> int:
         """How many times the forwarder was re-pointed (tests)."""

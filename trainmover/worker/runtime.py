@@ -264,6 +264,15 @@ class Runtime:
                            self.device, sandbox=self.sandbox,
                            joining=isinstance(self.ctx.launch, Join))
 
+    def device_mesh(self, axes: tuple[str, ...] | None = None):
+        """A ``torch.distributed.DeviceMesh`` over this worker's process groups, dimensions
+        named "dp", "pp", "tp" (or the ``axes`` given): for FSDP2 (``fully_shard(m,
+        mesh=...)``), DTensor and ``parallelize_module``. Its groups move with the job."""
+        if self.torch_groups is None:
+            raise UsageError("rt.device_mesh() needs torch process groups: comm.torch_groups "
+                             "is 'off' for this job")
+        return self.torch_groups.device_mesh(axes)
+
     def close(self) -> None:
         """The end of this run of the script (the worker's, between runs)."""
         if self.torch_groups is not None:
