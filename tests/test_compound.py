@@ -112,6 +112,17 @@ def test_the_recovery_joiner_dies(tmp_path, baseline):
 
 
 @pytest.mark.timeout(300)
+def test_a_recovery_given_up_too_often_stops_the_job_resumably(tmp_path):
+    """A joiner that fails every time (here: once, with max_attempts=1) does not make the
+    controller plan again for ever: the job stops, naming the setting and how to resume."""
+    cfg = with_faults(job(recovery_max_attempts=1), Inject("crash", 5, "w2", "backward"),
+                      Inject("crash", 5, "joiner", "joiner_prepare"))
+    with pytest.raises(JobFailed, match=r"1 plan\(s\) in a row given up "
+                                        r"\(recovery.max_attempts=1\).*--resume"):
+        run(tmp_path, cfg)
+
+
+@pytest.mark.timeout(300)
 def test_a_survivor_dies_while_recovering(tmp_path, baseline):
     """A second worker crashes while carrying out the plan for the first: both roles are
     restored (each from its live data-parallel replica) under a new plan."""

@@ -171,6 +171,16 @@ def test_recovery_without_a_replica_rolls_everyone_back_to_the_checkpoint():
     assert plan2.rollback_step == 8 and [p.joiner for p in plan2.pairs] == ["s0", "s1"]
 
 
+def test_a_dp_sharded_role_is_never_recovered_from_another_dp_role():
+    """FSDP2 over dp: the other dp role holds another shard, not a copy: every role rolls
+    back to the newest checkpoint (or snapshot) together."""
+    m = membership(Layout(2, 1, 1, dp_sharded=True))
+    plan = C.plan_recovery(m, 1, ["w1"], set(), checkpoint_step=10)
+    assert plan.sources == {"dp1.pp0.tp0": "checkpoint"} and plan.rollback_step == 10
+    with pytest.raises(C.RecoveryImpossible, match="no live data-parallel replica"):
+        C.plan_recovery(m, 1, ["w1"], set(), checkpoint_step=None)
+
+
 def test_recovery_needs_a_free_standby():
     m = membership(standbys=1)
     with pytest.raises(C.RecoveryImpossible, match="2 failed worker"):

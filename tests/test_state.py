@@ -214,3 +214,31 @@ def test_data_parallel_wrapper_averages_accumulated_gradients_like_ddp():
     assert p0 == p1
     assert name == "a.weight"
     assert all(math.isfinite(sum(v)) for v in p0.values())
+
+
+def test_the_canonical_state_of_dp_sharded_roles_concatenates_their_shares():
+    """FSDP2 over the dp axis (Layout.dp_sharded): each dp role holds rows of a parameter; the
+    canonical tensor is their concatenation in dp order, uneven and empty shares included,
+    and entries without a dp dimension come from dp rank 0."""
+    full = torch.arange(10.0).reshape(5, 2)
+    shares = [full[0:3], full[3:5], full[5:5]]        # torch.chunk's split of 5 rows over 3
+    step = torch.tensor(7.0)
+    shards = {Role(dp, 0, 0): ({"model/w": shares[dp], "optim/step/w": step},
+                               {"model/w": None, "optim/step/w": None}, {"model/w": 0})
+              for dp in range(3)}
+    canon = assemble(shards, Layout(3, 1, 1, dp_sharded=True))
+    assert torch.equal(canon["model/w"], full) and torch.equal(canon["optim/step/w"], step)
+    # the same shares as replicas: dp rank 0's alone
+    replicas = assemble(shards, Layout(3, 1, 1))
+    assert torch.equal(replicas["model/w"], shares[0])
+
+
+def test_a_sharded_dp_layout_has_no_replicas_and_every_role_holds_a_final_share():
+    sharded, replicated = Layout(2, 2, 1, dp_sharded=True), Layout(2, 2, 1)
+    assert not sharded.has_replicas and replicated.has_replicas
+    assert all(sharded.holds_final_share(r) for r in sharded.roles())
+    assert [r.dp for r in replicated.roles() if replicated.holds_final_share(r)] == [0, 0]
+    assert sharded.as_dict() == {"dp": 2, "pp": 2, "tp": 1, "dp_sharded": True}
+    assert replicated.as_dict() == {"dp": 2, "pp": 2, "tp": 1}
+    with pytest.raises(ValueError, match="dp_sharded"):
+        Layout(2, 1, 1, dp_sharded="yes")

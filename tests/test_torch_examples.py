@@ -70,3 +70,75 @@ def test_torch_ddp_under_trainmover_ends_with_the_weights_of_the_plain_script_un
     assert res.returncode == 0, res.stderr[-3000:]
     plain = json.loads(out.read_text())["weights_sha256"]
     assert plain == torch_ddp_base["weights_sha256"]
+
+
+TORCH_FSDP = ROOT / "examples" / "torch_fsdp.py"
+TORCH_FSDP_PLAIN = ROOT / "examples" / "torch_fsdp_plain.py"
+# FSDP2 shards the state over dp: a crash rolls every role back to the newest checkpoint
+FSDP_FLAGS = ["--dp-sharded", "--checkpoint-every", "5"]
+
+
+def test_torch_fsdp_example_is_the_plain_torchrun_script_with_at_most_10_changed_lines():
+    plain = TORCH_FSDP_PLAIN.read_text().splitlines()
+    resilient = TORCH_FSDP.read_text().splitlines()
+    changed = [line for line in difflib.unified_diff(plain, resilient, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 0 < len(changed) <= 10, changed
+    # torch's own mesh and FSDP2 stay as they were
+    assert any("init_device_mesh(" in line for line in resilient)
+    assert any("fully_shard(model, mesh=mesh)" in line for line in resilient)
+
+
+@pytest.fixture(scope="module")
+def torch_fsdp_base(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("torch-fsdp") / "base"
+    res, summary = launch(run_dir, ["--nproc", "2"], TORCH_FSDP, ARGS, FSDP_FLAGS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary["steps"] == STEPS
+    return summary
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", ["migrate@3:w1", "migrate@5:w0", "crash@9:w0", "hang@9:w1"])
+def test_torch_fsdp_survives_migration_crash_and_hang_bit_identically(
+        tmp_path, torch_fsdp_base, fault):
+    run_dir = tmp_path / "run"
+    res, summary = launch(run_dir, ["--nproc", "2"], TORCH_FSDP, ARGS,
+                          FSDP_FLAGS + ["--standbys", "1", "--inject", fault])
+    assert res.returncode == 0, res.stderr[-3000:]
+    kind, worker = fault.split("@")[0], fault.split(":")[1]
+    if kind == "migrate":
+        (m,) = summary["migrations"]
+        assert m["status"] == "done" and m["pairs"][0]["leaver"] == worker, m
+        # shard for shard: the leaver's share only (about half the state)
+        assert 0 < m["transfer_bytes"]
+    else:
+        (r,) = summary["recoveries"]
+        assert r["failures"] == {worker: kind}, r
+        # no dp role holds a copy of another's shard: everyone went back to the newest
+        # checkpoint and redid the committed steps after it (and nothing else)
+        assert set(r["sources"].values()) == {"checkpoint"} and r["rollback_step"] == 5, r
+        assert r["lost_steps"] == r["last_committed_step"] + 1 - r["rollback_step"], r
+    assert summary["steps"] == STEPS
+    assert summary["weights_sha256"] == torch_fsdp_base["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_torch_fsdp_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
+        tmp_path, torch_fsdp_base):
+    out = tmp_path / "torchrun.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(ROOT / "tests" / "data" /
+                                                       "torchrun_weights.py"),
+                          str(out), str(TORCH_FSDP_PLAIN), *ARGS],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(out.read_text())["weights_sha256"] == torch_fsdp_base["weights_sha256"]
+
+
+def test_fsdp_state_without_dp_sharded_is_refused_with_the_flag_to_use(tmp_path):
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], TORCH_FSDP, ("--steps", "3"))
+    assert res.returncode != 0
+    assert "sharded over the data-parallel axis" in res.stderr
+    assert "launch with --dp-sharded" in res.stderr

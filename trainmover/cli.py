@@ -164,10 +164,11 @@ def build_launch_config(args: argparse.Namespace, command: list[str]) -> JobConf
         command[1] if command[0] == "-m" else command[0]))[0].split(".")[-1])
     if args.nproc is not None and any(v is not None for v in (args.dp, args.pp, args.tp)):
         raise ValueError("give either --nproc N (data parallel) or --dp/--pp/--tp, not both")
+    sharded = bool(getattr(args, "dp_sharded", False))
     if args.nproc is not None:
-        cfg.layout = Layout(args.nproc, 1, 1)
+        cfg.layout = Layout(args.nproc, 1, 1, dp_sharded=sharded)
     else:
-        cfg.layout = Layout(args.dp or 1, args.pp or 1, args.tp or 1)
+        cfg.layout = Layout(args.dp or 1, args.pp or 1, args.tp or 1, dp_sharded=sharded)
     cfg.process.command = command
     cfg.train.steps = args.steps or 0
     if args.threads is not None:
@@ -504,6 +505,10 @@ def make_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dp", type=int)
     launch.add_argument("--pp", type=int)
     launch.add_argument("--tp", type=int)
+    launch.add_argument("--dp-sharded", action="store_true",
+                        help="the data-parallel roles hold shards of the state, not replicas "
+                             "(FSDP2 or ZeRO over the dp axis): recovered from a snapshot or "
+                             "checkpoint, never from another dp role")
     launch.add_argument("--steps", type=int,
                         help="the script's step count, if known (progress, inject checks)")
     launch.add_argument("--threads", type=int, help="intra-op threads per worker "
@@ -598,9 +603,11 @@ def make_parser() -> argparse.ArgumentParser:
     ex = bsub.add_parser("example", help="examples/ddp_gpt.py (or --script torch_ddp) under "
                                          "trainmover vs the plain DDP script under torchrun "
                                          "(run from the repo root)")
-    ex.add_argument("--script", choices=("ddp_gpt", "torch_ddp"), default="ddp_gpt",
+    ex.add_argument("--script", choices=("ddp_gpt", "torch_ddp", "torch_fsdp"),
+                    default="ddp_gpt",
                     help="ddp_gpt: trainmover's data-parallel wrapper; torch_ddp: torch's "
-                         "DistributedDataParallel on trainmover's process groups")
+                         "DistributedDataParallel on trainmover's process groups; "
+                         "torch_fsdp: FSDP2 on them (--dp-sharded)")
     ex.add_argument("--nproc", type=int, default=2)
     ex.add_argument("--steps", type=int, default=40)
     ex.add_argument("--repeats", type=int, default=3)

@@ -1,7 +1,9 @@
 """Runs a plain torchrun training script (no trainmover in it) and, when its main() returns,
-writes rank 0's final model and optimizer state digest in trainmover's canonical form
-(``weights_sha256``), so a test can compare the same script under torchrun and under
-trainmover. It finds the script's DDP module and optimizer by wrapping their constructors.
+writes the final model and optimizer state digest in trainmover's canonical form
+(``weights_sha256``: full tensors, sharded ones gathered), so a test can compare the same
+script under torchrun and under trainmover. It finds the script's model (its DDP module, or
+the last module given to FSDP2's ``fully_shard``: the root) and optimizer by wrapping their
+constructors.
 
     torchrun --nproc-per-node 2 tests/data/torchrun_weights.py OUT SCRIPT [ARGS]
 """
@@ -13,8 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainmover.core.topology import Layout, Role
-from trainmover.train.state import TrainState, assemble, state_digest
+import torch.distributed.fsdp as fsdp
+from torch.distributed.tensor import DTensor
+
+from trainmover.train.state import CANONICAL_PREFIXES, TrainState, state_digest
 
 seen = {}
 
@@ -29,16 +33,32 @@ def _capture(cls, key):
     cls.__init__ = init
 
 
+def _capture_fully_shard():
+    original = fsdp.fully_shard
+
+    def fully_shard(module, *args, **kwargs):
+        out = original(module, *args, **kwargs)
+        seen["model"] = module          # the last one is the root
+        return out
+
+    fsdp.fully_shard = fully_shard
+
+
 def main():
     out, script, *args = sys.argv[1:]
     torch.set_num_threads(1)     # as `trainmover launch --threads 1`
     _capture(DistributedDataParallel, "model")
+    _capture_fully_shard()
     _capture(torch.optim.Optimizer, "optimizer")
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
+    state = TrainState(seen["model"], seen["optimizer"])
+    canonical = {}
+    for name, t, _ in state._live():       # every rank: gathering a DTensor is collective
+        if name.startswith(CANONICAL_PREFIXES):
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            canonical[name] = full.detach().cpu().clone()
     if dist.get_rank() == 0:
-        entries = TrainState(seen["model"], seen["optimizer"]).entries()
-        canonical = assemble({Role(0, 0, 0): entries}, Layout(1, 1, 1))
         with open(out, "w") as f:
             json.dump({"weights_sha256": state_digest(canonical)}, f)
     dist.destroy_process_group()

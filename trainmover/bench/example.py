@@ -45,11 +45,11 @@ def _step_times(text: str) -> list[float]:
     return [out[k] for k in sorted(out)]
 
 
-def run_plain(nproc: int, steps: int, timeout_s: float) -> list[float]:
+def run_plain(nproc: int, steps: int, timeout_s: float, script: str = "ddp_gpt") -> list[float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", os.path.join(_examples_dir(), "ddp_gpt_plain.py"),
+         f"--nproc-per-node={nproc}", os.path.join(_examples_dir(), f"{PLAIN[script]}.py"),
          "--steps", str(steps)], capture_output=True, text=True, timeout=timeout_s, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"torchrun failed: {res.stderr[-2000:]}")
@@ -61,7 +61,7 @@ def run_trainmover(nproc: int, steps: int, timeout_s: float, scratch: str,
     run_dir = os.path.join(scratch, f"tm-{time.time_ns()}")
     res = subprocess.run(
         [sys.executable, "-m", "trainmover", "launch", "--nproc", str(nproc), "--threads", "1",
-         "--run-dir", run_dir, "--quiet", "--", sys.executable,
+         "--run-dir", run_dir, "--quiet", *LAUNCH_FLAGS.get(script, ()), "--", sys.executable,
          os.path.join(_examples_dir(), f"{script}.py"), "--steps", str(steps)],
         capture_output=True, text=True, timeout=timeout_s)
     if res.returncode != 0:
@@ -72,7 +72,11 @@ def run_trainmover(nproc: int, steps: int, timeout_s: float, scratch: str,
     return times
 
 
-SCRIPTS = ("ddp_gpt", "torch_ddp")
+# each resilient example and the plain torchrun script it was made from
+PLAIN = {"ddp_gpt": "ddp_gpt_plain", "torch_ddp": "ddp_gpt_plain",
+         "torch_fsdp": "torch_fsdp_plain"}
+LAUNCH_FLAGS = {"torch_fsdp": ("--dp-sharded",)}
+SCRIPTS = tuple(PLAIN)
 
 
 def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
@@ -88,7 +92,7 @@ def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
     for r in range(repeats):
         pair = ("plain", "trainmover") if r % 2 == 0 else ("trainmover", "plain")
         for strategy in pair:
-            times = run_plain(nproc, steps, timeout_s) if strategy == "plain" else \
+            times = run_plain(nproc, steps, timeout_s, script) if strategy == "plain" else \
                 run_trainmover(nproc, steps, timeout_s, scratch, script)
             if len(times) != steps:
                 raise RuntimeError(f"{strategy}: {len(times)} step times for {steps} steps")
@@ -122,9 +126,9 @@ def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
 
 def _table(r: dict) -> str:
     m = r["median_step_s"]
-    lines = [f"# bench example: examples/{r.get('script', 'ddp_gpt')}.py under trainmover vs "
-             f"ddp_gpt_plain.py "
-             f"under torchrun (DDP), {r['nproc']} processes, 1 thread each",
+    script = r.get("script", "ddp_gpt")
+    lines = [f"# bench example: examples/{script}.py under trainmover vs {PLAIN[script]}.py "
+             f"under torchrun, {r['nproc']} processes, 1 thread each",
              "",
              f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, torch "
              f"{r['machine']['torch']}; commit {r['commit']}; {r['repeats']} interleaved "

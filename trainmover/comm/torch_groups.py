@@ -35,20 +35,25 @@ BACKEND = "trainmover"
 AXES = ("dp", "pp", "tp")
 
 _pending = []           # the forwarder the next group creation hands torch (see _create)
+_active: list = []      # the TorchGroups of this process's current run of the script
 _registered = False
 
 
 def _create(dist_opts, backend_opts):
     """The creator torch calls inside ``init_process_group`` / ``new_group``: the forwarding
-    backend prepared for exactly that call."""
-    if not _pending:
-        raise RuntimeError(f"the {BACKEND!r} backend is created by trainmover.init(), not by "
-                           f"init_process_group(backend={BACKEND!r}) in user code")
-    fwd, size = _pending.pop()
-    if dist_opts.group_size != size:
-        raise RuntimeError(f"{BACKEND} backend: expected a group of {size}, torch asked for "
-                           f"{dist_opts.group_size}")
-    return fwd
+    backend prepared for that call by ``TorchGroups``, or, for a group the script's own code
+    makes (``init_device_mesh``, ``new_group``), one that follows the job's group of exactly
+    those ranks."""
+    if _pending:
+        fwd, size = _pending.pop()
+        if dist_opts.group_size != size:
+            raise RuntimeError(f"{BACKEND} backend: expected a group of {size}, torch asked "
+                               f"for {dist_opts.group_size}")
+        return fwd
+    if not _active:
+        raise RuntimeError(f"the {BACKEND!r} backend serves the process groups of "
+                           f"trainmover.init(); call it before making groups")
+    return _active[-1].adopt(list(dist_opts.global_ranks_in_group))
 
 
 def _register() -> None:
@@ -84,59 +89,88 @@ class TorchGroups:
         self.native_signal = module.Signal()
         signal.attach(self.native_signal)
         self._module = module
-        self._forwarders: dict[str, object] = {}   # axis (or "world") -> ForwardingBackend
-        self._bound: dict[str, Group | None] = {}
+        # forwarders by what they follow: an axis ("dp", "pp", "tp") or "world". The first
+        # of each is the group trainmover made; any more were made by the script's own code
+        # (init_device_mesh) over the same ranks.
+        self._forwarders: dict[str, list] = {}
+        self._bound: dict[int, Group | None] = {}       # id(forwarder) -> the group it serves
         self.process_groups: dict[str, dist.ProcessGroup] = {}
-        rank, size = layout.global_rank(role), layout.num_roles
-        world = self._forwarder("world", rank, size)
-        _pending.append((world, size))
-        # a local store: torch's own bookkeeping never reaches the job's (signed) store
-        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=size,
-                                timeout=timedelta(days=1))
-        self.process_groups["world"] = dist.group.WORLD
-        specs = layout.groups_of(role)
-        for axis in AXES:
-            spec = specs[axis]
-            fwd = self._forwarder(axis, spec.rank_of(role), spec.size)
-            ranks = [layout.global_rank(r) for r in spec.members]
-            _pending.append((fwd, spec.size))
-            pg = dist.new_group(ranks, backend=BACKEND, use_local_synchronization=True)
-            if dist.get_group_rank(pg, rank) != spec.rank_of(role):
-                raise AssertionError(f"torch orders group {spec.name} otherwise than its spec")
-            self.process_groups[axis] = pg
+        self.rank = layout.global_rank(role)
+        size = layout.num_roles
         self.world_axis = self._world_axis()
+        self.world_unavailable = ""
         if self.world_axis is None and size > 1:
             wide = [a for a in AXES if getattr(layout, a) > 1]
-            world.set_unavailable(
+            self.world_unavailable = (
                 f"the world group of a {layout} layout has no communicator under trainmover "
-                f"(it would be rebuilt across every worker at each migration); pass "
-                f"group= one of " + ", ".join(f"rt.groups.{a}.process_group" for a in wide))
+                f"(it would be rebuilt across every worker at each migration); pass group= "
+                f"one of " + ", ".join(f"rt.groups.{a}.process_group" for a in wide))
+        specs = layout.groups_of(role)
+        self.ranks = {"world": list(range(size))}
+        for axis in AXES:
+            self.ranks[axis] = [layout.global_rank(r) for r in specs[axis].members]
+        _pending.append((self._forwarder("world"), size))
+        # a local store: torch's own bookkeeping never reaches the job's (signed) store
+        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=self.rank,
+                                world_size=size, timeout=timedelta(days=1))
+        self.process_groups["world"] = dist.group.WORLD
+        for axis in AXES:
+            spec = specs[axis]
+            _pending.append((self._forwarder(axis), spec.size))
+            pg = dist.new_group(self.ranks[axis], backend=BACKEND,
+                                use_local_synchronization=True)
+            if dist.get_group_rank(pg, self.rank) != spec.rank_of(role):
+                raise AssertionError(f"torch orders group {spec.name} otherwise than its spec")
+            self.process_groups[axis] = pg
         self.refresh(holder)
         holder.listeners.append(self.refresh)
+        _active.append(self)
 
-    def _forwarder(self, name: str, rank: int, size: int):
-        fwd = self._module.ForwardingBackend(rank, size, self.native_signal, name)
-        fwd.set_local(self.local or size == 1)
-        self._forwarders[name] = fwd
-        self._bound[name] = None
+    def _forwarder(self, follows: str):
+        ranks = self.ranks[follows]
+        fwd = self._module.ForwardingBackend(ranks.index(self.rank), len(ranks),
+                                             self.native_signal, follows)
+        fwd.set_local(self.local or len(ranks) == 1)
+        if follows == "world" and self.world_unavailable:
+            fwd.set_unavailable(self.world_unavailable)
+        self._forwarders.setdefault(follows, []).append(fwd)
+        self._bound[id(fwd)] = None
         return fwd
+
+    def adopt(self, ranks: list[int]):
+        """A forwarder for a group the script's code creates (``init_device_mesh``): its
+        ranks must be those of one of this worker's groups (the world, or an axis)."""
+        for follows, known in self.ranks.items():
+            if sorted(ranks) == known:
+                fwd = self._forwarder(follows)
+                self.refresh(self.holder)
+                return fwd
+        raise RuntimeError(
+            f"trainmover: a process group over global ranks {sorted(ranks)} is not one of the "
+            f"job's groups (this worker's: " + ", ".join(f"{k} {v}" for k, v in
+                                                          self.ranks.items()) +
+            "); build device meshes whose dimensions are the job's axes (init_device_mesh "
+            "with the layout's shape, or rt.device_mesh())")
 
     def live(self) -> None:
         """From now on operations reach the job (a joiner's first step)."""
         if self.sandbox or not self.local:
             return
         self.local = False
-        for name, fwd in self._forwarders.items():
-            size = self.layout.num_roles if name == "world" else self.spec(name).size
-            fwd.set_local(size == 1)
+        for follows, fwds in self._forwarders.items():
+            for fwd in fwds:
+                fwd.set_local(len(self.ranks[follows]) == 1)
 
     def close(self) -> None:
         """The end of one run of the script: torch forgets these groups (the communicators
         are the runtime's and stay), so the process's next run can have its own."""
         if self.refresh in self.holder.listeners:
             self.holder.listeners.remove(self.refresh)
-        for name in self._forwarders:
-            self._forwarders[name].set_inner(None)
+        if self in _active:
+            _active.remove(self)
+        for fwds in self._forwarders.values():
+            for fwd in fwds:
+                fwd.set_inner(None)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -151,32 +185,37 @@ class TorchGroups:
         return self.layout.groups_of(self.role)[axis]
 
     def refresh(self, holder: CommGroups) -> None:
-        """Point every forwarder at its group's current generation (after ``install``)."""
+        """Point every forwarder at its group's current generation (after ``install``), and
+        count torch's operations on each communicator with the runtime's own."""
         if self.sandbox:
             return
+        for follows, fwds in self._forwarders.items():
+            axis = self.world_axis if follows == "world" else follows
+            group = getattr(holder, axis) if axis is not None else None
+            if group is None or group.size == 1:
+                continue
+            for fwd in fwds:
+                if self._bound[id(fwd)] is not group:
+                    fwd.set_inner(group.backend)
+                    self._bound[id(fwd)] = group
         for axis in AXES:
-            self._bind(axis, getattr(holder, axis))
-        if self.world_axis is not None:
-            self._bind("world", getattr(holder, self.world_axis))
+            group = getattr(holder, axis)
+            serving = [f for fwds in self._forwarders.values() for f in fwds
+                       if self._bound[id(f)] is group]
+            if not serving:
+                continue
+            if self._released not in group.on_release:
+                group.on_release.append(self._released)
+            group.forwarded_counts = lambda serving=serving: _sum(f.counts() for f in serving)
 
-    def _bind(self, name: str, group: Group) -> None:
-        if self._bound[name] is group or group.size == 1:
-            return
-        fwd = self._forwarders[name]
-        fwd.set_inner(group.backend)
-        self._bound[name] = group
-        if name != "world" or self.world_axis is None:
-            group.forwarded_counts = fwd.counts
-        else:
-            axis_fwd = self._forwarders[self.world_axis]
-            group.forwarded_counts = lambda: _sum(axis_fwd.counts(), fwd.counts())
-        group.on_release.append(lambda g, name=name: self._released(name, g))
-
-    def _released(self, name: str, group: Group) -> None:
+    def _released(self, group: Group) -> None:
         # an aborted generation: torch's next operation on it dooms the step (it must not
         # reach a communicator that its peers may have abandoned)
-        if self._bound.get(name) is group:
-            self._forwarders[name].set_inner(None)
+        for fwds in self._forwarders.values():
+            for fwd in fwds:
+                if self._bound[id(fwd)] is group:
+                    fwd.set_inner(None)
+                    self._bound[id(fwd)] = None
 
     def device_mesh(self, axes: tuple[str, ...] | None = None):
         """A ``DeviceMesh`` over this worker's axis groups, dimensions named after the axes:
@@ -203,9 +242,13 @@ class TorchGroups:
         return DeviceMesh.from_group(groups, device, mesh=mesh, mesh_dim_names=axes)
 
     def generation(self, name: str) -> int:
-        """How many times the forwarder was re-pointed (tests)."""
-        return self._forwarders[name].generation
+        """How many times trainmover's own forwarder of ``name`` was re-pointed (tests)."""
+        return self._forwarders[name][0].generation
 
 
-def _sum(a: dict, b: dict) -> dict:
-    return {k: a[k] + b[k] for k in a}
+def _sum(counts) -> dict:
+    out = {"coll": 0, "sent": 0, "recv": 0, "pending": 0}
+    for c in counts:
+        for key in out:
+            out[key] += c[key]
+    return out

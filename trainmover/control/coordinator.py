@@ -401,10 +401,11 @@ class Coordinator:
             ctx.progress.say(f"job {cfg.name!r} {cfg.layout} on "
                              f"{len(ctx.membership.workers)} workers + "
                              f"{len(ctx.membership.standbys)} standby, "
-                             f"{cfg.model.num_params() / 1e6:.2f}M parameters, run dir "
+                             + (f"{cfg.model.num_params() / 1e6:.2f}M parameters, "
+                                if cfg.process.builtin else "") + f"run dir "
                              f"{self.run_dir}" + ("" if self.resume_from is None else
                                                   f", resumed at step {self.resume_from}"))
-            if not cfg.checkpoint.every and cfg.layout.dp == 1:
+            if not cfg.checkpoint.every and not cfg.layout.has_replicas:
                 why = ("checkpoints are off (checkpoint.every=0) and no role has a "
                        "data-parallel replica: " + (
                            "a failed worker is recovered only from the in-memory snapshots "
@@ -436,7 +437,7 @@ class Coordinator:
             self._flush(force=True)
             # read while the store is up: stopping the processes takes it down
             stop_step = self.stopping.stop_step() if self.stopping.requested else None
-            if not self._stop_requested.is_set() and cfg.layout.dp > 1 and \
+            if not self._stop_requested.is_set() and cfg.layout.has_replicas and \
                     read_digest(self.run_dir) is not None:
                 ctx.progress.poll()
                 self.replicas.compare(ctx.progress.last_step + 1)   # the final states

@@ -197,13 +197,15 @@ class Recovery:
         ctx.events.emit("failure_after_last_step", workers=names,
                         failures=[f.__dict__ for f in failures])
         holders = ctx.membership.workers
+        m_layout = ctx.membership.layout
         for w in names:
             role = holders[w]
-            if role.dp != 0:
+            if not m_layout.holds_final_share(role):
                 continue
-            replica = next((x for x, r in sorted(holders.items())
-                            if r.pp == role.pp and r.tp == role.tp and r.dp > 0
-                            and x not in names and ctx.procs.exit_code(x) in (None, 0)), None)
+            replica = None if m_layout.dp_sharded else next(
+                (x for x, r in sorted(holders.items())
+                 if r.pp == role.pp and r.tp == role.tp and r.dp > 0
+                 and x not in names and ctx.procs.exit_code(x) in (None, 0)), None)
             if replica is None:
                 raise JobFailed(
                     f"{w} ({role}) failed after the job's last step was committed, before its "
@@ -222,6 +224,13 @@ class Recovery:
         survivor out of the group builds, transfers or step it is in, and a new recovery
         for the same failed roles starts collecting their reports in that epoch."""
         ctx = self.ctx
+        attempts = len(rec.abandoned) + 1
+        if attempts >= ctx.cfg.recovery.max_attempts:
+            raise JobFailed(f"recovery from {sorted(rec.failures)}: {attempts} plan(s) in a "
+                            f"row given up (recovery.max_attempts={attempts}), the last because "
+                            f"{reason}. Committed progress (step {ctx.committed}) and "
+                            f"checkpoints are intact: see the joiners' logs, then continue "
+                            f"with `trainmover run --resume {ctx.run_dir}`")
         if rec.plan.rollback_source == "snapshot":
             self.skipped_snapshots.append(rec.plan.rollback_step)
         for j in rec.plan.joiners:

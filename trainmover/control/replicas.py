@@ -25,7 +25,7 @@ class Replicas:
     def poll(self) -> None:
         """Compare the periodic digests once every role posted them."""
         ctx = self.ctx
-        if self.next_check is None or ctx.cfg.layout.dp < 2:
+        if self.next_check is None or not ctx.cfg.layout.has_replicas:
             return
         if ctx.progress.last_step + 1 < self.next_check or \
                 self.next_check >= ctx.cfg.train.steps > 0:

@@ -366,9 +366,16 @@ class RecoveryConfig:
     # A failure with no free standby: start a replacement process (a new standby, promoted
     # as soon as it runs; the job waits for it, "degraded") instead of stopping the job.
     replace_without_standby: bool = True
+    # Plans for one failure given up in a row (a joiner or survivor failed while carrying it
+    # out) before the job stops, resumable, instead of trying again: a joiner that fails the
+    # same way every time (a script that cannot load the state) must not loop for ever.
+    max_attempts: int = 5
 
     def validate(self) -> None:
         _seconds("recovery", report_timeout_s=self.report_timeout_s)
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ValueError(f"recovery.max_attempts must be a positive integer, got "
+                             f"{self.max_attempts!r}")
 
 
 @dataclass

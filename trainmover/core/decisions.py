@@ -299,7 +299,10 @@ class RecoveryPlan:
 
 
 def replica_of(m: Membership, role: Role, exclude: set[str]) -> str | None:
-    """A live worker holding the same (pp, tp) position in another data-parallel replica."""
+    """A live worker holding the same (pp, tp) position in another data-parallel replica
+    (none when the dp roles hold shards, not replicas: ``Layout.dp_sharded``)."""
+    if m.layout.dp_sharded:
+        return None
     for w, r in sorted(m.workers.items(), key=lambda kv: kv[1]):
         if w not in exclude and r.pp == role.pp and r.tp == role.tp and r.dp != role.dp:
             return w

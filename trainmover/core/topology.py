@@ -75,27 +75,49 @@ class GroupSpec:
 @dataclass(frozen=True)
 class Layout:
     """A DP x PP x TP layout. Global rank order is dp-major, then pp, then tp (tp fastest),
-    so tensor-parallel peers are adjacent, as a launcher would place them on one host."""
+    so tensor-parallel peers are adjacent, as a launcher would place them on one host.
+
+    ``dp_sharded``: the data-parallel roles hold *shards* of the state (FSDP2, ZeRO over the
+    dp axis), not replicas. Nothing is then recovered from another dp role, replicas are
+    not compared, and every role's share makes up the final state."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    dp_sharded: bool = False
 
     def __post_init__(self) -> None:
         for axis in ("dp", "pp", "tp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"layout axis {axis} must be a positive integer, got {value!r}")
+        if not isinstance(self.dp_sharded, bool):
+            raise ValueError(f"layout dp_sharded must be true or false, got "
+                             f"{self.dp_sharded!r}")
+
+    @property
+    def has_replicas(self) -> bool:
+        """Whether roles that differ only in their dp rank hold the same state."""
+        return self.dp > 1 and not self.dp_sharded
+
+    def holds_final_share(self, role: "Role") -> bool:
+        """Whether ``role``'s state is part of the canonical (final) state: data-parallel
+        rank 0 of each (pp, tp) when dp roles are replicas, every role when they are shards."""
+        return self.dp_sharded or role.dp == 0
 
     @property
     def num_roles(self) -> int:
         return self.dp * self.pp * self.tp
 
     def __str__(self) -> str:
-        return f"DP{self.dp}xPP{self.pp}xTP{self.tp}"
+        return f"DP{self.dp}xPP{self.pp}xTP{self.tp}" + (" (dp sharded)" if self.dp_sharded
+                                                         else "")
 
     def as_dict(self) -> dict:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        out = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        if self.dp_sharded:
+            out["dp_sharded"] = True
+        return out
 
     # --- roles --------------------------------------------------------------------------
     def roles(self) -> list[Role]:

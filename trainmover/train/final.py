@@ -37,12 +37,13 @@ def write_final_shard(run_dir: str, role: Role, state: TrainState, store, layout
     shard_dir = os.path.join(final_dir(run_dir), "shards")
     os.makedirs(shard_dir, exist_ok=True)
     tensors, dims = state.local_state()
-    save_atomic({"tensors": {k: v.detach().cpu() for k, v in tensors.items()}, "dims": dims},
+    save_atomic({"tensors": {k: v.detach().cpu() for k, v in tensors.items()}, "dims": dims,
+                 "dp_dims": state.dp_dims()},
                 os.path.join(shard_dir, f"{role.name}.pt"))
     store.add(P.final_shards_key(), 1)
     if role != Role(0, 0, 0):
         return
-    expected = layout.pp * layout.tp
+    expected = sum(1 for r in layout.roles() if layout.holds_final_share(r))
     deadline = time.monotonic() + timeout_s
     while store.add(P.final_shards_key(), 0) < expected:
         if time.monotonic() > deadline:
@@ -56,9 +57,9 @@ def assemble_final(run_dir: str, layout: Layout) -> dict:
     shard_dir = os.path.join(final_dir(run_dir), "shards")
     shards = {}
     for role in layout.roles():
-        if role.dp == 0:
+        if layout.holds_final_share(role):
             blob = torch.load(os.path.join(shard_dir, f"{role.name}.pt"), weights_only=True)
-            shards[role] = (blob["tensors"], blob["dims"])
+            shards[role] = (blob["tensors"], blob["dims"], blob.get("dp_dims", {}))
     canonical = assemble(shards, layout)
     ckpt_dir = os.path.join(final_dir(run_dir), "checkpoint")
     save_canonical(canonical, ckpt_dir)

@@ -47,6 +47,43 @@ def shard_dim(p: torch.Tensor) -> int | None:
     return getattr(p, SHARD_ATTR, None)
 
 
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:          # a torch without DTensor: no tensor is one
+        return ()
+    return DTensor
+
+
+def mesh_axes(mesh) -> list[str | None]:
+    """The job axis ("dp", "pp", "tp") of each dimension of a DeviceMesh, by its dimension
+    names (``rt.device_mesh()`` names them after the axes); None where unnamed."""
+    names = mesh.mesh_dim_names or ()
+    return [n if n in ("dp", "pp", "tp") else None for n in names] or [None] * mesh.ndim
+
+
+def placement_dims(t, axes_of=mesh_axes) -> dict[str, int]:
+    """For a DTensor: the tensor dimension it is sharded on along each job axis (``{"dp":
+    0}`` under FSDP2 over the dp axis); {} for a plain or replicated tensor."""
+    if not isinstance(t, _dtensor_type()):
+        return {}
+    out = {}
+    for axis, placement in zip(axes_of(t.device_mesh), t.placements):
+        if placement.is_shard():
+            if axis is None:
+                raise StateError(f"a DTensor is sharded along a mesh dimension that is not "
+                                 f"one of the job's axes ({t.device_mesh}): build its mesh "
+                                 f"with rt.device_mesh() or from rt.groups.*.process_group")
+            out[axis] = placement.dim
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a DTensor's local shard (an alias: writing it writes
+    the DTensor), a plain tensor itself."""
+    return t.to_local().detach() if isinstance(t, _dtensor_type()) else t.detach()
+
+
 def _rename(model: torch.nn.Module):
     rename = getattr(model, "canonical_name", None)
     return rename if rename is not None else (lambda n: n)
@@ -67,8 +104,9 @@ class TrainState:
     """The registered state of one worker (see the module doc)."""
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                 extra: dict | None = None, buckets=None):
+                 extra: dict | None = None, buckets=None, axes_of=mesh_axes):
         self.model, self.optimizer = model, optimizer
+        self.axes_of = axes_of   # DeviceMesh -> the job axis of each of its dimensions
         self.extra = extra if extra is not None else {}
         self.buckets = buckets   # GradBuckets over the model's parameters, or None
         if not isinstance(self.extra, dict):
@@ -79,34 +117,53 @@ class TrainState:
         self._param_names = {id(p): n for n, p in canonical_params(model)} if model else {}
 
     # --- the named view ------------------------------------------------------------------
-    def entries(self) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
-        """The live tensors by name (no copies) and each entry's TP shard dimension."""
-        tensors: dict[str, torch.Tensor] = {}
-        dims: dict[str, int | None] = {}
+    def _live(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """(name, live tensor as registered, its parameter or None), sorted by name."""
+        out = []
         if self.model is not None:
             rename = _rename(self.model)
             params = {id(p): p for p in self.model.parameters()}
-            sd = self.model.state_dict(keep_vars=True)
-            for local, t in sd.items():
-                name = f"model/{rename(local)}"
-                tensors[name] = t.detach()
-                dims[name] = shard_dim(t) if id(t) in params else None
+            for local, t in self.model.state_dict(keep_vars=True).items():
+                out.append((f"model/{rename(local)}", t, t if id(t) in params else None))
         if self.optimizer is not None:
-            for p, st in self.optimizer.state.items():
-                pname = self._param_names.get(id(p))
+            by_id = {id(p): p for p in self._params()}
+            for pid, st in ((id(p), st) for p, st in self.optimizer.state.items()):
+                pname = self._param_names.get(pid)
                 if pname is None:
                     continue
                 for key in sorted(st):
-                    v = st[key]
-                    if isinstance(v, torch.Tensor):
-                        name = f"optim/{key}/{pname}"
-                        tensors[name] = v
-                        dims[name] = shard_dim(p) if v.shape == p.shape else None
+                    if isinstance(st[key], torch.Tensor):
+                        p = by_id[pid]
+                        out.append((f"optim/{key}/{pname}", st[key],
+                                    p if st[key].shape == p.shape else None))
         for key, v in sorted(self.extra.items()):
             if isinstance(v, torch.Tensor):
-                tensors[f"extra/{key}"] = v
-                dims[f"extra/{key}"] = None
-        return dict(sorted(tensors.items())), dims
+                out.append((f"extra/{key}", v, None))
+        return sorted(out, key=lambda e: e[0])
+
+    def _params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters()) if self.model is not None else []
+
+    def entries(self) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
+        """The live tensors this process holds, by name (no copies: a DTensor's local shard),
+        and each entry's tensor-parallel shard dimension."""
+        tensors: dict[str, torch.Tensor] = {}
+        dims: dict[str, int | None] = {}
+        for name, t, param in self._live():
+            tensors[name] = _local(t)
+            placed = placement_dims(t, self.axes_of)
+            dims[name] = placed.get("tp", shard_dim(param) if param is not None else None)
+        return tensors, dims
+
+    def dp_dims(self) -> dict[str, int]:
+        """The entries sharded over the data-parallel axis (FSDP2), and the dimension: what
+        assembles the canonical state from every dp role's share (``Layout.dp_sharded``)."""
+        out = {}
+        for name, t, _ in self._live():
+            dim = placement_dims(t, self.axes_of).get("dp")
+            if dim is not None:
+                out[name] = dim
+        return out
 
     def meta(self) -> dict:
         """Everything of the state that is not a tensor, as JSON values."""
@@ -140,8 +197,10 @@ class TrainState:
             if pname is None:
                 continue
             # where each entry lives: AdamW keeps its step count on the CPU even for CUDA
-            # parameters (unless capturable), and refuses it anywhere else
+            # parameters (unless capturable), and refuses it anywhere else; a moment of a
+            # sharded parameter (FSDP2) is a DTensor placed like it
             out[pname] = {k: [list(v.shape), str(v.dtype).removeprefix("torch."),
+                              "dtensor" if isinstance(v, _dtensor_type()) else
                               "cpu" if v.device.type == "cpu" else "param"]
                           for k, v in sorted(st.items()) if isinstance(v, torch.Tensor)}
         return out
@@ -176,7 +235,15 @@ class TrainState:
             p = by_name[pname]
             st = self.optimizer.state[p]
             for key, (shape, dtype, where) in entries.items():
-                if key not in st:
+                if key in st:
+                    continue
+                if where == "dtensor":
+                    if not isinstance(p, _dtensor_type()) or list(p.shape) != shape:
+                        raise StateError(f"state has a sharded {key!r} for {pname!r}, which "
+                                         f"is not a sharded parameter of this shape here")
+                    # a sharded parameter's moments are sharded like it (FSDP2)
+                    st[key] = torch.zeros_like(p, dtype=getattr(torch, dtype))
+                else:
                     st[key] = torch.zeros(shape, dtype=getattr(torch, dtype),
                                           device="cpu" if where == "cpu" else p.device)
 
@@ -372,16 +439,19 @@ def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
 CANONICAL_PREFIXES = ("model/", "optim/")
 
 
-def assemble(shards: dict[Role, tuple[dict[str, torch.Tensor], dict[str, int | None]]],
-             layout: Layout) -> dict[str, torch.Tensor]:
-    """Canonical full tensors (model and optimizer) from the local states of every (pp, tp)
-    of data-parallel rank 0. A name held by two pipeline stages is an error: stage models
-    must use globally unique (canonical) names."""
+def assemble(shards: dict[Role, tuple], layout: Layout) -> dict[str, torch.Tensor]:
+    """Canonical full tensors (model and optimizer) from the local states ``(tensors, tp
+    dims[, dp dims])`` of every (pp, tp) of data-parallel rank 0, or of every role when the
+    dp roles hold shards (``Layout.dp_sharded``: an entry with a dp dimension is the
+    concatenation of the dp roles' shares along it). A name held by two pipeline stages is
+    an error: stage models must use globally unique (canonical) names."""
     out: dict[str, torch.Tensor] = {}
     owner: dict[str, int] = {}
     for pp in range(layout.pp):
-        parts = [shards[Role(0, pp, tp)] for tp in range(layout.tp)]
-        for name, dim in parts[0][1].items():
+        column = [[shards[Role(dp, pp, tp)] for dp in (range(layout.dp) if layout.dp_sharded
+                                                       else [0])]
+                  for tp in range(layout.tp)]
+        for name, dim in column[0][0][1].items():
             if not name.startswith(CANONICAL_PREFIXES):
                 continue
             if name in owner:
@@ -389,11 +459,17 @@ def assemble(shards: dict[Role, tuple[dict[str, torch.Tensor], dict[str, int | N
                                  f"{owner[name]} and {pp}: give each stage's parameters "
                                  f"globally unique names (a canonical_name(local) method)")
             owner[name] = pp
-            if dim is None:
-                out[name] = parts[0][0][name].detach().cpu().clone()
-            else:
-                out[name] = torch.cat([p[0][name].detach().cpu() for p in parts], dim=dim)
+            per_tp = [_over_dp(name, parts) for parts in column]
+            out[name] = per_tp[0] if dim is None else torch.cat(per_tp, dim=dim)
     return dict(sorted(out.items()))
+
+
+def _over_dp(name: str, parts: list[tuple]) -> torch.Tensor:
+    """One tensor-parallel rank's full entry from its dp roles' shares."""
+    dp_dim = parts[0][2].get(name) if len(parts[0]) > 2 else None
+    if dp_dim is None or len(parts) == 1:
+        return parts[0][0][name].detach().cpu().clone()
+    return torch.cat([p[0][name].detach().cpu() for p in parts], dim=dp_dim)
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:

@@ -273,6 +273,23 @@ class Runtime:
                              "is 'off' for this job")
         return self.torch_groups.device_mesh(axes)
 
+    def _mesh_axes(self, mesh) -> list[str | None]:
+        """The job axis of each dimension of a DeviceMesh: by name ("dp", "pp", "tp"), else
+        by which of this worker's process groups the dimension is."""
+        names = list(mesh.mesh_dim_names or [None] * mesh.ndim)
+        groups = self.torch_groups.process_groups if self.torch_groups is not None else {}
+        out = []
+        for i, name in enumerate(names):
+            if name not in ("dp", "pp", "tp"):
+                group = mesh.get_group(i)
+                name = next((a for a, pg in groups.items() if pg is group and a != "world"),
+                            None)
+                if name is None and groups.get("world") is group and \
+                        self.torch_groups.world_axis is not None:
+                    name = self.torch_groups.world_axis
+            out.append(name)
+        return out
+
     def close(self) -> None:
         """The end of this run of the script (the worker's, between runs)."""
         if self.torch_groups is not None:
@@ -353,7 +370,13 @@ class Runtime:
                     buckets = w.buckets
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             _fix_ddp_buckets(model)
-        self.state = TrainState(model, optimizer, extra, buckets)
+        self.state = TrainState(model, optimizer, extra, buckets, axes_of=self._mesh_axes)
+        sharded = self.state.dp_dims()
+        if sharded and not self.layout.dp_sharded:
+            raise UsageError(
+                f"the registered state is sharded over the data-parallel axis (e.g. "
+                f"{next(iter(sharded))!r}: FSDP2 or ZeRO), so the dp roles are not replicas "
+                f"of each other: launch with --dp-sharded (layout.dp_sharded)")
         launch = self.ctx.launch
         if isinstance(launch, Join) and isinstance(launch.command, P.AssignMigration):
             M.joiner_ready(self.ctx.store, self.ctx.events, self.name,
@@ -710,7 +733,7 @@ class _Loop:
     def _post_digest(self, step: int) -> None:
         """This role's state digest before ``step``, for the controller to compare across
         data-parallel replicas (``control/replicas.py``)."""
-        if self.rt.layout.dp < 2:
+        if not self.rt.layout.has_replicas:
             return
         digest = state_digest(self.rt.state.entries()[0])
         self.ctx.store.set(P.replica_digest_key(step, self.rt.role.name), digest)
@@ -780,7 +803,7 @@ class _Loop:
         # controller sees this key), only someone to write the final state
         ctx.store.set(P.finished_key(rt.name), "1")
         self._post_digest(self.total)
-        if rt.role.dp == 0:
+        if rt.layout.holds_final_share(rt.role):
             write_final_shard(rt.run_dir, rt.role, rt.state, ctx.stores.get(), rt.layout,
                               self.cfg.checkpoint.final_timeout_s)
         else:

@@ -97,7 +97,22 @@ def load():
     with open(os.path.join(path, "build.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return ext.load(NAME, [SOURCE], build_directory=path,
+            # Build from a copy inside the folder: the folder is keyed by the source's digest,
+            # so two checkouts of the same source share one build instead of rebuilding each
+            # other's (ninja tracks the source by path).
+            source = os.path.join(path, "forwarding.cpp")
+            with open(SOURCE, "rb") as f:
+                text = f.read()
+            if not os.path.exists(source) or open(source, "rb").read() != text:
+                with open(source + ".tmp", "wb") as f:
+                    f.write(text)
+                os.replace(source + ".tmp", source)
+            # torch's own build baton: one left by a builder that was killed would make every
+            # later load wait for ever; under this lock no other builder of ours is running
+            baton = os.path.join(path, "lock")
+            if os.path.exists(baton):
+                os.remove(baton)
+            return ext.load(NAME, [source], build_directory=path,
                             extra_cflags=["-O2"], verbose=False)
         except (OSError, RuntimeError, ImportError) as exc:
             raise NativeUnavailable(
