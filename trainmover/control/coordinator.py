@@ -142,17 +142,25 @@ class Coordinator:
 
     # --- set-up ----------------------------------------------------------------------------
     def _build_native(self) -> None:
-        """The script's torch process groups need the forwarding backend: built here, once
-        per machine, before any process starts (in a child: the controller stays torch-free)."""
-        from trainmover.comm import native
-
+        """The script's torch process groups need the forwarding backend (comm/native):
+        built here, once per machine, before any process starts, by a child interpreter (the
+        controller imports neither torch nor the communication layer)."""
+        cmd = [sys.executable, "-m", "trainmover.comm.native"]
+        why = None
         try:
-            native.build_in_subprocess(self.cfg.comm.build_timeout_s)
-        except native.NativeUnavailable as exc:
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  timeout=self.cfg.comm.build_timeout_s)
+            if proc.returncode != 0:
+                why = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-12:]) or \
+                    f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            why = f"the build took over {self.cfg.comm.build_timeout_s:.0f} s " \
+                  f"(comm.build_timeout_s)"
+        if why is not None:
             raise ValueError(f"comm.torch_groups={self.cfg.comm.torch_groups!r}: the script's "
                              f"torch process groups need trainmover's forwarding backend, "
-                             f"which could not be built: {exc} (comm.torch_groups='off' runs "
-                             f"without them)") from exc
+                             f"which could not be built: {why} (comm.torch_groups='off' runs "
+                             f"without them)")
 
     def _prepare(self) -> None:
         ctx = self.ctx

@@ -126,23 +126,18 @@ class TrainState:
             for local, t in self.model.state_dict(keep_vars=True).items():
                 out.append((f"model/{rename(local)}", t, t if id(t) in params else None))
         if self.optimizer is not None:
-            by_id = {id(p): p for p in self._params()}
-            for pid, st in ((id(p), st) for p, st in self.optimizer.state.items()):
-                pname = self._param_names.get(pid)
+            for p, st in self.optimizer.state.items():
+                pname = self._param_names.get(id(p))
                 if pname is None:
                     continue
                 for key in sorted(st):
-                    if isinstance(st[key], torch.Tensor):
-                        p = by_id[pid]
-                        out.append((f"optim/{key}/{pname}", st[key],
-                                    p if st[key].shape == p.shape else None))
+                    v = st[key]
+                    if isinstance(v, torch.Tensor):
+                        out.append((f"optim/{key}/{pname}", v, p if v.shape == p.shape else None))
         for key, v in sorted(self.extra.items()):
             if isinstance(v, torch.Tensor):
                 out.append((f"extra/{key}", v, None))
         return sorted(out, key=lambda e: e[0])
-
-    def _params(self) -> list[torch.Tensor]:
-        return list(self.model.parameters()) if self.model is not None else []
 
     def entries(self) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
         """The live tensors this process holds, by name (no copies: a DTensor's local shard),

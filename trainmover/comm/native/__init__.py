@@ -127,19 +127,3 @@ def ensure_built() -> None:
     """Build before workers start (the launcher calls it), so none of them compiles."""
     load()
 
-
-def build_in_subprocess(timeout_s: float) -> None:
-    """``ensure_built`` in a child interpreter, for a caller that keeps torch out of its own
-    process (the controller); raises ``NativeUnavailable`` with the child's last words."""
-    import subprocess
-    import sys
-
-    try:
-        proc = subprocess.run([sys.executable, "-m", "trainmover.comm.native"],
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise NativeUnavailable(f"building trainmover's forwarding backend took over "
-                                f"{timeout_s:.0f} s (comm.build_timeout_s)") from exc
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-        raise NativeUnavailable("\n".join(tail) or f"exit status {proc.returncode}")
