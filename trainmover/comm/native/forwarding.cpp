@@ -55,6 +55,22 @@ class Signal {
       pending.swap(pending_);
     }
     finish_pending(pending);
+    notify();
+  }
+
+  // Blocking waits sleep on one condition variable, woken by every completion and by the
+  // signal: no polling, so a waiting thread takes no CPU from the computing ones (two
+  // cores, several workers). The timed wait only bounds a wake-up that went missing.
+  template <typename Pred>
+  void sleep_until(Pred&& ready) {
+    std::unique_lock<std::mutex> lock(wake_mutex_);
+    while (!ready()) {
+      wake_cv_.wait_for(lock, std::chrono::milliseconds(50));
+    }
+  }
+  void notify() {
+    { std::lock_guard<std::mutex> lock(wake_mutex_); }
+    wake_cv_.notify_all();
   }
   void clear() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -91,6 +107,8 @@ class Signal {
   void finish_pending(std::vector<c10::weak_intrusive_ptr<Work>>& pending);
 
   std::mutex mutex_;
+  std::mutex wake_mutex_;
+  std::condition_variable wake_cv_;
   std::atomic<bool> aborted_{false};
   std::atomic<bool> in_step_{false};
   std::string reason_;
@@ -108,6 +126,7 @@ struct Counts {
 struct WaitBox {
   std::atomic<bool> done{false};
   std::exception_ptr error;
+  std::shared_ptr<Signal> signal;   // told when done
 };
 
 class Waiter {
@@ -129,11 +148,13 @@ class Waiter {
           item.second->error = std::current_exception();
         }
         item.second->done.store(true);
+        item.second->signal->notify();
       }
     }).detach();  // a wait abandoned on abort stays blocked until gloo's own timeout
   }
-  std::shared_ptr<WaitBox> submit(const WorkPtr& work) {
+  std::shared_ptr<WaitBox> submit(const WorkPtr& work, std::shared_ptr<Signal> signal) {
     auto box = std::make_shared<WaitBox>();
+    box->signal = std::move(signal);
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
       state_->queue.emplace_back(work, box);
@@ -184,9 +205,11 @@ class ForwardWork : public Work {
       return true;
     }
     try {
-      // Collectives that report completion are polled (cheapest); gloo's send/recv and some
-      // of its collectives (_reduce_scatter_base in 2.13) complete only inside wait(), so
-      // what is not done after a short spin is waited on by the helper thread.
+      // An operation already done (a short spin on isCompleted) is waited on here. Anything
+      // else is waited on by the helper thread while this one sleeps until that wait ends
+      // or the signal is set: gloo's send/recv and some of its collectives
+      // (_reduce_scatter_base in 2.13) complete only inside wait(), and a blocked wait()
+      // could not watch the signal.
       bool completed = false;
       for (int i = 0; !p2p_ && i < 32 && !(completed = inner_->isCompleted()); ++i) {
         if (signal_->is_set()) throw Aborted{};
@@ -194,9 +217,11 @@ class ForwardWork : public Work {
       if (completed) {
         inner_->wait(timeout);
       } else {
-        auto box = waiter_->submit(inner_);
-        poll([&] { return box->done.load(); });
+        auto box = waiter_->submit(inner_, signal_);
+        signal_->sleep_until(
+            [&] { return box->done.load() || done_.load() || signal_->is_set(); });
         if (done_.load()) return true;
+        if (!box->done.load()) throw Aborted{};
         if (box->error) std::rethrow_exception(box->error);
       }
     } catch (const Aborted&) {
@@ -268,21 +293,6 @@ class ForwardWork : public Work {
  private:
   struct Aborted {};
 
-  template <typename F>
-  void poll(F&& completed) {
-    // a short spin, then sleeps of ~50 us, then 1 ms: completed operations return at once and
-    // an abort is noticed within about a millisecond
-    int polls = 0;
-    while (!completed()) {
-      if (done_.load()) return;  // finished by the signal (a doomed future)
-      if (signal_->is_set()) throw Aborted{};
-      ++polls;
-      if (polls > 32) {
-        std::this_thread::sleep_for(std::chrono::microseconds(polls < 232 ? 50 : 1000));
-      }
-    }
-  }
-
   bool finish_or_throw(const std::string& reason) {
     if (signal_->in_step()) {
       finish(true);
@@ -301,6 +311,7 @@ class ForwardWork : public Work {
       counts_->pending.fetch_sub(1);  // a doomed operation stays pending: the group is dirty
     }
     complete_future();
+    signal_->notify();
   }
 
   // Completes the future once, outside any lock (its callbacks run inline).
