@@ -34,12 +34,18 @@ def events(run_dir, name):
     return [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == name]
 
 
-def test_ddp_example_is_the_plain_script_with_at_most_15_changed_lines():
-    plain, resilient = DDP_PLAIN.read_text().splitlines(), DDP.read_text().splitlines()
+def changed_lines(plain: Path, resilient: Path) -> list[str]:
+    """The lines a diff from ``plain`` to ``resilient`` adds or removes."""
     import difflib
 
-    changed = [line for line in difflib.unified_diff(plain, resilient, lineterm="", n=0)
-               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return [line for line in difflib.unified_diff(plain.read_text().splitlines(),
+                                                  resilient.read_text().splitlines(),
+                                                  lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
+def test_ddp_example_is_the_plain_script_with_at_most_15_changed_lines():
+    changed = changed_lines(DDP_PLAIN, DDP)
     assert 0 < len(changed) <= 15, changed
     assert any("trainmover.init()" in line for line in changed)
 

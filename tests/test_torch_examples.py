@@ -1,7 +1,6 @@
 """The user's own torch.distributed code under `trainmover launch`: DistributedDataParallel
 itself (not trainmover's wrapper) on trainmover's process groups survives a planned
 migration, a crash and a hang with the weights of its own uninterrupted run."""
-import difflib
 import json
 import os
 import subprocess
@@ -9,38 +8,31 @@ import sys
 
 import pytest
 
-from test_examples import DDP_PLAIN, ROOT, STEPS, events, launch
+from test_examples import DDP_PLAIN, ROOT, STEPS, changed_lines, events, launch
 
 TORCH_DDP = ROOT / "examples" / "torch_ddp.py"
+TORCH_FSDP = ROOT / "examples" / "torch_fsdp.py"
+TORCH_FSDP_PLAIN = ROOT / "examples" / "torch_fsdp_plain.py"
 ARGS = ("--steps", str(STEPS))
+FAULTS = ["migrate@3:w1", "migrate@5:w0", "crash@9:w0", "hang@9:w1"]
+# FSDP2 shards the state over dp: a crash rolls every role back to the newest checkpoint
+FSDP_FLAGS = ["--dp-sharded", "--checkpoint-every", "5"]
 
 
-def test_torch_ddp_example_is_the_plain_torchrun_script_with_at_most_10_changed_lines():
-    plain, resilient = DDP_PLAIN.read_text().splitlines(), TORCH_DDP.read_text().splitlines()
-    changed = [line for line in difflib.unified_diff(plain, resilient, lineterm="", n=0)
-               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    assert 0 < len(changed) <= 10, changed
-    # torch's own data parallelism stays: the script still builds DistributedDataParallel
-    assert "    model = DDP(model)" in resilient
-    assert not any("data_parallel" in line for line in changed)
-
-
-@pytest.fixture(scope="module")
-def torch_ddp_base(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("torch-ddp") / "base"
-    res, summary = launch(run_dir, ["--nproc", "2"], TORCH_DDP, ARGS)
+def _base(tmp_path_factory, name, script, flags=()):
+    run_dir = tmp_path_factory.mktemp(name) / "base"
+    res, summary = launch(run_dir, ["--nproc", "2"], script, ARGS, list(flags))
     assert res.returncode == 0, res.stderr[-3000:]
     assert summary["steps"] == STEPS
     return summary
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("fault", ["migrate@3:w1", "migrate@5:w0", "crash@9:w0", "hang@9:w1"])
-def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
-        tmp_path, torch_ddp_base, fault):
+def _with_fault(tmp_path, script, flags, fault):
+    """The script launched with one standby and ``fault``; checks the event was handled and
+    the job ran to the end. Returns the run dir, summary, the event's kind and worker."""
     run_dir = tmp_path / "run"
-    res, summary = launch(run_dir, ["--nproc", "2"], TORCH_DDP, ARGS,
-                          ["--standbys", "1", "--inject", fault])
+    res, summary = launch(run_dir, ["--nproc", "2"], script, ARGS,
+                          list(flags) + ["--standbys", "1", "--inject", fault])
     assert res.returncode == 0, res.stderr[-3000:]
     kind, worker = fault.split("@")[0], fault.split(":")[1]
     if kind == "migrate":
@@ -48,93 +40,93 @@ def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
         assert m["status"] == "done" and m["pairs"][0]["leaver"] == worker, m
     else:
         (r,) = summary["recoveries"]
-        assert r["failures"] == {worker: kind} and r["lost_steps"] == 0, r
+        assert r["failures"] == {worker: kind}, r
+    assert summary["steps"] == STEPS
+    return run_dir, summary, kind, worker
+
+
+def _torchrun_weights(tmp_path, plain_script) -> str:
+    """``weights_sha256`` of the plain script under torchrun (tests/data/torchrun_weights.py)."""
+    out = tmp_path / "torchrun.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(ROOT / "tests" / "data" /
+                                                       "torchrun_weights.py"),
+                          str(out), str(plain_script), *ARGS],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())["weights_sha256"]
+
+
+def test_torch_ddp_example_is_the_plain_torchrun_script_with_at_most_10_changed_lines():
+    changed = changed_lines(DDP_PLAIN, TORCH_DDP)
+    assert 0 < len(changed) <= 10, changed
+    # torch's own data parallelism stays: the script still builds DistributedDataParallel
+    assert "    model = DDP(model)" in TORCH_DDP.read_text().splitlines()
+    assert not any("data_parallel" in line for line in changed)
+
+
+@pytest.fixture(scope="module")
+def torch_ddp_base(tmp_path_factory):
+    return _base(tmp_path_factory, "torch-ddp", TORCH_DDP)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
+        tmp_path, torch_ddp_base, fault):
+    run_dir, summary, kind, _ = _with_fault(tmp_path, TORCH_DDP, (), fault)
+    if kind != "migrate":
+        (r,) = summary["recoveries"]
+        assert r["lost_steps"] == 0, r
     # no step failed after the event was handled (a late end of an abandoned operation
     # must not doom a later step)
     failed = [e for e in events(run_dir, "step_failed") if e["step"] > 9]
     assert not failed, failed
-    assert summary["steps"] == STEPS
     assert summary["weights_sha256"] == torch_ddp_base["weights_sha256"]
 
 
 @pytest.mark.timeout(300)
 def test_torch_ddp_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
         tmp_path, torch_ddp_base):
-    out = tmp_path / "torchrun.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(ROOT / "tests" / "data" /
-                                                       "torchrun_weights.py"),
-                          str(out), str(DDP_PLAIN), *ARGS],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    plain = json.loads(out.read_text())["weights_sha256"]
-    assert plain == torch_ddp_base["weights_sha256"]
-
-
-TORCH_FSDP = ROOT / "examples" / "torch_fsdp.py"
-TORCH_FSDP_PLAIN = ROOT / "examples" / "torch_fsdp_plain.py"
-# FSDP2 shards the state over dp: a crash rolls every role back to the newest checkpoint
-FSDP_FLAGS = ["--dp-sharded", "--checkpoint-every", "5"]
+    assert _torchrun_weights(tmp_path, DDP_PLAIN) == torch_ddp_base["weights_sha256"]
 
 
 def test_torch_fsdp_example_is_the_plain_torchrun_script_with_at_most_10_changed_lines():
-    plain = TORCH_FSDP_PLAIN.read_text().splitlines()
-    resilient = TORCH_FSDP.read_text().splitlines()
-    changed = [line for line in difflib.unified_diff(plain, resilient, lineterm="", n=0)
-               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    changed = changed_lines(TORCH_FSDP_PLAIN, TORCH_FSDP)
     assert 0 < len(changed) <= 10, changed
     # torch's own mesh and FSDP2 stay as they were
+    resilient = TORCH_FSDP.read_text().splitlines()
     assert any("init_device_mesh(" in line for line in resilient)
     assert any("fully_shard(model, mesh=mesh)" in line for line in resilient)
 
 
 @pytest.fixture(scope="module")
 def torch_fsdp_base(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("torch-fsdp") / "base"
-    res, summary = launch(run_dir, ["--nproc", "2"], TORCH_FSDP, ARGS, FSDP_FLAGS)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert summary["steps"] == STEPS
-    return summary
+    return _base(tmp_path_factory, "torch-fsdp", TORCH_FSDP, FSDP_FLAGS)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("fault", ["migrate@3:w1", "migrate@5:w0", "crash@9:w0", "hang@9:w1"])
+@pytest.mark.parametrize("fault", FAULTS)
 def test_torch_fsdp_survives_migration_crash_and_hang_bit_identically(
         tmp_path, torch_fsdp_base, fault):
-    run_dir = tmp_path / "run"
-    res, summary = launch(run_dir, ["--nproc", "2"], TORCH_FSDP, ARGS,
-                          FSDP_FLAGS + ["--standbys", "1", "--inject", fault])
-    assert res.returncode == 0, res.stderr[-3000:]
-    kind, worker = fault.split("@")[0], fault.split(":")[1]
+    _, summary, kind, _ = _with_fault(tmp_path, TORCH_FSDP, FSDP_FLAGS, fault)
     if kind == "migrate":
-        (m,) = summary["migrations"]
-        assert m["status"] == "done" and m["pairs"][0]["leaver"] == worker, m
         # shard for shard: the leaver's share only (about half the state)
-        assert 0 < m["transfer_bytes"]
+        assert 0 < summary["migrations"][0]["transfer_bytes"]
     else:
         (r,) = summary["recoveries"]
-        assert r["failures"] == {worker: kind}, r
         # no dp role holds a copy of another's shard: everyone went back to the newest
         # checkpoint and redid the committed steps after it (and nothing else)
         assert set(r["sources"].values()) == {"checkpoint"} and r["rollback_step"] == 5, r
         assert r["lost_steps"] == r["last_committed_step"] + 1 - r["rollback_step"], r
-    assert summary["steps"] == STEPS
     assert summary["weights_sha256"] == torch_fsdp_base["weights_sha256"]
 
 
 @pytest.mark.timeout(300)
 def test_torch_fsdp_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
         tmp_path, torch_fsdp_base):
-    out = tmp_path / "torchrun.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(ROOT / "tests" / "data" /
-                                                       "torchrun_weights.py"),
-                          str(out), str(TORCH_FSDP_PLAIN), *ARGS],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads(out.read_text())["weights_sha256"] == torch_fsdp_base["weights_sha256"]
+    assert _torchrun_weights(tmp_path, TORCH_FSDP_PLAIN) == torch_fsdp_base["weights_sha256"]
 
 
 def test_fsdp_state_without_dp_sharded_is_refused_with_the_flag_to_use(tmp_path):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.comm.groups import AbortSignal, CommGroups, Group
-from trainmover.core.topology import GroupSpec, Layout, Role
+from trainmover.core.topology import Layout, Role
 
 BACKEND = "trainmover"
 AXES = ("dp", "pp", "tp")
@@ -180,9 +180,6 @@ class TorchGroups:
             if getattr(self.layout, axis) == self.layout.num_roles > 1:
                 return axis
         return None
-
-    def spec(self, axis: str) -> GroupSpec:
-        return self.layout.groups_of(self.role)[axis]
 
     def refresh(self, holder: CommGroups) -> None:
         """Point every forwarder at its group's current generation (after ``install``), and

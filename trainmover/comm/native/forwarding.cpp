@@ -394,10 +394,6 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     return unavailable_;
   }
-  bool has_inner() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return inner_ != nullptr;
-  }
   py::dict counts() {
     auto c = current_counts();
     py::dict d;
@@ -633,7 +629,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_inner", &ForwardingBackend::set_inner)
       .def("set_local", &ForwardingBackend::set_local)
       .def("set_unavailable", &ForwardingBackend::set_unavailable)
-      .def("has_inner", &ForwardingBackend::has_inner)
       .def("counts", &ForwardingBackend::counts)
       .def_property_readonly("generation", &ForwardingBackend::generation);
 }
