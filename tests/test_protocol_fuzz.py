@@ -40,10 +40,18 @@ def test_arbitrary_bytes_are_refused_or_read(name, read, types, raw):
 @pytest.mark.parametrize("name, read, types", READERS, ids=[r[0] for r in READERS])
 @settings(max_examples=150, deadline=None)
 @given(body=st.dictionaries(st.text(max_size=16), json_values, max_size=8),
-       tag=st.sampled_from(sorted(P.COMMANDS) + sorted(P.AGENT_REQUESTS) + ["", "x"]))
+       tag=st.sampled_from(sorted(P.COMMANDS) + sorted(P.AGENT_REQUESTS) + ["", "x"]) | json_values)
 def test_arbitrary_json_objects_are_refused_or_read(name, read, types, body, tag):
     _only_refusals(read, json.dumps({**body, "type": tag}), types)
     _only_refusals(read, json.dumps(body), types)
+
+
+@pytest.mark.parametrize("tag", [[], {}, ["spawn"], {"spawn": 1}, 1.5, None, True])
+def test_a_type_tag_that_is_not_a_string_is_refused(tag):
+    # Found by the property test above: an unhashable tag crashed the reader.
+    for read in (P.decode_command, P.decode_agent_request):
+        with pytest.raises(P.MessageError, match="unknown"):
+            read(json.dumps({"type": tag}))
 
 
 @settings(max_examples=200, deadline=None)

@@ -279,9 +279,11 @@ def _tagged(registry: dict, kind: str):
 
     def read(raw: bytes | str):
         data = _parse(kind, raw)
-        if not isinstance(data, dict) or data.get("type") not in registry:
-            raise MessageError(f"unknown {kind} type "
-                               f"{data.get('type') if isinstance(data, dict) else data!r}")
+        tag = data.get("type") if isinstance(data, dict) else data
+        # A forged tag may be any JSON value, lists and objects included: only
+        # a string can name a message type (and a list cannot even be looked up).
+        if not isinstance(tag, str) or tag not in registry:
+            raise MessageError(f"unknown {kind} type {tag!r}")
         return _build(registry[data.pop("type")], data)
 
     return write, read
