@@ -95,6 +95,27 @@ def test_joiner_dying_in_phase_1_aborts_cleanly_and_a_retry_succeeds(tmp_path):
     assert [m["status"] for m in summary["migrations"]] == ["aborted", "done"]
 
 
+@pytest.mark.timeout(300)
+def test_a_migration_accounted_at_the_end_is_read_before_the_store_goes_down(
+        tmp_path, monkeypatch):
+    # A migration in a job's last steps is accounted at the job's end, from the stayers'
+    # step ends in the store: that read once came after the processes (and the store)
+    # stopped, failing the finished job with "Failed to recv". Every migration is accounted
+    # at the end here (the controller runs in this process), so the switch step's timing
+    # does not matter.
+    from trainmover.control.migrations import Migrations
+
+    original = Migrations.finish_downtimes
+    monkeypatch.setattr(Migrations, "finish_downtimes",
+                        lambda self, final=False: original(self, final) if final else None)
+    moved = run_job(job(2, 1, 1, 30, 1), str(tmp_path / "moved"), quiet=True, timeout_s=250,
+                    injects=[Inject("migrate", 4, "w1")])
+    (m,) = moved["migrations"]
+    # the stayer's step ends were read
+    assert m["status"] == "done" and m["downtime_by"]["reported"] == 1, m
+    assert moved["steps"] == 30
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "trainmover", *args], capture_output=True,
                           text=True, timeout=120)

@@ -233,6 +233,27 @@ def test_the_canonical_state_of_dp_sharded_roles_concatenates_their_shares():
     assert torch.equal(replicas["model/w"], shares[0])
 
 
+def test_dtensor_shares_are_placed_by_their_boxes_whatever_the_nesting_of_shardings():
+    """FSDP2 inside tensor parallelism (the 2-D example): tp splits the rows in two, and dp
+    splits each tp half again (a strided shard), so dp-then-tp concatenation would be wrong;
+    each share's box (global shape, offset) places it. A share missing is an error."""
+    full = torch.arange(16.0).reshape(8, 2)
+    offset = {(0, 0): 0, (1, 0): 2, (0, 1): 4, (1, 1): 6}      # (dp, tp) -> first row
+
+    def shard(dp, tp):
+        o = offset[(dp, tp)]
+        return ({"model/w": full[o:o + 2].clone()}, {"model/w": 0}, {"model/w": 0},
+                {"model/w": ([8, 2], [o, 0])})
+
+    shards = {Role(dp, 0, tp): shard(dp, tp) for dp in range(2) for tp in range(2)}
+    canon = assemble(shards, Layout(2, 1, 2, dp_sharded=True))
+    assert torch.equal(canon["model/w"], full)
+    # two roles claiming the same rows leave others uncovered
+    shards[Role(1, 0, 1)] = shard(0, 1)
+    with pytest.raises(StateError, match="cover 12 of its 16 elements"):
+        assemble(shards, Layout(2, 1, 2, dp_sharded=True))
+
+
 def test_a_sharded_dp_layout_has_no_replicas_and_every_role_holds_a_final_share():
     sharded, replicated = Layout(2, 2, 1, dp_sharded=True), Layout(2, 2, 1)
     assert not sharded.has_replicas and replicated.has_replicas

@@ -13,25 +13,29 @@ from test_examples import DDP_PLAIN, ROOT, STEPS, changed_lines, events, launch
 TORCH_DDP = ROOT / "examples" / "torch_ddp.py"
 TORCH_FSDP = ROOT / "examples" / "torch_fsdp.py"
 TORCH_FSDP_PLAIN = ROOT / "examples" / "torch_fsdp_plain.py"
+TORCH_FSDP_TP = ROOT / "examples" / "torch_fsdp_tp.py"
+TORCH_FSDP_TP_PLAIN = ROOT / "examples" / "torch_fsdp_tp_plain.py"
+PAIR = ("--nproc", "2")
+GRID = ("--dp", "2", "--tp", "2")      # the 2-D example: w0 dp0.tp0 ... w3 dp1.tp1
 ARGS = ("--steps", str(STEPS))
 FAULTS = ["migrate@3:w1", "migrate@5:w0", "crash@9:w0", "hang@9:w1"]
 # FSDP2 shards the state over dp: a crash rolls every role back to the newest checkpoint
 FSDP_FLAGS = ["--dp-sharded", "--checkpoint-every", "5"]
 
 
-def _base(tmp_path_factory, name, script, flags=()):
+def _base(tmp_path_factory, name, script, flags=(), layout=PAIR):
     run_dir = tmp_path_factory.mktemp(name) / "base"
-    res, summary = launch(run_dir, ["--nproc", "2"], script, ARGS, list(flags))
+    res, summary = launch(run_dir, list(layout), script, ARGS, list(flags))
     assert res.returncode == 0, res.stderr[-3000:]
     assert summary["steps"] == STEPS
     return summary
 
 
-def _with_fault(tmp_path, script, flags, fault):
+def _with_fault(tmp_path, script, flags, fault, layout=PAIR):
     """The script launched with one standby and ``fault``; checks the event was handled and
     the job ran to the end. Returns the run dir, summary, the event's kind and worker."""
     run_dir = tmp_path / "run"
-    res, summary = launch(run_dir, ["--nproc", "2"], script, ARGS,
+    res, summary = launch(run_dir, list(layout), script, ARGS,
                           list(flags) + ["--standbys", "1", "--inject", fault])
     assert res.returncode == 0, res.stderr[-3000:]
     kind, worker = fault.split("@")[0], fault.split(":")[1]
@@ -45,12 +49,12 @@ def _with_fault(tmp_path, script, flags, fault):
     return run_dir, summary, kind, worker
 
 
-def _torchrun_weights(tmp_path, plain_script) -> str:
+def _torchrun_weights(tmp_path, plain_script, nproc=2) -> str:
     """``weights_sha256`` of the plain script under torchrun (tests/data/torchrun_weights.py)."""
     out = tmp_path / "torchrun.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(ROOT / "tests" / "data" /
+                          "--nproc-per-node", str(nproc), str(ROOT / "tests" / "data" /
                                                        "torchrun_weights.py"),
                           str(out), str(plain_script), *ARGS],
                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
@@ -134,3 +138,39 @@ def test_fsdp_state_without_dp_sharded_is_refused_with_the_flag_to_use(tmp_path)
     assert res.returncode != 0
     assert "sharded over the data-parallel axis" in res.stderr
     assert "launch with --dp-sharded" in res.stderr
+
+
+def test_torch_fsdp_tp_example_is_the_plain_torchrun_script_with_at_most_10_changed_lines():
+    changed = changed_lines(TORCH_FSDP_TP_PLAIN, TORCH_FSDP_TP)
+    assert 0 < len(changed) <= 10, changed
+    resilient = TORCH_FSDP_TP.read_text().splitlines()
+    assert any("parallelize_module(block, mesh[\"tp\"]" in line for line in resilient)
+    assert any("fully_shard(model, mesh=mesh[\"dp\"])" in line for line in resilient)
+
+
+@pytest.fixture(scope="module")
+def torch_fsdp_tp_base(tmp_path_factory):
+    return _base(tmp_path_factory, "torch-fsdp-tp", TORCH_FSDP_TP, FSDP_FLAGS, GRID)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("fault", ["migrate@3:w1", "crash@9:w0", "hang@9:w3"])
+def test_torch_fsdp_tp_survives_migration_crash_and_hang_bit_identically(
+        tmp_path, torch_fsdp_tp_base, fault):
+    """A first, a middle and a last role of the 2-D mesh; a migration of w1 rebuilds its dp
+    and its tp group (the mesh's two dimensions) under the script's DeviceMesh."""
+    _, summary, kind, _ = _with_fault(tmp_path, TORCH_FSDP_TP, FSDP_FLAGS, fault, GRID)
+    if kind == "migrate":
+        assert set(summary["migrations"][0]["affected_groups"]) == {"dp.pp0.tp1",
+                                                                    "tp.dp0.pp0"}
+    else:
+        (r,) = summary["recoveries"]
+        assert set(r["sources"].values()) == {"checkpoint"} and r["rollback_step"] == 5, r
+    assert summary["weights_sha256"] == torch_fsdp_tp_base["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_torch_fsdp_tp_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
+        tmp_path, torch_fsdp_tp_base):
+    assert _torchrun_weights(tmp_path, TORCH_FSDP_TP_PLAIN, nproc=4) == \
+        torch_fsdp_tp_base["weights_sha256"]

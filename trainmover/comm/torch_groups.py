@@ -173,6 +173,7 @@ class TorchGroups:
                 fwd.set_inner(None)
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_meshes()
 
     def _world_axis(self) -> str | None:
         """The axis whose group is the whole job, if one is."""
@@ -241,6 +242,19 @@ class TorchGroups:
     def generation(self, name: str) -> int:
         """How many times trainmover's own forwarder of ``name`` was re-pointed (tests)."""
         return self._forwarders[name][0].generation
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions. They hold the DeviceMesh objects of the
+    run that filled them, and a DeviceMesh compares equal to another over the same ranks and
+    names whatever its process groups: the process's next run of the script (a standby that
+    warmed up as one role, then runs as another) would be handed the destroyed groups of the
+    last run ("Could not resolve the process group registered under the name 1")."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:       # a torch without DTensor: nothing is cached
+        return
+    _clear_sharding_prop_cache()
 
 
 def _sum(counts) -> dict:

@@ -449,6 +449,10 @@ class Coordinator:
                     read_digest(self.run_dir) is not None:
                 ctx.progress.poll()
                 self.replicas.compare(ctx.progress.last_step + 1)   # the final states
+            # a migration in the job's last steps is accounted from the stayers' step ends,
+            # read from the store: now, not after the processes (and the store) stopped
+            ctx.progress.poll()
+            self._finish_downtimes(final=True)
         except Superseded:
             self.started.set()
             raise
@@ -467,8 +471,6 @@ class Coordinator:
             self.started.set()
             ctx.progress.close()
         self._stop_all()  # standbys still waiting
-        ctx.progress.poll()
-        self._finish_downtimes(final=True)
         wall = time.time() - ctx.t_started
         if self._stop_requested.is_set():
             # stopped on request (benchmarks): no final state, but every event's accounting

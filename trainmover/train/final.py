@@ -38,7 +38,7 @@ def write_final_shard(run_dir: str, role: Role, state: TrainState, store, layout
     os.makedirs(shard_dir, exist_ok=True)
     tensors, dims = state.local_state()
     save_atomic({"tensors": {k: v.detach().cpu() for k, v in tensors.items()}, "dims": dims,
-                 "dp_dims": state.dp_dims()},
+                 "dp_dims": state.dp_dims(), "boxes": state.boxes()},
                 os.path.join(shard_dir, f"{role.name}.pt"))
     store.add(P.final_shards_key(), 1)
     if role != Role(0, 0, 0):
@@ -59,7 +59,8 @@ def assemble_final(run_dir: str, layout: Layout) -> dict:
     for role in layout.roles():
         if layout.holds_final_share(role):
             blob = torch.load(os.path.join(shard_dir, f"{role.name}.pt"), weights_only=True)
-            shards[role] = (blob["tensors"], blob["dims"], blob.get("dp_dims", {}))
+            shards[role] = (blob["tensors"], blob["dims"], blob.get("dp_dims", {}),
+                            blob.get("boxes", {}))
     canonical = assemble(shards, layout)
     ckpt_dir = os.path.join(final_dir(run_dir), "checkpoint")
     save_canonical(canonical, ckpt_dir)

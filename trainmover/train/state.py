@@ -69,13 +69,31 @@ def placement_dims(t, axes_of=mesh_axes) -> dict[str, int]:
         return {}
     out = {}
     for axis, placement in zip(axes_of(t.device_mesh), t.placements):
-        if placement.is_shard():
+        # FSDP2 over a tensor-parallel parameter shards along dp with a _StridedShard,
+        # which is not a Shard (is_shard() is False) but splits the tensor all the same
+        if placement.is_shard() or _is_strided_shard(placement):
             if axis is None:
                 raise StateError(f"a DTensor is sharded along a mesh dimension that is not "
                                  f"one of the job's axes ({t.device_mesh}): build its mesh "
                                  f"with rt.device_mesh() or from rt.groups.*.process_group")
             out[axis] = placement.dim
     return out
+
+
+def _is_strided_shard(placement) -> bool:
+    return type(placement).__name__ == "_StridedShard"
+
+
+def dtensor_box(t) -> tuple[list[int], list[int]] | None:
+    """For a DTensor: (global shape, offset of this process's shard in it), found by the
+    function DCP uses to save DTensors, so that any nesting of shardings (FSDP2 inside
+    tensor parallelism splits a strided shard) assembles; None for a plain tensor."""
+    if not isinstance(t, _dtensor_type()):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return list(t.shape), list(offset)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -158,6 +176,16 @@ class TrainState:
             dim = placement_dims(t, self.axes_of).get("dp")
             if dim is not None:
                 out[name] = dim
+        return out
+
+    def boxes(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Each DTensor entry's global shape and this process's offset in it (``dtensor_box``):
+        what assembles the canonical state of DTensor state from the roles' shares."""
+        out = {}
+        for name, t, _ in self._live():
+            box = dtensor_box(t)
+            if box is not None:
+                out[name] = box
         return out
 
     def meta(self) -> dict:
@@ -436,10 +464,12 @@ CANONICAL_PREFIXES = ("model/", "optim/")
 
 def assemble(shards: dict[Role, tuple], layout: Layout) -> dict[str, torch.Tensor]:
     """Canonical full tensors (model and optimizer) from the local states ``(tensors, tp
-    dims[, dp dims])`` of every (pp, tp) of data-parallel rank 0, or of every role when the
-    dp roles hold shards (``Layout.dp_sharded``: an entry with a dp dimension is the
-    concatenation of the dp roles' shares along it). A name held by two pipeline stages is
-    an error: stage models must use globally unique (canonical) names."""
+    dims[, dp dims[, boxes]])`` of every (pp, tp) of data-parallel rank 0, or of every role
+    when the dp roles hold shards (``Layout.dp_sharded``). A DTensor entry (one with a box:
+    global shape and offset) is placed where its box says; a plain one with a dp dimension
+    is the concatenation of the dp roles' shares along it, then along its tp dimension. A
+    name held by two pipeline stages is an error: stage models must use globally unique
+    (canonical) names."""
     out: dict[str, torch.Tensor] = {}
     owner: dict[str, int] = {}
     for pp in range(layout.pp):
@@ -454,17 +484,47 @@ def assemble(shards: dict[Role, tuple], layout: Layout) -> dict[str, torch.Tenso
                                  f"{owner[name]} and {pp}: give each stage's parameters "
                                  f"globally unique names (a canonical_name(local) method)")
             owner[name] = pp
+            if name in _part(column[0][0], 3):
+                out[name] = _from_boxes(name, [p for parts in column for p in parts])
+                continue
             per_tp = [_over_dp(name, parts) for parts in column]
             out[name] = per_tp[0] if dim is None else torch.cat(per_tp, dim=dim)
     return dict(sorted(out.items()))
 
 
+def _part(shard: tuple, i: int) -> dict:
+    return shard[i] if len(shard) > i else {}
+
+
 def _over_dp(name: str, parts: list[tuple]) -> torch.Tensor:
     """One tensor-parallel rank's full entry from its dp roles' shares."""
-    dp_dim = parts[0][2].get(name) if len(parts[0]) > 2 else None
+    dp_dim = _part(parts[0], 2).get(name)
     if dp_dim is None or len(parts) == 1:
         return parts[0][0][name].detach().cpu().clone()
     return torch.cat([p[0][name].detach().cpu() for p in parts], dim=dp_dim)
+
+
+def _from_boxes(name: str, parts: list[tuple]) -> torch.Tensor:
+    """A DTensor entry's full tensor from every role's share, each placed at its offset.
+    Replicated shares land on the same elements with the same values; every element must be
+    covered by some share (else a share is missing: an error, not zeros in the result)."""
+    shape = _part(parts[0], 3)[name][0]
+    first = parts[0][0][name]
+    full = torch.empty(shape, dtype=first.dtype)
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for p in parts:
+        local = p[0][name].detach().cpu()
+        gshape, offset = _part(p, 3)[name]
+        if list(gshape) != list(shape):
+            raise StateError(f"state entry {name!r}: roles disagree on its global shape "
+                             f"({shape} and {gshape})")
+        index = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+        full[index] = local
+        covered[index] = True
+    if not bool(covered.all()):
+        raise StateError(f"state entry {name!r}: the roles' shares cover "
+                         f"{int(covered.sum())} of its {covered.numel()} elements")
+    return full
 
 
 def state_digest(state: dict[str, torch.Tensor]) -> str:
