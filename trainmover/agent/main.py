@@ -28,7 +28,6 @@ workers that connect early wait in its backlog.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import select
 import signal
@@ -38,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from trainmover.agent.snapshots import SnapshotServer
+from trainmover.core import jobfile, rundir
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
@@ -131,10 +131,12 @@ class Agent:
                 "--name", name, "--store", f"{self.host}:{self.port}", *req.worker_args()]
         try:
             env = self._env(req)
-            with open(os.path.join(self.run_dir, "logs", f"{name}.log"), "ab") as log:
+            log_fd = rundir.open_file(os.path.join(self.run_dir, "logs", f"{name}.log"),
+                                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            with os.fdopen(log_fd, "ab") as log:
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                         env=env, preexec_fn=_die_with_parent)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:       # ValueError: a log path refused
             # the controller sees an incarnation that exited at once (code 127, as a shell
             # reports a command it cannot run) and handles it like any other exit
             self.events.emit("spawn_failed", name=name, incarnation=incarnation,
@@ -392,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with open(args.initial) as f:
         initial = [P.decode_agent_request(line) for line in f if line.strip()]
-    with open(os.path.join(args.run_dir, "job.json")) as f:
-        cfg = JobConfig.from_dict(json.load(f))
+    cfg = jobfile.read_job(args.run_dir)
     agent = Agent(args.run_dir, args.host, args.port, cfg, listen_fd=args.listen_fd)
     agent._controller = P.ControllerInfo(args.controller_pid, 0)
     return agent.serve(initial)
@@ -408,8 +409,7 @@ def serve_host(run_dir: str, endpoint: str, node: int, address: str | None,
     deadline = time.monotonic() + connect_timeout_s
     while not endpoint:
         if os.path.exists(control):
-            with open(control) as f:
-                endpoint = json.load(f)["store"]
+            endpoint = jobfile.read_control(run_dir)["store"]
         elif time.monotonic() > deadline:
             raise ValueError(f"no job started in {run_dir!r} within {connect_timeout_s} s "
                              f"(no control.json): pass --rdzv-endpoint HOST:PORT")
@@ -421,8 +421,7 @@ def serve_host(run_dir: str, endpoint: str, node: int, address: str | None,
             raise ValueError(f"{run_dir!r} holds no job (no job.json): is it the run dir the "
                              f"controller was given, on a filesystem every host shares?")
         time.sleep(0.1)
-    with open(os.path.join(run_dir, "job.json")) as f:
-        cfg = JobConfig.from_dict(json.load(f))
+    cfg = jobfile.read_job(run_dir)
     if not 0 < node < cfg.hosts.nnodes:
         raise ValueError(f"--node-rank {node}: the job has hosts 0..{cfg.hosts.nnodes - 1}, "
                          f"and host 0's agent is the controller's")

@@ -10,9 +10,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainmover.core import jobfile
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
-from trainmover.core.config import JobConfig
 from trainmover.core.proc import pid_alive
 
 # How often a waiting `trainmover migrate` looks for the answer: a person is waiting, and a
@@ -29,17 +29,17 @@ def connect(run_dir: str) -> AuthStore:
     path = os.path.join(run_dir, "control.json")
     if not os.path.exists(path):
         raise ValueError(f"{run_dir!r} is not the run dir of a running job (no control.json)")
-    with open(path) as f:
-        host, _, port = json.load(f)["store"].rpartition(":")
-    with open(os.path.join(run_dir, "job.json")) as f:   # written before control.json
-        timeout_s = JobConfig.from_dict(json.load(f)).comm.client_connect_timeout_s
+    secret = load_secret(run_dir)
+    host, _, port = jobfile.read_control(run_dir, secret)["store"].rpartition(":")
+    # written before control.json
+    timeout_s = jobfile.read_job(run_dir, secret).comm.client_connect_timeout_s
     try:
         store = dist.TCPStore(host, int(port), is_master=False,
                               timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"the job in {run_dir!r} is not reachable at {host}:{port} "
                          f"(has it finished?): {exc}") from exc
-    return AuthStore(store, load_secret(run_dir))
+    return AuthStore(store, secret)
 
 
 def request_migration(run_dir: str, workers: list[str], to: list[str] | None = None,
@@ -74,8 +74,7 @@ def request_stop(run_dir: str, reason: str = "trainmover stop", wait: bool = Tru
     store.set(P.STOP_REQUEST_KEY, P.write_message(P.StopAsk(reason)))
     if not wait:
         return {"status": "requested"}
-    with open(os.path.join(run_dir, "control.json")) as f:
-        agent = json.load(f)["agent_pid"]
+    agent = jobfile.read_control(run_dir)["agent_pid"]
     deadline = time.monotonic() + timeout_s
     while pid_alive(agent):
         if time.monotonic() > deadline:

@@ -57,7 +57,7 @@ from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, create_secret, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog, read_jsonl
-from trainmover.core import identity
+from trainmover.core import identity, jobfile, rundir
 from trainmover.core.faults import Inject
 from trainmover.core.files import latest_complete, read_digest, step_dir, usable_checkpoints
 from trainmover.core.proc import pid_alive
@@ -164,8 +164,8 @@ class Coordinator:
 
     def _prepare(self) -> None:
         ctx = self.ctx
-        if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
-            raise ValueError(f"--run-dir {self.run_dir!r} is a file, not a directory")
+        if os.path.lexists(self.run_dir):
+            rundir.check_dir(self.run_dir)   # planted by someone else, or a symlink: refused
         if os.path.exists(os.path.join(self.run_dir, "job.json")) and self.resume_from is None:
             raise ValueError(f"run dir {self.run_dir!r} already holds a job; choose a new "
                              f"--run-dir, or continue it with --resume")
@@ -173,16 +173,18 @@ class Coordinator:
         if self.cfg.has_torch_groups():
             self._build_native()
         # the run dir holds the job's secret, logs and checkpoints: its owner's alone
-        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-        os.chmod(self.run_dir, 0o700)
+        if self.resume_from is None:
+            rundir.create(self.run_dir)
+        else:
+            rundir.check_dir(self.run_dir)
         os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
         self._secret = create_secret(self.run_dir) if self.resume_from is None else \
             load_secret(self.run_dir)
-        with open(os.path.join(self.run_dir, "job.json"), "w") as f:
-            json.dump(self.cfg.to_dict(), f, indent=2)
+        jobfile.write_job(self.run_dir, self.cfg, self._secret)
         if self.resume_from is None:
             identity.write_identity(self.run_dir, identity.of_job(self.cfg.to_dict(),
-                                                                  self.cfg.process.command))
+                                                                  self.cfg.process.command),
+                                    self._secret)
         ctx.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), worker="coordinator")
         host = self.cfg.process.store_host
         # the store's socket is opened here and inherited by the agent, which starts the
@@ -217,15 +219,14 @@ class Coordinator:
                 pass_fds=[listener.fileno()], stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # outlives this process, and the terminal's Ctrl-C
         listener.close()
-        control = os.path.join(self.run_dir, "control.json")
-        with open(control + ".tmp", "w") as f:   # complete when it appears (agents read it)
-            json.dump({"store": ctx.store_addr, "agent_pid": self._agent_proc.pid}, f)
-        os.replace(control + ".tmp", control)
+        # complete when it appears (agents read it)
+        jobfile.write_control(self.run_dir, {"store": ctx.store_addr,
+                                             "agent_pid": self._agent_proc.pid}, self._secret)
         self._connect()
         if self.resume_from is not None:
             ctx.store.set(P.RESUMED_KEY, str(self.resume_from))
-            known = identity.read_identity(self.run_dir)
-            if known is not None and known.data_sha256:
+            known = identity.read_identity(self.run_dir, self._secret)
+            if known.data_sha256:
                 ctx.store.set(identity.DATA_KEY, known.data_sha256)   # the first run's data
         for name, role in ctx.membership.workers.items():
             ctx.put(P.membership_key(name), role.name)
@@ -333,10 +334,8 @@ class Coordinator:
         for name in ("job.json", "control.json"):
             if not os.path.exists(os.path.join(run_dir, name)):
                 raise ValueError(f"{run_dir!r} holds no running job (no {name})")
-        with open(os.path.join(run_dir, "job.json")) as f:
-            cfg = JobConfig.from_dict(json.load(f))
-        with open(os.path.join(run_dir, "control.json")) as f:
-            control = json.load(f)
+        cfg = jobfile.read_job(run_dir)
+        control = jobfile.read_control(run_dir)
         if not pid_alive(control["agent_pid"]):
             raise ValueError(f"the job in {run_dir!r} has ended (its agent, PID "
                              f"{control['agent_pid']}, is gone)")
@@ -549,11 +548,11 @@ class Coordinator:
         store = self.ctx.store
         if not store.check([identity.DATA_KEY]):
             return
-        known = identity.read_identity(self.run_dir)
+        known = identity.read_identity(self.run_dir, self._secret)
         digest = store.get(identity.DATA_KEY).decode()
-        if known is not None and known.data_sha256 != digest:
+        if known.data_sha256 != digest:
             known.data_sha256 = digest
-            identity.write_identity(self.run_dir, known)
+            identity.write_identity(self.run_dir, known, self._secret)
         self._data_kept = True
 
     def _job_finished(self) -> bool:
@@ -706,19 +705,15 @@ def resumable(run_dir: str) -> tuple[JobConfig, int]:
         raise ValueError(f"--resume {run_dir!r}: no job there (no job.json)")
     if read_digest(run_dir) is not None:
         raise ValueError(f"--resume {run_dir!r}: the job already finished (final/digest.json)")
-    control = os.path.join(run_dir, "control.json")
-    if os.path.exists(control):
-        with open(control) as f:
-            agent = json.load(f).get("agent_pid")
-        if agent and pid_alive(agent):
+    cfg = jobfile.read_job(run_dir)     # the run dir checked, job.json's MAC too
+    secret = load_secret(run_dir)
+    if os.path.exists(os.path.join(run_dir, jobfile.CONTROL_FILE)):
+        agent = jobfile.read_control(run_dir, secret).get("agent_pid")
+        if isinstance(agent, int) and pid_alive(agent):
             raise ValueError(f"--resume {run_dir!r}: the job is still running (its agent, PID "
                              f"{agent}); stop it first (`trainmover stop --run-dir {run_dir}`)")
-    with open(path) as f:
-        cfg = JobConfig.from_dict(json.load(f))
-    known = identity.read_identity(run_dir)
-    if known is not None:
-        identity.compare(known, identity.of_job(cfg.to_dict(), cfg.process.command),
-                         f"--resume {run_dir!r}")
+    identity.compare(identity.read_identity(run_dir, secret),
+                     identity.of_job(cfg.to_dict(), cfg.process.command), f"--resume {run_dir!r}")
     usable, skipped = usable_checkpoints(run_dir, [r.name for r in cfg.layout.roles()])
     if not usable:
         why = "; ".join(f"step {k}: {r}" for k, r in sorted(skipped.items()))

@@ -95,13 +95,12 @@ def write_status_file(run_dir: str, status: JobStatus) -> None:
 
 def fresh_limit_s(run_dir: str) -> float:
     """How old the job's status.json may be and still be read (its job.json's interval)."""
-    from trainmover.core.config import JobConfig
+    from trainmover.core import jobfile
 
     path = os.path.join(run_dir, "job.json")
     if not os.path.exists(path):
         raise ValueError(f"{run_dir!r} holds no job (no job.json)")
-    with open(path) as f:
-        cfg = JobConfig.from_dict(json.load(f))
+    cfg = jobfile.read_job(run_dir)
     return STATUS_FRESH_INTERVALS * cfg.controller.status_interval_s
 
 

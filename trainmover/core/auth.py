@@ -25,6 +25,7 @@ import hmac
 import os
 import secrets as _secrets
 
+from trainmover.core import rundir
 from trainmover.core.protocol import MessageError
 
 SECRET_FILE = "secret"
@@ -54,8 +55,7 @@ def load_secret(run_dir: str | None = None) -> bytes:
         return env.encode()
     path = os.path.join(run_dir or ".", SECRET_FILE)
     try:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
+        secret = rundir.read_bytes(path).strip()    # a planted symlink or file: refused
     except OSError as exc:
         raise ValueError(f"cannot read the job's secret {path!r}: {exc}") from exc
     if len(secret) < 32:

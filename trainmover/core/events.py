@@ -8,13 +8,16 @@ import os
 import time
 from typing import Any
 
+from trainmover.core import rundir
+
 
 class JsonlWriter:
     def __init__(self, path: str, **fixed: Any):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self.fixed = fixed
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # a symlink planted in place of the log is refused, not appended through
+        self._fd = rundir.open_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def write(self, record: dict) -> dict:
         rec = {"time": round(time.time(), 6), **self.fixed, **record}

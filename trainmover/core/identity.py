@@ -16,6 +16,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from trainmover.core import rundir
+
 IDENTITY_FILE = "identity.json"
 DATA_KEY = "job/data_sha256"   # store key: the data digest the first declaring process set
 
@@ -48,21 +50,21 @@ def of_job(cfg_dict: dict, command: list[str]) -> JobIdentity:
     return JobIdentity(config_digest(cfg_dict), script_digest(command))
 
 
-def write_identity(run_dir: str, identity: JobIdentity) -> None:
-    path = os.path.join(run_dir, IDENTITY_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(dataclasses.asdict(identity), f, indent=2)
-    os.replace(path + ".tmp", path)
+def write_identity(run_dir: str, identity: JobIdentity, secret: bytes) -> None:
+    data = json.dumps(dataclasses.asdict(identity), indent=2).encode()
+    rundir.write_sealed(run_dir, IDENTITY_FILE, data, secret)
 
 
-def read_identity(run_dir: str) -> JobIdentity | None:
+def read_identity(run_dir: str, secret: bytes) -> JobIdentity:
+    """The job's identity, its MAC checked. Missing is an error too: a job without one
+    would skip the check (moving the file away was how a planted job.json got run)."""
     try:
-        with open(os.path.join(run_dir, IDENTITY_FILE)) as f:
-            return JobIdentity(**json.load(f))
+        return JobIdentity(**json.loads(rundir.read_sealed(run_dir, IDENTITY_FILE, secret)))
     except FileNotFoundError:
-        return None
+        raise IdentityMismatch(f"{run_dir}/{IDENTITY_FILE} is missing: this process does "
+                               f"not run a job it cannot identify") from None
     except (ValueError, TypeError) as exc:
-        raise IdentityMismatch(f"{run_dir}/{IDENTITY_FILE} cannot be read: {exc}") from exc
+        raise IdentityMismatch(f"{run_dir}/{IDENTITY_FILE} cannot be used: {exc}") from exc
 
 
 def compare(job: JobIdentity, mine: JobIdentity, who: str) -> None:

@@ -8,7 +8,6 @@ interpreter's own ``sys.argv``: everything else is passed explicitly.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -17,9 +16,8 @@ import torch
 
 from trainmover.core.auth import load_secret
 from trainmover.comm.groups import AbortSignal, GroupBuilder, StoreAddress, StoreClients
-from trainmover.core import faults
+from trainmover.core import faults, jobfile
 from trainmover.core import protocol as P
-from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
 from trainmover.core.topology import Role
 from trainmover.worker.liveness import Heartbeat, MainProgress
@@ -64,13 +62,13 @@ class WorkerContext:
         self.t_imported = time.perf_counter()
         self.t_start = t_start if t_start is not None else self.t_imported
         self.run_dir, self.name, self.standby = run_dir, name, standby
-        with open(os.path.join(run_dir, "job.json")) as f:
-            self.cfg = cfg = JobConfig.from_dict(json.load(f))
+        secret = load_secret(run_dir)
+        self.cfg = cfg = jobfile.read_job(run_dir, secret)
         torch.set_num_threads(cfg.threads_per_worker())
         # the group timeout, not the store's: the commit vote and every group rendezvous
         # block on these clients, and wait as long as a collective may
         self.stores = StoreClients(store_addr, timeout_s=cfg.comm.group_timeout_s,
-                                   secret=load_secret(run_dir))
+                                   secret=secret)
         self.store = self.stores.get()
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name)
         self.device = self._device()

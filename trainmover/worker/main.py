@@ -29,6 +29,7 @@ from trainmover.comm.record import (RecordingInvalid, SandboxMismatch,  # noqa: 
                                     manifest_for, recording_dir, recording_path,
                                     representative_roles, structure_depths)
 from trainmover.core import identity  # noqa: E402
+from trainmover.core.auth import load_secret  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.worker import context as context_mod  # noqa: E402
 from trainmover.worker.context import Join, Shadow, Start, WorkerContext  # noqa: E402
@@ -145,10 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = WorkerContext(args.run_dir, args.name, args.store, args.standby, args.epoch, T_START)
     context_mod.install(ctx)
     try:
-        job = identity.read_identity(args.run_dir)
-        if job is not None:
-            identity.compare(job, identity.of_job(ctx.cfg.to_dict(), ctx.cfg.process.command),
-                             ctx.name)
+        job = identity.read_identity(args.run_dir, load_secret(args.run_dir))
+        identity.compare(job, identity.of_job(ctx.cfg.to_dict(), ctx.cfg.process.command),
+                         ctx.name)
         if args.standby:
             return run_standby(ctx)
         return run_active(ctx, args.resume_step, args.generation)
