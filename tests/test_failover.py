@@ -201,3 +201,25 @@ def test_forged_and_malformed_messages_never_take_the_job_down(tmp_path, baselin
     assert "not signed" in errors and "bad signature" in errors
     assert "unknown field(s) ['argv']" in errors and "missing 1 required" in errors
     assert not os.path.exists(os.path.join(run_dir, "x"))
+
+
+@pytest.mark.timeout(300)
+def test_unsigned_values_at_the_commit_decisions_neither_stop_nor_alter_the_job(
+        tmp_path, baseline):
+    """Anyone who reaches the store can write a step's commit decision before its voters do
+    (the key is guessable): the genuine decision replaces an unsigned one, and a reader that
+    meets one (the controller, a worker) ignores it, so the job commits as it would have."""
+    from trainmover.api import Job
+    from trainmover.control.client import connect
+    from trainmover.core import protocol as P
+
+    run_dir = str(tmp_path / "run")
+    job_ = Job(job(steps=STEPS), run_dir, timeout_s=240).start()
+    wait_for(lambda: len(steps_done(run_dir)) >= 3, 120, "the first steps")
+    raw = connect(run_dir).raw
+    first = len(steps_done(run_dir)) + 2
+    for step in range(first, STEPS):
+        raw.set(P.commit_key(0, step, "decision"), "commit" if step % 2 else "abort")
+    summary = job_.wait(240)
+    assert summary["weights_sha256"] == baseline
+    assert summary["recoveries"] == [] and summary["steps"] == STEPS

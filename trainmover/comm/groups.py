@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from trainmover.core.auth import AuthStore
+from trainmover.core.auth import AuthStore, PlainStore
 from trainmover.core.config import CommConfig
 from trainmover.core.topology import GroupSpec, Layout, Role
 
@@ -188,6 +188,7 @@ class StoreClients:
         self.address = address
         self.timeout = timedelta(seconds=timeout_s)
         self.secret = secret
+        self.on_reject = None     # hears of forged values the signed clients meet
         self._local = threading.local()
 
     def raw(self) -> dist.Store:
@@ -199,11 +200,11 @@ class StoreClients:
         return client
 
     def get(self):
-        if self.secret is None:
-            return self.raw()
         signed = getattr(self._local, "signed", None)
         if signed is None:
-            signed = self._local.signed = AuthStore(self.raw(), self.secret)
+            signed = self._local.signed = PlainStore(self.raw()) if self.secret is None else \
+                AuthStore(self.raw(), self.secret, lambda key, exc: self.on_reject and
+                          self.on_reject(key, exc))
         return signed
 
 

@@ -264,7 +264,9 @@ class Coordinator:
         host, _, port = ctx.store_addr.rpartition(":")
         ctx.store = store or AuthStore(dist.TCPStore(
             host, int(port), is_master=False,
-            timeout=timedelta(seconds=self.cfg.comm.store_timeout_s)), self._secret)
+            timeout=timedelta(seconds=self.cfg.comm.store_timeout_s)), self._secret,
+            on_reject=lambda key, exc: ctx.events.emit("message_rejected", key=key,
+                                                       error=str(exc)))
         ctx.procs.store, ctx.procs.events = ctx.store, ctx.events
         ctx.secret = self._secret
         self.incarnation = ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 1)

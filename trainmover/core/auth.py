@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import os
 import secrets as _secrets
+import time
 
 from trainmover.core import rundir
 from trainmover.core.protocol import MessageError
@@ -32,6 +33,11 @@ SECRET_FILE = "secret"
 SECRET_ENV = "TRAINMOVER_SECRET"
 _TAG = b"tm1:"
 _MAC_HEX = 64
+# How often a key's forged values are replaced before giving up (each try is one round trip:
+# an attacker who wins every race this many times in a row is flooding the store).
+CAS_REPLACE_TRIES = 100
+WAIT_VALID_POLL_S = 0.005      # waiting past a forged value until the genuine one lands
+MAX_REJECTIONS_LOGGED = 10_000  # keys whose rejection is reported (once each)
 
 
 class AuthError(MessageError):
@@ -84,11 +90,24 @@ def unseal(secret: bytes, key: str, raw: bytes) -> bytes:
 
 class AuthStore:
     """A store client whose values are signed on write and checked on read (see the module
-    doc); everything else passes through. Wraps any object with TCPStore's methods."""
+    doc); everything else passes through. Wraps any object with TCPStore's methods.
 
-    def __init__(self, store, secret: bytes):
+    A value nobody with the secret wrote (unsigned, forged) counts as absent where a key is
+    decided or waited for: ``compare_set`` replaces it, ``wait_valid`` waits past it,
+    ``valid`` reads it as None. ``on_reject(key, error)`` hears of each such key once."""
+
+    def __init__(self, store, secret: bytes, on_reject=None):
         self.raw = store
         self._secret = secret
+        self.on_reject = on_reject
+        self._rejected: set[str] = set()
+
+    def _reject(self, key: str, exc: AuthError) -> None:
+        if key in self._rejected or len(self._rejected) >= MAX_REJECTIONS_LOGGED:
+            return
+        self._rejected.add(key)
+        if self.on_reject is not None:
+            self.on_reject(key, exc)
 
     def set(self, key: str, value: str | bytes) -> None:
         self.raw.set(key, seal(self._secret, key, value))
@@ -96,12 +115,50 @@ class AuthStore:
     def get(self, key: str) -> bytes:
         return unseal(self._secret, key, self.raw.get(key))
 
+    def valid(self, key: str) -> bytes | None:
+        """The key's value if it exists and is genuine, else None (a forged one is
+        reported to ``on_reject``)."""
+        if not self.raw.check([key]):
+            return None
+        try:
+            return self.get(key)
+        except AuthError as exc:
+            self._reject(key, exc)
+            return None
+
+    def wait_valid(self, key: str, poll_s: float = WAIT_VALID_POLL_S) -> bytes:
+        """Wait, up to the store's timeout, until the key holds a genuine value: one that
+        was planted first (a forged decision) makes ``wait`` return early, but the genuine
+        writer replaces it (``compare_set``) or overwrites it (``set``)."""
+        limit = getattr(self.raw, "timeout", None)
+        deadline = time.monotonic() + (limit.total_seconds() if limit is not None else 300.0)
+        while True:
+            self.raw.wait([key])
+            value = self.valid(key)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise AuthError(f"{key}: no genuine value within the store's timeout (forged "
+                                f"ones kept being written there)")
+            time.sleep(poll_s)
+
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        """Set ``desired`` if the key holds ``expected`` ("" = absent); returns the value the
-        key holds afterwards (checked)."""
+        """Set ``desired`` if the key holds ``expected`` ("" = absent, which a forged value
+        also counts as: it is replaced); returns the value the key holds afterwards
+        (checked)."""
         want = seal(self._secret, key, expected) if expected else expected
-        got = self.raw.compare_set(key, want, seal(self._secret, key, desired))
-        return unseal(self._secret, key, got)
+        sealed = seal(self._secret, key, desired)
+        for _ in range(CAS_REPLACE_TRIES):
+            got = self.raw.compare_set(key, want, sealed)
+            try:
+                return unseal(self._secret, key, got)
+            except AuthError as exc:
+                if expected:
+                    raise
+                self._reject(key, exc)
+                want = got        # nobody of the job wrote it: replace exactly that value
+        raise AuthError(f"{key}: forged values kept taking its place ({CAS_REPLACE_TRIES} "
+                        f"tries)")
 
     def add(self, key: str, amount: int) -> int:
         return self.raw.add(key, amount)
@@ -114,3 +171,21 @@ class AuthStore:
 
     def delete_key(self, key: str) -> bool:
         return self.raw.delete_key(key)
+
+
+class PlainStore:
+    """A store used without a secret (tests, tools that only count): AuthStore's reading
+    methods over plain values, everything else passed through."""
+
+    def __init__(self, store):
+        self.raw = store
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+    def valid(self, key: str) -> bytes | None:
+        return self.raw.get(key) if self.raw.check([key]) else None
+
+    def wait_valid(self, key: str) -> bytes:
+        self.raw.wait([key])
+        return self.raw.get(key)

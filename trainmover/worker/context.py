@@ -69,8 +69,10 @@ class WorkerContext:
         # block on these clients, and wait as long as a collective may
         self.stores = StoreClients(store_addr, timeout_s=cfg.comm.group_timeout_s,
                                    secret=secret)
-        self.store = self.stores.get()
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name)
+        self.stores.on_reject = lambda key, exc: self.events.emit(
+            "message_rejected", key=key, error=str(exc))
+        self.store = self.stores.get()
         self.device = self._device()
         self.abort = AbortSignal()
         self.epoch = epoch

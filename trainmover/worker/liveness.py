@@ -152,14 +152,13 @@ class CommitVote:
         decision = P.commit_key(self.epoch, step, "decision")
         if votes == self.num_voters:
             self.store.compare_set(decision, "", "commit")
+        # a forged decision planted before the genuine one is waited past (wait_valid)
         if self.progress is None:
-            self.store.wait([decision])
-        else:
-            # waiting for a slow (or wedged) peer's vote is not being wedged: the controller
-            # ends this wait by deciding the step, whatever the peers do
-            with self.progress.waiting():
-                self.store.wait([decision])
-        return self.store.get(decision) == b"commit"
+            return self.store.wait_valid(decision) == b"commit"
+        # waiting for a slow (or wedged) peer's vote is not being wedged: the controller
+        # ends this wait by deciding the step, whatever the peers do
+        with self.progress.waiting():
+            return self.store.wait_valid(decision) == b"commit"
 
 
 def is_step_failure(exc: BaseException, signal: AbortSignal) -> bool:
