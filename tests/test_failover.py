@@ -223,3 +223,59 @@ def test_unsigned_values_at_the_commit_decisions_neither_stop_nor_alter_the_job(
     summary = job_.wait(240)
     assert summary["weights_sha256"] == baseline
     assert summary["recoveries"] == [] and summary["steps"] == STEPS
+
+
+@pytest.mark.timeout(300)
+def test_forged_counter_bumps_and_queue_slots_neither_stop_nor_stall_the_job(
+        tmp_path, baseline):
+    """Without the secret, one can still bump the store's counters and fill numbered slots
+    before their writers do. None of it may cost a genuine order: bumps of the controller's
+    incarnation (the controller once stepped down), a request number with no request behind
+    it (the controller once blocked on it), junk in the slots of the agent's queue (the job's
+    shutdown was lost) and of a worker's commands (a migration's orders were lost). A
+    migration asked for after all of that completes, and the job ends on the uninterrupted
+    run's weights, its agent shut down on request."""
+    from trainmover.api import Job
+    from trainmover.control.client import connect, request_migration
+    from trainmover.core import protocol as P
+
+    run_dir = str(tmp_path / "run")
+    # the hole is passed over within a second, while the job still runs
+    job_ = Job(job(steps=STEPS, controller_request_hole_timeout_s=1.0), run_dir,
+               timeout_s=240).start()
+    wait_for(lambda: len(steps_done(run_dir)) >= 3, 120, "the first steps")
+    raw = connect(run_dir).raw
+    for _ in range(4):
+        raw.add(P.CONTROLLER_INCARNATION_KEY, 1)
+    raw.add(P.REQUEST_COUNT_KEY, 1)                       # a request nobody writes
+    head = raw.add(P.agent_key(0, "req/count"), 0) + 1
+    for i in range(head, head + 20):
+        raw.set(P.agent_request_key(0, i), "junk")
+    for worker in ("w0", "w1", "w2", "w3"):
+        for i in range(1, 11):
+            raw.set(P.command_key(worker, i), "junk")
+    answer = request_migration(run_dir, ["w1"], timeout_s=120)
+    assert answer["status"] == "done", answer
+    summary = job_.wait(240)
+    assert summary["weights_sha256"] == baseline and summary["steps"] == STEPS
+    assert [m["status"] for m in summary["migrations"]] == ["done"]
+    assert summary["recoveries"] == []
+    (stopped,) = events(run_dir, "agent_stopped")
+    assert stopped["reason"] == "requested", stopped
+    assert events(run_dir, "request_skipped")
+
+
+@pytest.mark.timeout(200)
+def test_junk_at_the_stop_request_does_not_disable_trainmover_stop(tmp_path):
+    from trainmover.api import Job
+    from trainmover.control.client import connect, request_stop
+    from trainmover.core import protocol as P
+
+    run_dir = str(tmp_path / "run")
+    job_ = Job(job(steps=STEPS, standbys=0), run_dir, timeout_s=180).start()
+    wait_for(lambda: len(steps_done(run_dir)) >= 3, 120, "the first steps")
+    connect(run_dir).raw.set(P.STOP_REQUEST_KEY, "junk")
+    wait_for(lambda: events(run_dir, "message_rejected"), 30, "the junk refused")
+    summary = request_stop(run_dir, timeout_s=120)
+    assert summary.get("stopped") is True and summary["steps"] < STEPS, summary
+    job_.wait(60)

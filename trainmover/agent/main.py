@@ -43,6 +43,7 @@ from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
 from trainmover.core.proc import pid_alive
+from trainmover.core.queues import SlotReader
 
 
 def _die_with_parent() -> None:
@@ -112,7 +113,7 @@ class Agent:
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"),
                                worker="agent" if node == 0 else f"agent{node}")
         self.store = None
-        self._next_request = 1
+        self._requests: SlotReader | None = None     # the controller's requests to this host
         self._controller: P.ControllerInfo | None = None
         self._controller_lost_at: float | None = None
         self._controller_read_at = 0.0
@@ -293,6 +294,11 @@ class Agent:
         else:
             raw = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
         self.store = AuthStore(raw, load_secret(self.run_dir))
+        self._requests = SlotReader(
+            self.store, lambda i: P.agent_request_key(self.node, i),
+            count_key=P.agent_key(self.node, "req/count"),
+            on_reject=lambda key, why: self.events.emit("message_rejected", key=key,
+                                                        error=why, level="error"))
         for c in self.children.values():
             if c.proc.pid is None:
                 continue
@@ -321,11 +327,11 @@ class Agent:
 
     def _loop(self) -> int:
         while True:
-            while self.store.check([P.agent_request_key(self.node, self._next_request)]):
-                key = P.agent_request_key(self.node, self._next_request)
-                self._next_request += 1
+            # a forged value at the head is not consumed, and a hole (an index the counter
+            # handed out, never written) is skipped (core/queues.py)
+            while (taken := self._requests.take()) is not None:
+                key, raw = taken
                 try:
-                    raw = self.store.get(key)
                     # handled once: deleted, and counted so that a resumed controller fills
                     # only the holes after it
                     self.store.delete_key(key)

@@ -58,6 +58,8 @@ from trainmover.core.auth import AuthStore, create_secret, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog, read_jsonl
 from trainmover.core import identity, jobfile, rundir
+
+MAX_HOLES_FILLED = 1000   # per host, by a resumed controller (see resume)
 from trainmover.core.faults import Inject
 from trainmover.core.files import latest_complete, read_digest, step_dir, usable_checkpoints
 from trainmover.core.proc import pid_alive
@@ -351,8 +353,12 @@ class Coordinator:
         probe = AuthStore(dist.TCPStore(host, int(port), is_master=False,
                                         timeout=timedelta(seconds=cfg.comm.store_timeout_s)),
                           self._secret)
-        if probe.check([P.CONTROLLER_KEY]):
-            current = P.read_message(P.ControllerInfo, probe.get(P.CONTROLLER_KEY))
+        raw = probe.valid(P.CONTROLLER_KEY)     # a forged record: no controller known
+        try:
+            current = P.read_message(P.ControllerInfo, raw) if raw is not None else None
+        except P.MessageError:
+            current = None
+        if current is not None:
             if pid_alive(current.pid) and current.pid != os.getpid() and not force:
                 raise ValueError(f"the job's controller (PID {current.pid}) is alive; "
                                  f"pass --force to take over anyway")
@@ -392,7 +398,9 @@ class Coordinator:
         for node in range(ctx.procs.nnodes):
             count = ctx.store.add(P.agent_key(node, "req/count"), 0)
             done = ctx.store.add(P.agent_key(node, "req/done"), 0)
-            for i in range(done + 1, count + 1):
+            # bounded: the counter is unsigned, and a forged bump must not make us write
+            # a billion no-ops (the agent's queue reader skips holes by itself)
+            for i in range(done + 1, min(count, done + MAX_HOLES_FILLED) + 1):
                 if not ctx.store.check([P.agent_request_key(node, i)]):
                     ctx.store.set(P.agent_request_key(node, i),
                                   P.encode_agent_request(P.AgentNoop()))
@@ -497,10 +505,20 @@ class Coordinator:
         if now - self._incarnation_checked_at < self.cfg.controller.incarnation_check_s:
             return
         self._incarnation_checked_at = now
-        latest = self.ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 0)
-        if latest != self.incarnation:
-            raise Superseded(f"controller incarnation {latest} took over from "
-                             f"{self.incarnation}")
+        # The signed record of the current controller decides, not the counter: anyone who
+        # reaches the store can bump a counter (four bumps once made the controller step
+        # down), only a controller of this job can write the record. A forged record reads
+        # as none.
+        raw = self.ctx.store.valid(P.CONTROLLER_KEY)
+        try:
+            current = P.read_message(P.ControllerInfo, raw) if raw is not None else None
+        except P.MessageError as exc:
+            self.ctx.events.emit("message_rejected", key=P.CONTROLLER_KEY, error=str(exc))
+            current = None
+        if current is not None and current.incarnation > self.incarnation and \
+                current.pid != os.getpid():
+            raise Superseded(f"controller incarnation {current.incarnation} (PID "
+                             f"{current.pid}) took over from {self.incarnation}")
 
     def _poll(self) -> bool:
         """One round of supervision; True when the job has finished."""
@@ -550,8 +568,11 @@ class Coordinator:
         store = self.ctx.store
         if not store.check([identity.DATA_KEY]):
             return
+        digest = store.valid(identity.DATA_KEY)
+        if digest is None:
+            return
+        digest = digest.decode()
         known = identity.read_identity(self.run_dir, self._secret)
-        digest = store.get(identity.DATA_KEY).decode()
         if known.data_sha256 != digest:
             known.data_sha256 = digest
             identity.write_identity(self.run_dir, known, self._secret)

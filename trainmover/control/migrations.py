@@ -62,6 +62,7 @@ class Migrations:
         self.finished: list[dict] = []
         self.awaiting_downtime: list[ActiveMigration] = []
         self.store_requests_seen = 0
+        self._hole_since: dict[int, float] = {}   # request index -> first found missing
         self.keys_deleted: list[int] = []   # aborted migrations whose keys are deleted
 
     # --- requests ------------------------------------------------------------------------------
@@ -89,10 +90,23 @@ class Migrations:
             return
         count = ctx.store.add(P.REQUEST_COUNT_KEY, 0)
         while self.store_requests_seen < count:
-            self.store_requests_seen += 1
-            idx = self.store_requests_seen
+            idx = self.store_requests_seen + 1
+            raw = ctx.store.valid(P.request_key(idx))    # never a blocking get
+            if raw is None:
+                # not written yet (a client between taking the number and writing), or
+                # never (a forged bump of the unsigned counter), or forged: waited for a
+                # while, then passed over; the requests behind it are not held up longer
+                since = self._hole_since.setdefault(idx, time.monotonic())
+                if time.monotonic() - since < ctx.cfg.controller.request_hole_timeout_s:
+                    break
+                ctx.events.emit("request_skipped", key=P.request_key(idx))
+                self._hole_since.pop(idx, None)
+                self.store_requests_seen = idx
+                continue
+            self._hole_since.pop(idx, None)
+            self.store_requests_seen = idx
             try:
-                ask = P.read_message(P.MigrationAsk, ctx.store.get(P.request_key(idx)))
+                ask = P.read_message(P.MigrationAsk, raw)
             except P.MessageError as exc:
                 ctx.events.emit("message_rejected", key=P.request_key(idx), error=str(exc))
                 ctx.put(P.request_key(idx, "done"),
@@ -295,7 +309,10 @@ class Migrations:
         ctx.membership = C.commit(ctx.membership, plan)
         for p in plan.pairs:
             ctx.put(P.membership_key(p.joiner), p.role.name)
-        mig.switch_step = int(ctx.store.get(P.mig_key(mid, "switch_at")))
+        agreed = ctx.store.valid(P.mig_key(mid, "switch_at"))
+        # forged after the workers agreed (they replace a forged value before): the switch
+        # was at the boundary just passed, as far as accounting goes
+        mig.switch_step = int(agreed) if agreed is not None else ctx.progress.last_step + 1
         mig.state = C.MigrationState.DONE
         self.active = None
         self.awaiting_downtime.append(mig)

@@ -337,9 +337,10 @@ class Recovery:
         held = {}
         for node in range(ctx.procs.nnodes):
             key = P.agent_key(node, "snapshots")
-            if node in ctx.procs.lost or not ctx.store.check([key]):
+            address = None if node in ctx.procs.lost else ctx.store.valid(key)
+            if address is None:
                 continue
-            address = ctx.store.get(key).decode()
+            address = address.decode()
             try:
                 held[address] = SnapshotClient(address, ctx.secret, cfg.connect_timeout_s,
                                                cfg.connect_timeout_s).list()

@@ -40,7 +40,10 @@ class Replicas:
         keys = {r: P.replica_digest_key(step, r.name) for r in layout.roles()}
         if not ctx.store.check(list(keys.values())):
             return False
-        digests = {r: ctx.store.get(k).decode() for r, k in keys.items()}
+        values = {r: ctx.store.valid(k) for r, k in keys.items()}
+        if any(v is None for v in values.values()):
+            return False               # a forged digest: not posted (yet) as far as we know
+        digests = {r: v.decode() for r, v in values.items()}
         holders = {r.name: w for w, r in ctx.membership.workers.items()}
         for pp in range(layout.pp):
             for tp in range(layout.tp):

@@ -27,7 +27,7 @@ class Stopping:
         self.sent_epoch: int | None = None   # the epoch the current order went out in
         self.t_requested: float | None = None
         self._asked: str | None = None       # set from other threads (signal handler, API)
-        self._rejected = False               # a malformed request, logged once
+        self._rejected: bytes | None = None  # the last refused request (logged once)
 
     @property
     def requested(self) -> bool:
@@ -49,11 +49,14 @@ class Stopping:
         if self.reason is not None:
             return
         reason = self._asked
-        if reason is None and from_store and not self._rejected and \
-                ctx.store.check([P.STOP_REQUEST_KEY]):
-            ask = ctx.read(P.StopAsk, P.STOP_REQUEST_KEY)
-            self._rejected = ask is None
-            reason = ask.reason[:200] if ask is not None else None
+        if reason is None and from_store and ctx.store.check([P.STOP_REQUEST_KEY]):
+            # a refused value is not read twice, but a new one is: junk written there must
+            # not disable `trainmover stop` for the rest of the job
+            raw = ctx.store.raw.get(P.STOP_REQUEST_KEY)
+            if raw != self._rejected:
+                ask = ctx.read(P.StopAsk, P.STOP_REQUEST_KEY)
+                self._rejected = raw if ask is None else None
+                reason = ask.reason[:200] if ask is not None else None
         if reason is None:
             return
         self.reason, self.t_requested = reason, time.time()
@@ -79,6 +82,5 @@ class Stopping:
     def stop_step(self) -> int | None:
         """The step the workers agreed to stop at (None before any of them saw the order)."""
         key = P.stop_step_key(self.stop_id)
-        if not self.stop_id or not self.ctx.store.check([key]):
-            return None
-        return int(self.ctx.store.get(key))
+        value = self.ctx.store.valid(key) if self.stop_id else None
+        return int(value) if value is not None else None

@@ -519,6 +519,9 @@ class ControllerConfig:
     # How often migration requests from outside the job (`trainmover migrate`) are looked
     # for: a person is waiting, and one store read per round would cost the job's store host.
     request_poll_s: float = 0.1
+    # A request number taken from the (unsigned) request counter but not written after this
+    # long is passed over: a forged bump must not hold up the requests behind it.
+    request_hole_timeout_s: float = 10.0
     # Every this many committed steps, the store keys of decided steps are deleted (0: never):
     # a weeks-long job's store stays the size of a short one's (``control/retention.py``).
     gc_every_steps: int = 100
@@ -550,6 +553,7 @@ class ControllerConfig:
                       gc_every_steps=self.gc_every_steps)
         _seconds("controller", grace_s=self.grace_s, poll_s=self.poll_s,
                  request_poll_s=self.request_poll_s, standby_poll_s=self.standby_poll_s,
+                 request_hole_timeout_s=self.request_hole_timeout_s,
                  snapshot_interval_s=self.snapshot_interval_s,
                  status_interval_s=self.status_interval_s,
                  incarnation_check_s=self.incarnation_check_s, stop_grace_s=self.stop_grace_s,

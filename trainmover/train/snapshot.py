@@ -28,10 +28,11 @@ def holder_address(store, node: int, nnodes: int) -> str | None:
     roles are held elsewhere), passing over hosts declared lost; with one host, its own."""
     for i in range(1, nnodes + 1):
         n = (node + i) % nnodes
-        if store.check([P.agent_key(n, "fenced")]) or \
-                not store.check([P.agent_key(n, "snapshots")]):
+        if store.check([P.agent_key(n, "fenced")]):
             continue
-        return store.get(P.agent_key(n, "snapshots")).decode()
+        address = store.valid(P.agent_key(n, "snapshots"))
+        if address is not None:
+            return address.decode()
     return None
 
 

@@ -24,6 +24,10 @@ from datetime import timedelta
 from trainmover.core import protocol as P
 from trainmover.comm.groups import AbortSignal, CommError, StepAborted, StoreClients
 
+# How often the abort watcher looks again while a forged value sits at the abort key (the
+# genuine abort, when it comes, is seen this much later at most).
+FORGED_ABORT_POLL_S = 0.05
+
 
 class MainProgress:
     """Whether the worker's main thread, the one that trains, still makes progress: a
@@ -120,14 +124,19 @@ class AbortWatcher:
         while True:
             try:
                 store.wait([key], timedelta(seconds=P.IDLE_WAIT_S))
-                reason = store.get(key).decode()
+                reason = store.valid(key)
             except Exception:  # noqa: BLE001 - long idle wait, or the store is gone
                 try:
                     store.check([key])
                 except Exception:  # noqa: BLE001
                     return
                 continue
-            self.signal.set(f"epoch {epoch} aborted: {reason}")
+            if reason is None:
+                # a forged abort: not obeyed, and the wait would return at once; the
+                # controller's genuine one overwrites it
+                time.sleep(FORGED_ABORT_POLL_S)
+                continue
+            self.signal.set(f"epoch {epoch} aborted: {reason.decode()}")
             return
 
 

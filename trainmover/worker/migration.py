@@ -18,9 +18,13 @@ from datetime import timedelta
 
 from trainmover.core import protocol as P
 from trainmover.core.proc import rss_mb
+from trainmover.core.queues import SlotReader
 from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
 from trainmover.core.topology import GroupSpec, Layout, Role
+
+# How often the command reader looks again while a forged value sits at its head.
+FORGED_HEAD_POLL_S = 0.05
 
 # How often ``CommandChannel.next``, while it blocks, checks that the job's store is still
 # there (one store round trip): a waiting worker notices within this that its job is gone.
@@ -39,18 +43,27 @@ class CommandChannel:
 
     def _loop(self) -> None:
         store = self._stores.get()  # this thread's own client
-        index = 1
+        # a forged value at the head is not consumed (the controller's genuine command at
+        # that index overwrites it), and one the controller's next command passed is skipped
+        commands = SlotReader(store, lambda i: P.command_key(self.worker, i),
+                              on_reject=lambda key, why: print(
+                                  f"trainmover: {self.worker}: refused command {key}: {why}",
+                                  flush=True))
         while True:
-            key = P.command_key(self.worker, index)
             try:
-                store.wait([key], timedelta(seconds=P.IDLE_WAIT_S))
+                taken = commands.take()
+                if taken is None:
+                    if commands.head_forged:
+                        time.sleep(FORGED_HEAD_POLL_S)
+                    else:
+                        store.wait([commands.head_key], timedelta(seconds=P.IDLE_WAIT_S))
+                    continue
             except Exception:  # noqa: BLE001 - store gone (job over) or a long idle wait
                 if not self._store_alive(store):
                     return
                 continue
-            index += 1
+            key, raw = taken
             try:
-                raw = store.get(key)
                 store.delete_key(key)   # read once: nobody reads it again
                 self.queue.put(P.decode_command(raw))
             except P.MessageError as exc:
@@ -226,8 +239,9 @@ class Migrations:
     def _advance(self, part: Participation, step: int) -> str | None:
         mid = part.migration_id
         store = self.store
-        if store.check([P.mig_key(mid, "abort")]):
-            self._drop(part, store.get(P.mig_key(mid, "abort")).decode())
+        reason = store.valid(P.mig_key(mid, "abort"))       # a forged one is ignored
+        if reason is not None:
+            self._drop(part, reason.decode())
             return None
         if not part.done.is_set():
             return None

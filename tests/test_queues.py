@@ -1,0 +1,92 @@
+"""Numbered queues in the store (core/queues.py) under forged values: a forged head is not
+consumed, a genuine value behind a hole is reached, nothing is read twice."""
+from trainmover.core.auth import AuthStore, seal
+from trainmover.core.queues import SlotReader
+
+SECRET = b"s" * 64
+
+
+class DictStore:
+    """The TCPStore methods the reader uses, over a dict."""
+
+    def __init__(self):
+        self.values, self.counters, self.requests = {}, {}, 0
+
+    def check(self, keys):
+        self.requests += 1
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        self.requests += 1
+        return self.values[key]
+
+    def set(self, key, value):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def add(self, key, n):
+        self.requests += 1
+        self.counters[key] = self.counters.get(key, 0) + n
+        return self.counters[key]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def reader(raw, clock, **kw):
+    rejected = []
+    store = AuthStore(raw, SECRET)
+    r = SlotReader(store, lambda i: f"q/{i}", clock=clock,
+                   on_reject=lambda key, why: rejected.append(key), **kw)
+    return store, r, rejected
+
+
+def test_a_forged_head_is_not_consumed_and_the_genuine_value_overwriting_it_is_read():
+    raw, clock = DictStore(), Clock()
+    store, r, rejected = reader(raw, clock)
+    raw.set("q/1", "junk")
+    raw.set("q/2", "junk")
+    for _ in range(3):
+        assert r.take() is None and r.head_forged
+    assert rejected == ["q/1"]                       # reported once
+    store.set("q/1", "genuine 1")                    # the writer gets to index 1
+    assert r.take() == ("q/1", b"genuine 1")
+    assert r.take() is None and r.head_forged        # index 2: forged too, waited at
+    store.set("q/2", "genuine 2")
+    assert r.take() == ("q/2", b"genuine 2")
+
+
+def test_a_hole_the_counter_handed_out_is_skipped_once_it_outlived_its_timeout():
+    raw, clock = DictStore(), Clock()
+    store, r, _ = reader(raw, clock, count_key="q/count", hole_timeout_s=2.0)
+    raw.add("q/count", 1)                            # a forged bump: index 1 never written
+    store.set(f"q/{raw.add('q/count', 1)}", "genuine 2")
+    assert r.take() is None                          # a writer may be about to write 1
+    clock.now = 1.0
+    assert r.take() is None
+    clock.now = 2.5
+    assert r.take() == ("q/2", b"genuine 2")
+    assert r.next_index == 3
+
+
+def test_an_idle_queue_costs_one_check_per_look_and_a_counter_read_per_second():
+    raw, clock = DictStore(), Clock()
+    _, r, _ = reader(raw, clock, count_key="q/count", count_check_s=1.0)
+    for i in range(100):
+        clock.now = i * 0.02                         # the agent's loop: every 20 ms
+        assert r.take() is None
+    # 100 checks of the head, the counter read once per second of those two seconds
+    assert raw.requests == 100 + 2
+
+
+def test_forged_values_behind_a_hole_are_not_taken_for_genuine_ones():
+    raw, clock = DictStore(), Clock()
+    store, r, _ = reader(raw, clock, count_key="q/count", hole_timeout_s=0.0)
+    raw.add("q/count", 5)
+    for i in range(2, 6):
+        raw.set(f"q/{i}", seal(b"x" * 64, f"q/{i}", "forged"))
+    assert r.take() is None and r.next_index == 1

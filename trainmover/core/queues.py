@@ -1,0 +1,91 @@
+"""Reading a numbered queue of signed values in the store (``<prefix>/1``, ``/2``, ...: the
+agent's requests, a worker's commands) so that nobody without the job's secret can make the
+reader lose a genuine value:
+
+- a forged value at the head is not consumed: the genuine writer, which writes each index
+  once and in order, overwrites it when it gets there (``set``);
+- a head that stays empty or forged while a later slot holds a genuine value is a hole (an
+  index handed out by a bumped counter, never written; a genuine value overwritten) and is
+  skipped, after ``hole_timeout_s`` (a writer between taking an index and writing it is not a
+  hole);
+- nothing spins: the head is looked at again every ``poll_s`` while it stays forged.
+
+Looking ahead costs a request only while the head is forged or the writer's counter says a
+value should be there (``count_key``), never in the steady state of an idle queue.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from trainmover.core.auth import AuthError
+
+
+class SlotReader:
+    def __init__(self, store, key_of: Callable[[int], str], count_key: str | None = None,
+                 hole_timeout_s: float = 2.0, lookahead: int = 8, start: int = 1,
+                 on_reject: Callable[[str, str], None] | None = None,
+                 count_check_s: float = 1.0, clock=time.monotonic):
+        self.store, self.key_of, self.count_key = store, key_of, count_key
+        self.hole_timeout_s, self.lookahead = hole_timeout_s, lookahead
+        self.count_check_s = count_check_s
+        self.next_index = start
+        self.on_reject = on_reject
+        self.clock = clock
+        self.head_forged = False            # the last take() found a forged value at the head
+        self._stuck_since: float | None = None   # when the head was first found missing/forged
+        self._count, self._count_at = 0, None    # the writer's counter, as last read
+        self._reported: str | None = None
+
+    @property
+    def head_key(self) -> str:
+        return self.key_of(self.next_index)
+
+    def take(self) -> tuple[str, bytes] | None:
+        """The next genuine value and its key (consumed: the index moves past it), or None if
+        there is none yet (``head_forged`` says whether a forged one sits at the head)."""
+        key = self.head_key
+        self.head_forged = False
+        if self.store.check([key]):
+            value = self._genuine(key, report=True)
+            if value is not None:
+                return self._consume(key, value)
+            self.head_forged = True
+        elif not self._writer_is_past(self.next_index):
+            self._stuck_since = None
+            return None          # the idle steady state: nothing written yet
+        now = self.clock()
+        if self._stuck_since is None:
+            self._stuck_since = now
+        if now - self._stuck_since < self.hole_timeout_s:
+            return None
+        for ahead in range(self.next_index + 1, self.next_index + 1 + self.lookahead):
+            later = self.key_of(ahead)
+            if self.store.check([later]):
+                value = self._genuine(later, report=False)
+                if value is not None:
+                    self.next_index = ahead
+                    return self._consume(later, value)
+        return None
+
+    def _genuine(self, key: str, report: bool) -> bytes | None:
+        try:
+            return self.store.get(key)
+        except AuthError as exc:
+            if report and self._reported != key and self.on_reject is not None:
+                self._reported = key          # once per key
+                self.on_reject(key, str(exc))
+            return None
+
+    def _writer_is_past(self, index: int) -> bool:
+        if self.count_key is None:
+            return False
+        now = self.clock()
+        if self._count_at is None or now - self._count_at >= self.count_check_s:
+            self._count, self._count_at = self.store.add(self.count_key, 0), now
+        return self._count >= index
+
+    def _consume(self, key: str, value: bytes) -> tuple[str, bytes]:
+        self.next_index += 1
+        self._stuck_since = None
+        return key, value
