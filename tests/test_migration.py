@@ -108,12 +108,16 @@ def test_a_migration_accounted_at_the_end_is_read_before_the_store_goes_down(
     original = Migrations.finish_downtimes
     monkeypatch.setattr(Migrations, "finish_downtimes",
                         lambda self, final=False: original(self, final) if final else None)
-    moved = run_job(job(2, 1, 1, 30, 1), str(tmp_path / "moved"), quiet=True, timeout_s=250,
+    moved = run_job(job(2, 1, 1, 60, 1), str(tmp_path / "moved"), quiet=True, timeout_s=250,
                     injects=[Inject("migrate", 4, "w1")])
     (m,) = moved["migrations"]
-    # the stayer's step ends were read
-    assert m["status"] == "done" and m["downtime_by"]["reported"] == 1, m
-    assert moved["steps"] == 30
+    assert m["status"] == "done" and moved["steps"] == 60, m
+    # the stayer's step ends were read, if it posted them: it does once the two steps after
+    # the switch have ended (a standby slow to warm on a loaded machine may switch later)
+    from trainmover.core import protocol as P
+
+    if m["switch_step"] + P.DOWNTIME_STEPS_AFTER < 59:
+        assert m["downtime_by"]["reported"] == 1, m
 
 
 def cli(*args):
