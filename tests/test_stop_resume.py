@@ -12,8 +12,9 @@ import pytest
 
 from trainmover.api import Job
 from trainmover.cli import build_config, make_parser
-from trainmover.control.client import request_stop
+from trainmover.control.client import connect, request_stop
 from trainmover.control.coordinator import run_job
+from trainmover.core import protocol as P
 from trainmover.core.events import read_jsonl
 from trainmover.core.files import check_checkpoint, complete_steps
 from trainmover.core.proc import pid_alive
@@ -54,6 +55,10 @@ def test_trainmover_stop_then_resume_is_bit_identical(tmp_path, baseline):
     answer = {}
     asker = threading.Thread(target=lambda: answer.update(request_stop(run_dir, "test")))
     asker.start()
+    # what anyone on the network sees of the order: its signed value, kept to replay later
+    raw = connect(run_dir).raw
+    wait_for(lambda: raw.check([P.STOP_REQUEST_KEY]), 60, "the stop request")
+    captured = raw.get(P.STOP_REQUEST_KEY)
     stopped = running.wait(200)
     asker.join(60)
     assert stopped["stopped"] and stopped["reason"] == "test"
@@ -69,7 +74,12 @@ def test_trainmover_stop_then_resume_is_bit_identical(tmp_path, baseline):
     assert sorted(e["worker"] for e in events if e["event"] == "worker_stopped") == \
         ["w0", "w1", "w2", "w3"]
 
-    resumed = Job.resume(run_dir, timeout_s=300).start().wait(320)
+    resumed_job = Job.resume(run_dir, timeout_s=300).start()
+    # the first run's stop request replayed into the resumed run: signed with another run's
+    # key, refused (it once stopped every resume again)
+    wait_for(lambda: committed(run_dir) >= step + 2, 200, "the resumed run's first steps")
+    connect(run_dir).raw.set(P.STOP_REQUEST_KEY, captured)
+    resumed = resumed_job.wait(320)
     assert resumed["steps"] == STEPS and not resumed.get("stopped")
     assert resumed["weights_sha256"] == baseline
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
@@ -77,6 +87,8 @@ def test_trainmover_stop_then_resume_is_bit_identical(tmp_path, baseline):
     assert start["resumed_from"] == step
     loaded = [e["step"] for e in events if e["event"] == "checkpoint_loaded"]
     assert loaded == [step] * 4
+    (replayed,) = [e for e in events if e["event"] == "message_rejected"]
+    assert replayed["key"] == P.STOP_REQUEST_KEY and "bad signature" in replayed["error"]
 
 
 def cli(*args, **kw):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import jobfile, rundir
 from trainmover.core import protocol as P
-from trainmover.core.auth import AuthStore, load_secret
+from trainmover.core.auth import AuthStore
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
 from trainmover.core.proc import pid_alive
@@ -293,7 +293,7 @@ class Agent:
                                 timeout=timeout, master_listen_fd=self.listen_fd)
         else:
             raw = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
-        self.store = AuthStore(raw, load_secret(self.run_dir))
+        self.store = AuthStore(raw, jobfile.run_key(self.run_dir))
         self._requests = SlotReader(
             self.store, lambda i: P.agent_request_key(self.node, i),
             count_key=P.agent_key(self.node, "req/count"),
@@ -306,7 +306,7 @@ class Agent:
                            P.write_message(P.ProcRecord(c.proc.pid, c.incarnation)))
         if self.cfg.takes_snapshots():
             self.snapshots = SnapshotServer(
-                self.address, load_secret(self.run_dir), self.cfg.snapshot.keep,
+                self.address, jobfile.run_key(self.run_dir), self.cfg.snapshot.keep,
                 self.cfg.snapshot.io_timeout_s,
                 on_error=lambda why: self.events.emit("snapshot_request_refused", error=why,
                                                       level="warning")).start()

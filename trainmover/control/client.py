@@ -39,7 +39,7 @@ def connect(run_dir: str) -> AuthStore:
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"the job in {run_dir!r} is not reachable at {host}:{port} "
                          f"(has it finished?): {exc}") from exc
-    return AuthStore(store, secret)
+    return AuthStore(store, jobfile.run_key(run_dir, secret))
 
 
 def request_migration(run_dir: str, workers: list[str], to: list[str] | None = None,

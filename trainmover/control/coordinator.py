@@ -183,6 +183,7 @@ class Coordinator:
         self._secret = create_secret(self.run_dir) if self.resume_from is None else \
             load_secret(self.run_dir)
         jobfile.write_job(self.run_dir, self.cfg, self._secret)
+        self._run_key = jobfile.start_run(self.run_dir, self._secret)
         if self.resume_from is None:
             identity.write_identity(self.run_dir, identity.of_job(self.cfg.to_dict(),
                                                                   self.cfg.process.command),
@@ -266,11 +267,11 @@ class Coordinator:
         host, _, port = ctx.store_addr.rpartition(":")
         ctx.store = store or AuthStore(dist.TCPStore(
             host, int(port), is_master=False,
-            timeout=timedelta(seconds=self.cfg.comm.store_timeout_s)), self._secret,
+            timeout=timedelta(seconds=self.cfg.comm.store_timeout_s)), self._run_key,
             on_reject=lambda key, exc: ctx.events.emit("message_rejected", key=key,
                                                        error=str(exc)))
         ctx.procs.store, ctx.procs.events = ctx.store, ctx.events
-        ctx.secret = self._secret
+        ctx.secret = self._run_key          # the snapshot holders' frames are the run's
         self.incarnation = ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
         ctx.store.set(P.CONTROLLER_KEY,
                       P.write_message(P.ControllerInfo(os.getpid(), self.incarnation)))
@@ -350,9 +351,10 @@ class Coordinator:
 
         host, _, port = ctx.store_addr.rpartition(":")
         self._secret = load_secret(run_dir)
+        self._run_key = jobfile.run_key(run_dir, self._secret)    # the same run goes on
         probe = AuthStore(dist.TCPStore(host, int(port), is_master=False,
                                         timeout=timedelta(seconds=cfg.comm.store_timeout_s)),
-                          self._secret)
+                          self._run_key)
         raw = probe.valid(P.CONTROLLER_KEY)     # a forged record: no controller known
         try:
             current = P.read_message(P.ControllerInfo, raw) if raw is not None else None
