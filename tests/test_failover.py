@@ -229,8 +229,8 @@ def test_unsigned_values_at_the_commit_decisions_neither_stop_nor_alter_the_job(
 def test_forged_counter_bumps_and_queue_slots_neither_stop_nor_stall_the_job(
         tmp_path, baseline):
     """Without the secret, one can still bump the store's counters and fill numbered slots
-    before their writers do. None of it may cost a genuine order: bumps of the controller's
-    incarnation (the controller once stepped down), a request number with no request behind
+    before their writers do. None of it may cost a genuine order: bumps of steps' vote
+    counts, bumps of the controller's incarnation (the controller once stepped down), a request number with no request behind
     it (the controller once blocked on it), junk in the slots of the agent's queue (the job's
     shutdown was lost) and of a worker's commands (a migration's orders were lost). A
     migration asked for after all of that completes, and the job ends on the uninterrupted
@@ -248,6 +248,12 @@ def test_forged_counter_bumps_and_queue_slots_neither_stop_nor_stall_the_job(
     for _ in range(4):
         raw.add(P.CONTROLLER_INCARNATION_KEY, 1)
     raw.add(P.REQUEST_COUNT_KEY, 1)                       # a request nobody writes
+    # vote counters of coming steps bumped down (nobody reaches the count: the job once
+    # stalled, then rolled back) and up (a voter reaches it early: it checks the ballots)
+    ahead = len(steps_done(run_dir)) + 3
+    for step in range(ahead, ahead + 3):
+        raw.add(P.commit_key(0, step, "votes"), -1)
+        raw.add(P.commit_key(0, step + 3, "votes"), 1)
     head = raw.add(P.agent_key(0, "req/count"), 0) + 1
     for i in range(head, head + 20):
         raw.set(P.agent_request_key(0, i), "junk")

@@ -90,3 +90,19 @@ def test_forged_values_behind_a_hole_are_not_taken_for_genuine_ones():
     for i in range(2, 6):
         raw.set(f"q/{i}", seal(b"x" * 64, f"q/{i}", "forged"))
     assert r.take() is None and r.next_index == 1
+
+
+def test_only_distinct_genuine_ballots_count():
+    raw = DictStore()
+    raw.append = lambda key, value: raw.values.__setitem__(key, raw.values.get(key, b"") + value)
+    store = AuthStore(raw, SECRET)
+    for voter in ("w0", "w1", "w1"):                       # a ballot cast twice counts once
+        store.cast_ballot("commit/0/5/ballots", voter)
+    raw.append("commit/0/5/ballots", b"w2\n" + seal(b"x" * 64, "commit/0/5/ballots#w3", "w3")
+               + b"\n")                                   # unsigned, and wrongly signed
+    other = AuthStore(DictStore(), SECRET)
+    other.raw.append = raw.append
+    other.cast_ballot("commit/0/6/ballots", "w4")          # another step's ballot, copied
+    raw.append("commit/0/5/ballots", raw.values["commit/0/6/ballots"])
+    assert store.count_ballots("commit/0/5/ballots") == 2
+    assert store.count_ballots("commit/0/7/ballots") == 0

@@ -174,3 +174,20 @@ def local_state_names(model):
     from trainmover.train.state import canonical_params
 
     return canonical_params(model)
+
+
+def test_a_store_or_dashboard_off_loopback_must_be_asked_for():
+    from trainmover.cli import build_config, make_parser
+
+    def cfg(*flags):
+        args = make_parser().parse_args(["run", "--recipe", "tiny", *flags])
+        return build_config(args)
+
+    with pytest.raises(ValueError, match=r"process.store_host='10.0.0.1' is not a loopback.*"
+                                         r"--allow-remote"):
+        cfg("--store-host", "10.0.0.1")
+    with pytest.raises(ValueError, match=r"dashboard.host='0.0.0.0'"):
+        cfg("--dashboard", "0", "--dashboard-host", "0.0.0.0")
+    assert cfg("--store-host", "10.0.0.1", "--allow-remote").process.allow_remote
+    assert not cfg("--store-host", "127.0.0.2").process.allow_remote    # loopback: fine
+    cfg("--dashboard-host", "0.0.0.0")        # no dashboard asked for: nothing listens

@@ -20,7 +20,8 @@ RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
                  "dashboard": "dashboard_port", "dashboard_host": "dashboard_host",
                  "controller_restart": "controller_restart", "verify_every": "health_verify_every",
                  "nnodes": "hosts_nnodes", "nproc_per_node": "hosts_nproc_per_node",
-                 "store_host": "process_store_host", "store_port": "process_store_port"}
+                 "store_host": "process_store_host", "store_port": "process_store_port",
+                 "allow_remote": "process_allow_remote"}
 
 
 def apply_runtime_args(cfg: JobConfig, args: argparse.Namespace) -> None:
@@ -135,6 +136,10 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
                                         "127.0.0.1; with several hosts, this host's address "
                                         "on the cluster's private network)")
     p.add_argument("--store-port", type=int, help="the store's port (default: any free one)")
+    p.add_argument("--allow-remote", action="store_true", default=None,
+                   help="let the store (--store-host) or the dashboard (--dashboard-host) "
+                        "listen on an address other than loopback: a private cluster "
+                        "network only (docs/security.md)")
     p.add_argument("--quiet", action="store_true")
 
 

@@ -30,7 +30,8 @@ def job_config(store_host: str | None = None, nnodes: int = 1, steps: int = 120,
     cfg.override(standby_count=3, health_heartbeat_timeout_s=2.0,
                  recovery_report_timeout_s=4.0)
     if nnodes > 1:
-        cfg.override(process_store_host=store_host, hosts_nnodes=nnodes,
+        cfg.override(process_store_host=store_host, process_allow_remote=True,
+                     hosts_nnodes=nnodes,
                      hosts_nproc_per_node=2)
     return cfg.override(**settings).validate()
 

@@ -47,7 +47,8 @@ def _engine_steps(cfg: JobConfig, rank: int, address: StoreAddress,
     batches = BatchSource(data, cfg.model.seq_len, cfg.train.global_batch, cfg.train.seed,
                           cfg.model.vocab_size)
     engine = Engine(cfg, role, groups, batches, torch.device("cpu"))
-    vote = CommitVote(stores, cfg.layout.num_roles, epoch=0) if commit else None
+    vote = CommitVote(stores, cfg.layout.num_roles, epoch=0, voter=f"w{rank}") if commit \
+        else None
     times = []
     for step in range(cfg.train.steps):
         commit = None if vote is None else (lambda s=step, **info: vote(s, info))

@@ -55,14 +55,14 @@ from trainmover.control.supervision import ProcessWatch
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, create_secret, load_secret
-from trainmover.core.config import JobConfig
+from trainmover.core.config import JobConfig, is_loopback
 from trainmover.core.events import EventLog, read_jsonl
 from trainmover.core import identity, jobfile, rundir
-
-MAX_HOLES_FILLED = 1000   # per host, by a resumed controller (see resume)
 from trainmover.core.faults import Inject
 from trainmover.core.files import latest_complete, read_digest, step_dir, usable_checkpoints
 from trainmover.core.proc import pid_alive
+
+MAX_HOLES_FILLED = 1000   # per host, by a resumed controller (see resume)
 
 __all__ = ["Coordinator", "JobFailed", "Superseded", "run_job", "worker_names"]
 
@@ -198,6 +198,10 @@ class Coordinator:
             raise ValueError(f"cannot listen on {host}:{self.cfg.process.store_port} "
                              f"(process.store_host, process.store_port): {exc}") from exc
         ctx.store_addr = f"{host}:{listener.getsockname()[1]}"
+        if not is_loopback(host):
+            ctx.progress.say(f"the job's store listens on {ctx.store_addr} (--allow-remote): "
+                             f"its values are signed, but anyone on that network can flood or "
+                             f"delete its keys and reach the workers' gloo/NCCL ports")
         ctx.procs.nnodes = self.cfg.hosts.nnodes
         workers = worker_names(self.cfg.layout.num_roles)
         standbys = worker_names(self.cfg.standby.count, "s")

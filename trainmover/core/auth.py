@@ -142,6 +142,26 @@ class AuthStore:
                                 f"ones kept being written there)")
             time.sleep(poll_s)
 
+    def cast_ballot(self, key: str, voter: str) -> None:
+        """Append this voter's signed ballot to ``key`` (one line; atomic on the server)."""
+        self.raw.append(key, seal(self._secret, f"{key}#{voter}", voter) + b"\n")
+
+    def count_ballots(self, key: str) -> int:
+        """How many distinct voters' genuine ballots ``key`` holds (forged lines, copies of
+        one voter's ballot and anything else appended there count for nothing)."""
+        if not self.raw.check([key]):
+            return 0
+        voters = set()
+        for line in self.raw.get(key).split(b"\n"):
+            head = len(_TAG) + _MAC_HEX + 1
+            voter = line[head:].decode(errors="replace")
+            try:
+                if unseal(self._secret, f"{key}#{voter}", line) == voter.encode():
+                    voters.add(voter)
+            except AuthError:
+                continue
+        return len(voters)
+
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """Set ``desired`` if the key holds ``expected`` ("" = absent, which a forged value
         also counts as: it is replaced); returns the value the key holds afterwards
@@ -189,3 +209,11 @@ class PlainStore:
     def wait_valid(self, key: str) -> bytes:
         self.raw.wait([key])
         return self.raw.get(key)
+
+    def cast_ballot(self, key: str, voter: str) -> None:
+        self.raw.append(key, voter.encode() + b"\n")
+
+    def count_ballots(self, key: str) -> int:
+        if not self.raw.check([key]):
+            return 0
+        return len({v for v in self.raw.get(key).split(b"\n") if v})

@@ -160,6 +160,10 @@ class ProcessConfig:
     deterministic: bool = True
     store_host: str = "127.0.0.1"      # the address the job's store listens on
     store_port: int = 0                # its port (0: any free one, named in control.json)
+    # Listening (store, dashboard) on an address other than loopback must be asked for: the
+    # store's values are signed, but whoever reaches it can flood or delete its keys, and
+    # the workers' gloo/NCCL connections are not authenticated at all (docs/security.md).
+    allow_remote: bool = False
     # Give every process its own compiler cache directories, as if each ran on its own
     # machine (benchmarks: a joiner on a new machine starts with no cache).
     isolate_caches: bool = False
@@ -171,6 +175,9 @@ class ProcessConfig:
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"process.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not isinstance(self.allow_remote, bool):
+            raise ValueError(f"process.allow_remote must be true or false, got "
+                             f"{self.allow_remote!r}")
         cmd = self.command
         if not cmd or not all(isinstance(a, str) for a in cmd):
             raise ValueError(f"process.command must be a non-empty list of strings, got "
@@ -185,6 +192,18 @@ class ProcessConfig:
                              f"[ARGS] (the part after 'python'), got option {cmd[0]!r}")
         if not os.path.isfile(cmd[0]):
             raise ValueError(f"training script {cmd[0]!r} does not exist or is not a file")
+
+
+def is_loopback(addr: str) -> bool:
+    """An address only this machine reaches (names other than localhost count as remote)."""
+    import ipaddress
+
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
 
 
 MAX_STANDBYS_SMALL_JOB = 16
@@ -655,6 +674,15 @@ class JobConfig:
             raise ValueError(f"process.store_host={self.process.store_host!r} is loopback, "
                              f"which the other {self.hosts.nnodes - 1} host(s) cannot reach: "
                              f"give the address of this host on the cluster's network")
+        for what, addr in (("process.store_host", self.process.store_host),
+                           ("dashboard.host", self.dashboard.host if self.dashboard.port
+                            is not None else "127.0.0.1")):
+            if not is_loopback(addr) and not self.process.allow_remote:
+                raise ValueError(f"{what}={addr!r} is not a loopback address: anyone who "
+                                 f"reaches it can flood the job's store (or try the "
+                                 f"dashboard), and the workers' gloo/NCCL ports are "
+                                 f"unauthenticated; on a private cluster network, say so with "
+                                 f"--allow-remote (process.allow_remote)")
         if not self.process.builtin:
             # a script of the user's: the model, data and optimizer are its own; train.steps
             # is the step count if the launcher was told it (progress and injects), else 0

@@ -91,7 +91,9 @@ def abort_key(epoch: int) -> str:
     return f"abort/{epoch}"
 
 
-COMMIT_KEYS = {"votes": "workers that voted to commit the step",
+COMMIT_KEYS = {"votes": "workers that voted to commit the step (a counter: the hint)",
+               "ballots": "the voters' signed ballots, one line each (what a decision is "
+                          "checked against: a counter can be bumped by anyone)",
                "decision": "'commit' (the last vote) or 'abort' (the controller), decided by "
                            "one compare-and-set",
                "metrics": "the step's metrics record, kept with the reporter's vote"}

@@ -27,6 +27,9 @@ from trainmover.comm.groups import AbortSignal, CommError, StepAborted, StoreCli
 # How often the abort watcher looks again while a forged value sits at the abort key (the
 # genuine abort, when it comes, is seen this much later at most).
 FORGED_ABORT_POLL_S = 0.05
+# How often the voter one short of the vote count looks at the ballots itself while it waits
+# for the decision (a forged decrement of the counter leaves nobody at the count).
+BALLOT_RECHECK_S = 1.0
 
 
 class MainProgress:
@@ -141,15 +144,23 @@ class AbortWatcher:
 
 
 class CommitVote:
-    """The step's commit decision (see module doc). Costs each worker two or three store
-    round trips per step; ``votes`` counts voters of the current epoch only."""
+    """The step's commit decision (see module doc). Costs each worker three or four store
+    round trips per step; ``votes`` counts voters of the current epoch only.
+
+    The vote counter is a hint: anyone who reaches the store can bump it. Each voter also
+    appends its signed ballot, and "commit" is written only once the ballots of every voter
+    are there. A forged increment thus only makes one more voter look; a forged decrement
+    leaves no voter at the count, so the voter one short of it (perhaps the last) looks at
+    the ballots again every ``BALLOT_RECHECK_S`` while it waits."""
 
     def __init__(self, stores: StoreClients, num_voters: int, epoch: int,
-                 reporter: str | None = None, progress: MainProgress | None = None):
+                 reporter: str | None = None, progress: MainProgress | None = None,
+                 voter: str = ""):
         self.store = stores.get()
         self.num_voters, self.epoch = num_voters, epoch
         self.reporter = reporter  # set on the worker whose metrics record the step
         self.progress = progress  # ticked while waiting for the decision
+        self.voter = voter or reporter or ""
 
     def __call__(self, step: int, info: dict) -> bool:
         if self.reporter is not None:
@@ -157,17 +168,41 @@ class CommitVote:
             # between the decision and writing metrics.jsonl (the controller backfills it)
             self.store.set(P.commit_key(self.epoch, step, "metrics"),
                            P.encode({"step": step, **info, "worker": self.reporter}))
+        ballots = P.commit_key(self.epoch, step, "ballots")
+        self.store.cast_ballot(ballots, self.voter)
         votes = self.store.add(P.commit_key(self.epoch, step, "votes"), 1)
         decision = P.commit_key(self.epoch, step, "decision")
-        if votes == self.num_voters:
-            self.store.compare_set(decision, "", "commit")
-        # a forged decision planted before the genuine one is waited past (wait_valid)
-        if self.progress is None:
-            return self.store.wait_valid(decision) == b"commit"
+        if votes >= self.num_voters:
+            self._decide(ballots, decision)
         # waiting for a slow (or wedged) peer's vote is not being wedged: the controller
         # ends this wait by deciding the step, whatever the peers do
-        with self.progress.waiting():
-            return self.store.wait_valid(decision) == b"commit"
+        waiting = self.progress.waiting() if self.progress is not None else \
+            contextlib.nullcontext()
+        with waiting:
+            return self._wait(decision, ballots, votes >= self.num_voters - 1) == b"commit"
+
+    def _decide(self, ballots: str, decision: str) -> None:
+        if self.store.count_ballots(ballots) >= self.num_voters:
+            self.store.compare_set(decision, "", "commit")
+
+    def _wait(self, decision: str, ballots: str, may_decide: bool) -> bytes:
+        """The genuine decision (a forged one planted before it is waited past)."""
+        if not may_decide:
+            return self.store.wait_valid(decision)
+        limit = getattr(self.store.raw, "timeout", None)
+        deadline = time.monotonic() + (limit.total_seconds() if limit is not None else 300.0)
+        while True:
+            try:
+                self.store.raw.wait([decision], timedelta(seconds=BALLOT_RECHECK_S))
+            except Exception:  # noqa: BLE001 - not decided yet (a store gone fails below)
+                if time.monotonic() > deadline:
+                    raise
+                self._decide(ballots, decision)
+                continue
+            value = self.store.valid(decision)
+            if value is not None:
+                return value
+            time.sleep(FORGED_ABORT_POLL_S)
 
 
 def is_step_failure(exc: BaseException, signal: AbortSignal) -> bool:

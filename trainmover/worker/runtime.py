@@ -529,7 +529,8 @@ class _Loop:
             ctx.abort.clear()
             AbortWatcher(ctx.stores, ctx.abort, ctx.epoch)
         self.vote = CommitVote(ctx.stores, self.rt.layout.num_roles, ctx.epoch,
-                               self.rt.name if self.rt.is_reporter else None, ctx.progress)
+                               self.rt.name if self.rt.is_reporter else None, ctx.progress,
+                               voter=self.rt.name)
 
     def _record_key(self, start: int) -> str | None:
         """The structure this worker records step 0 of, if it is that structure's
