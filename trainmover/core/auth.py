@@ -1,7 +1,9 @@
 """The job's control plane is authenticated: every value a trainmover process writes to the
-job's store carries an HMAC-SHA256 over its key and content under the job's secret, and every
-value it reads is checked, so whoever can reach the store's port but lacks the secret can
-neither forge nor alter a command, report, request, decision or the controller's snapshot.
+job's store carries an HMAC-SHA256 over its key and content under the run's key (derived
+from the job's secret and the run's id: ``jobfile.start_run``), and every value it reads is
+checked, so whoever can reach the store's port but lacks the secret can neither forge nor
+alter a command, report, request, decision or the controller's snapshot, nor replay one
+from another run.
 
 - The secret is generated at launch (``create_secret``), 32 random bytes written as hex to
   ``<run dir>/secret`` with mode 0600 (the run dir itself is 0700); processes of the job read
@@ -9,12 +11,14 @@ neither forge nor alter a command, report, request, decision or the controller's
 - The MAC covers the key, so a value copied to another key is refused: a command or agent
   request copied to a later index (keys of lists carry their sequence number) is no replay.
 - A value that fails the check raises ``AuthError`` (a ``MessageError``): the reader logs it
-  and ignores it, as it does any malformed message.
+  and ignores it, as it does any malformed message. Where a key is decided or waited for,
+  ``AuthStore`` treats a forged value as absent (``compare_set``, ``wait_valid``, ``valid``),
+  so planting one first gains nothing.
 
 What it does not cover, by the nature of the store (``torch.distributed.TCPStore``, which has
-no authentication of its own): counters (``add``: votes, request counts, heartbeats) and key
-existence, and the store's availability (anyone who reaches the port can delete or flood
-keys). The communication backends' rendezvous keys are torch's own. So the store and the
+no authentication of its own): counters (``add``) and key existence, which is why the vote
+is checked against signed ballots and queues skip holes (``core/queues.py``), and the
+store's availability (anyone who reaches the port can delete or flood keys). The communication backends' rendezvous keys are torch's own. So the store and the
 gloo/NCCL ports must stay on a private network: loopback by default; across hosts a cluster
 network no outsider reaches (see the README).
 """
