@@ -16,6 +16,7 @@ from mp_harness import wait_for
 from test_failures import job, with_faults
 from trainmover.api import Job
 from trainmover.core.config import DashboardConfig
+from trainmover.core import rundir
 from trainmover.core.faults import Inject
 from trainmover.view.server import start_dashboard
 
@@ -54,7 +55,10 @@ def scrape(board) -> dict:
 def recorded_copy(tmp_path):
     run = tmp_path / "run"
     shutil.copytree(RECORDED, run)
-    (run / "secret").write_text(secrets.token_hex(32))
+    secret = secrets.token_hex(32).encode()
+    (run / "secret").write_bytes(secret)
+    # its job.json sealed as the job's controller would have (readers check the MAC)
+    rundir.write_sealed(str(run), "job.json", (run / "job.json").read_bytes(), secret)
     return str(run)
 
 
@@ -114,8 +118,16 @@ def test_every_route_but_static_files_needs_the_token(tmp_path):
         assert fetch(u + "metrics", token="0" * 64)[0] == 401
         assert fetch(u + "?token=" + "0" * 64)[0] == 401
         assert fetch(u + "api/migrate", method="POST", body={"workers": ["w0"]})[0] == 401
+        # a body is not even read without the token (the drain route once parsed it first:
+        # junk gave a server error)
+        assert fetch(u + "api/drain", method="POST", body="not an object")[0] == 401
         # signed in, but without the header another site's page cannot send
         assert fetch(u + "api/migrate", board.token, "POST", {"workers": ["w0"]})[0] == 403
+        assert fetch(u + "api/drain", board.token, "POST", {"host": 1})[0] == 403
+        # nor megabytes with it
+        big = {"workers": ["w0"] * 20000}
+        assert fetch(u + "api/migrate", board.token, "POST", big,
+                     headers={"X-Trainmover": "1"})[0] == 413
         assert fetch(u + "api/state", board.token)[0] == 200
         assert fetch(u + "static/app.js")[0] == 200
         with open(os.path.join(run, "dashboard.json")) as f:

@@ -50,6 +50,7 @@ INFO_FILE = "dashboard.json"      # in the run dir: where the dashboard listens 
 ASK_TIMEOUT_S = 600.0
 REQUESTS_KEPT = 50
 START_TIMEOUT_S = 10.0     # uvicorn's start in its thread: a bound socket, no imports left
+MAX_BODY_BYTES = 65536     # an action's JSON body (workers, host): a few hundred bytes
 
 
 def dashboard_token(secret: bytes) -> str:
@@ -187,11 +188,24 @@ def make_app(view: View, token: str) -> Starlette:
         body = await run_in_threadpool(metrics.render, view.state)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def act(request: Request, fn) -> Response:
+    def refused(request: Request) -> Response | None:
+        """Why a request that acts is refused, decided before its body is read (so nobody
+        without the token makes the server read anything, and nobody sends it megabytes)."""
         if not authorized(request):
             return denied()
         if request.headers.get("x-trainmover") != "1":
             return JSONResponse({"error": "missing X-Trainmover header"}, status_code=403)
+        length = request.headers.get("content-length", "")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            return JSONResponse({"error": f"a JSON body of at most {MAX_BODY_BYTES} bytes, "
+                                          f"with its Content-Length, is expected"},
+                                status_code=413)
+        return None
+
+    async def act(request: Request, fn) -> Response:
+        why = refused(request)
+        if why is not None:
+            return why
         try:
             body = await request.json()
             workers = [str(w) for w in body.get("workers") or []]
@@ -214,8 +228,14 @@ def make_app(view: View, token: str) -> Starlette:
         return await act(request, _migrate)
 
     async def api_drain(request: Request) -> Response:
-        host = (await request.json()).get("host") if request.headers.get(
-            "content-type", "").startswith("application/json") else None
+        why = refused(request)
+        if why is not None:
+            return why
+        try:
+            host = (await request.json()).get("host") if request.headers.get(
+                "content-type", "").startswith("application/json") else None
+        except (ValueError, AttributeError, TypeError):
+            return JSONResponse({"error": "expected a JSON object"}, status_code=400)
         if host not in (None, "") and not str(host).isdigit():
             return JSONResponse({"error": f"host {host!r} is not a host index"},
                                 status_code=400)
