@@ -71,7 +71,7 @@ def check_dir(path: str) -> None:
         raise UnsafeRunDir(f"run dir {path!r} is a symlink (to {os.readlink(path)!r}): give "
                            f"the real path")
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeRunDir(f"run dir {path!r} is not a directory")
+        raise UnsafeRunDir(f"run dir {path!r} is a file, not a directory")
     if st.st_uid != _me():
         raise UnsafeRunDir(f"run dir {path!r} belongs to another user (uid {st.st_uid}), "
                            f"who could have planted its contents: use a new path")
