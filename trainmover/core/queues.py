@@ -20,6 +20,8 @@ from typing import Callable
 
 from trainmover.core.auth import AuthError
 
+MAX_REPORTED = 10_000   # forged slots remembered as reported
+
 
 class SlotReader:
     def __init__(self, store, key_of: Callable[[int], str], count_key: str | None = None,
@@ -35,7 +37,7 @@ class SlotReader:
         self.head_forged = False            # the last take() found a forged value at the head
         self._stuck_since: float | None = None   # when the head was first found missing/forged
         self._count, self._count_at = 0, None    # the writer's counter, as last read
-        self._reported: str | None = None
+        self._reported: set[str] = set()          # forged slots reported (once each)
 
     @property
     def head_key(self) -> str:
@@ -47,7 +49,7 @@ class SlotReader:
         key = self.head_key
         self.head_forged = False
         if self.store.check([key]):
-            value = self._genuine(key, report=True)
+            value = self._genuine(key)
             if value is not None:
                 return self._consume(key, value)
             self.head_forged = True
@@ -62,18 +64,20 @@ class SlotReader:
         for ahead in range(self.next_index + 1, self.next_index + 1 + self.lookahead):
             later = self.key_of(ahead)
             if self.store.check([later]):
-                value = self._genuine(later, report=False)
+                value = self._genuine(later)
                 if value is not None:
                     self.next_index = ahead
                     return self._consume(later, value)
         return None
 
-    def _genuine(self, key: str, report: bool) -> bytes | None:
+    def _genuine(self, key: str) -> bytes | None:
         try:
             return self.store.get(key)
         except AuthError as exc:
-            if report and self._reported != key and self.on_reject is not None:
-                self._reported = key          # once per key
+            if key not in self._reported and self.on_reject is not None:
+                if len(self._reported) >= MAX_REPORTED:
+                    self._reported.clear()    # bounded memory; a key may be told twice
+                self._reported.add(key)
                 self.on_reject(key, str(exc))
             return None
 
