@@ -8,7 +8,8 @@ import pytest
 
 from trainmover.api import Job
 from trainmover.control.coordinator import JobFailed, resumable
-from trainmover.core import identity
+from trainmover.core import identity, jobfile
+from trainmover.core.auth import create_secret
 from trainmover.core.faults import Inject
 
 from mp_harness import wait_for
@@ -36,12 +37,14 @@ def test_a_changed_script_is_named_with_both_digests(tmp_path):
 def test_resume_refuses_a_job_whose_script_changed(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "ckpt").mkdir(parents=True)
+    os.chmod(run_dir, 0o700)
+    secret = create_secret(str(run_dir))
     script = tmp_path / "train.py"
     script.write_text("print('v1')\n")
     cfg = job()
     cfg.process.command = [str(script)]
-    (run_dir / "job.json").write_text(json.dumps(cfg.to_dict()))
-    identity.write_identity(str(run_dir), identity.of_job(cfg.to_dict(), [str(script)]))
+    jobfile.write_job(str(run_dir), cfg, secret)
+    identity.write_identity(str(run_dir), identity.of_job(cfg.to_dict(), [str(script)]), secret)
     script.write_text("print('v2')\n")
     with pytest.raises(identity.IdentityMismatch, match="training script has sha256"):
         resumable(str(run_dir))
