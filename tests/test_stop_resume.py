@@ -14,7 +14,9 @@ from trainmover.api import Job
 from trainmover.cli import build_config, make_parser
 from trainmover.control.client import connect, request_stop
 from trainmover.control.coordinator import run_job
+from trainmover.core import identity, jobfile
 from trainmover.core import protocol as P
+from trainmover.core.auth import create_secret
 from trainmover.core.events import read_jsonl
 from trainmover.core.files import check_checkpoint, complete_steps
 from trainmover.core.proc import pid_alive
@@ -139,8 +141,12 @@ def test_resume_refuses_a_run_dir_without_a_job_or_a_checkpoint(tmp_path):
     assert empty.returncode == 2 and "no job there" in empty.stderr
     run_dir = tmp_path / "run"
     (run_dir / "ckpt" / "step4").mkdir(parents=True)
+    os.chmod(run_dir, 0o700)
     cfg = job(steps=STEPS)
-    (run_dir / "job.json").write_text(json.dumps(cfg.to_dict()))
+    secret = create_secret(str(run_dir))     # as the job's controller left it
+    jobfile.write_job(str(run_dir), cfg, secret)
+    identity.write_identity(str(run_dir), identity.of_job(cfg.to_dict(), cfg.process.command),
+                            secret)
     (run_dir / "ckpt" / "step4" / "COMPLETE").write_text("4\n")   # no manifest
     none = cli("run", "--resume", str(run_dir))
     assert none.returncode == 2 and "no complete checkpoint" in none.stderr
