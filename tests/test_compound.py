@@ -136,6 +136,7 @@ def test_a_survivor_dies_while_recovering(tmp_path, baseline):
     assert summary["weights_sha256"] == baseline
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(300)
 def test_a_hung_joiner_aborts_its_migration_and_is_fenced(tmp_path):
     """The standby promoted by a planned migration stops (SIGSTOP) while preparing: its
@@ -155,6 +156,7 @@ def test_a_hung_joiner_aborts_its_migration_and_is_fenced(tmp_path):
     assert summary["weights_sha256"] == base["weights_sha256"]
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(300)
 def test_a_hung_standby_is_fenced_and_the_pool_replenished(tmp_path, baseline):
     """A free standby stops while waiting: it is fenced and, with standby.replenish, a new

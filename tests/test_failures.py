@@ -136,6 +136,7 @@ def chaos(tmp_path, baseline, seed):
     assert [r["status"] for r in summary["recoveries"]] == ["done"], (seed, str(inj))
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", CHAOS_SEEDS)
 def test_chaos(tmp_path, baseline, seed):
@@ -187,6 +188,7 @@ def test_without_a_standby_a_replacement_is_started(tmp_path, baseline):
     assert sorted(started) == ["s0", "w0", "w1", "w2", "w3"]   # survivors were not restarted
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(300)
 def test_without_a_standby_the_job_can_stop_cleanly_instead(tmp_path):
     cfg = with_faults(job(standbys=0, checkpoint_every=2, recovery_replace_without_standby=False),
@@ -198,6 +200,7 @@ def test_without_a_standby_the_job_can_stop_cleanly_instead(tmp_path):
     assert done and os.path.exists(local_path(str(tmp_path / "run"), done[-1], "dp0.pp0.tp0"))
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(300)
 def test_restart_baseline_after_a_crash_is_bit_identical(tmp_path):
     """The baseline an elastic launcher gives: every process restarted from the newest

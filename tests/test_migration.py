@@ -67,6 +67,7 @@ def test_migrations_of_every_stage_kind_are_bit_identical(tmp_path):
     assert set(moved["membership"]) == {f"w{i}" for i in range(12)} - set(targets) | {"s0", "s1", "s2"}
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(400)
 def test_two_workers_at_once(tmp_path):
     # long enough for both standbys to finish the shadow run they are in when assigned
@@ -125,6 +126,7 @@ def cli(*args):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(400)
 def test_migrate_command_against_a_running_job(tmp_path):
     # the job must outlive six `trainmover migrate` processes (each imports torch for its

@@ -60,6 +60,7 @@ def test_a_whole_host_dies_and_its_roles_recover_on_other_hosts(tmp_path, baseli
     assert lost["node"] == 1
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(400)
 def test_a_cut_off_host_is_detected_in_bound_and_never_rejoins(tmp_path, baseline):
     """Host 1's link goes down: its processes live on but nobody hears them. The job detects

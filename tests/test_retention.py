@@ -73,6 +73,7 @@ def test_the_controller_keeps_a_bounded_tail_of_the_metrics(tmp_path):
     assert steps == list(range(steps[0], 5 * RECORDS_KEPT + 7))
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(400)
 def test_store_keys_do_not_grow_with_events(tmp_path):
     """Migrations and crashes, with the standby pool replenished, leave nothing behind per

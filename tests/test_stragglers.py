@@ -186,7 +186,8 @@ def test_a_slow_worker_is_detected_and_moved_only_under_migrate(tmp_path, stragg
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["everyone", "last-stage"])
+@pytest.mark.parametrize("case", ["everyone",
+                                  pytest.param("last-stage", marks=pytest.mark.slow)])
 def test_no_false_positive_for_a_slowdown_by_design(tmp_path, case):
     """Everyone slowed together (longer sequences for all); or the last pipeline stage's
     workers (w1 and w3 hold dp0.pp1 and dp1.pp1) heavier than the first from the start."""

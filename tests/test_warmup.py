@@ -128,6 +128,7 @@ def test_promotion_after_warm_up_into_each_stage_kind_is_bit_identical(tmp_path)
         assert warmed == {"first-2", "middle-1", "last-1"}, (joiner, warmed)
 
 
+@pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism
 @pytest.mark.timeout(400)
 def test_corrupt_and_stale_recordings_fall_back_to_a_cold_standby(recorded, tmp_path):
     """Standbys given a truncated recording (first stage) and another job's recordings
