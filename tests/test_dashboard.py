@@ -142,9 +142,21 @@ def _page_ready(driver):
     return driver.execute_script("return document.body.dataset.loaded") == "1"
 
 
-def _interruption(driver, title):
-    found = driver.find_elements("css selector", f'details.interruption[data-title="{title}"]')
-    return found[0] if found else None
+def _text(driver, title):
+    """An interruption's text, read in one script call ("" while it is not shown)."""
+    return driver.execute_script(
+        "const e = document.querySelector(`details.interruption[data-title=\"${arguments[0]}\"]`);"
+        "return e ? e.textContent : ''", title)
+
+
+def _phases(driver, title):
+    """The phases of an interruption's bar, read in one script call: the page redraws its
+    panels every refresh, so elements found in one call may be gone by the next (a stale
+    element reference once failed this test)."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll("
+        "`details.interruption[data-title=\"${arguments[0]}\"] .bar .phase`))"
+        ".map(p => p.dataset.phase)", title)
 
 
 @pytest.mark.timeout(300)
@@ -169,12 +181,9 @@ def test_dashboard_in_chromium_shows_a_crash_and_moves_a_worker(tmp_path):
         # the roles table: every role's holder, with its measurements once published
         wait.until(lambda d: len(d.find_elements("css selector", "#roles tbody tr")) == 4)
         # the crash and its recovery, with its phases
-        rec = wait.until(lambda d: _interruption(d, "recovery 1"))
-        assert "crash" in rec.text and "w2" in rec.text
-        rec.click()
-        phases = [p.get_attribute("data-phase")
-                  for p in rec.find_elements("css selector", ".bar .phase")]
-        assert phases == ["detect_s", "collect_s", "rebuild_and_first_step_s"]
+        wait.until(lambda d: "crash" in _text(d, "recovery 1") and "w2" in _text(d, "recovery 1"))
+        assert _phases(driver, "recovery 1") == ["detect_s", "collect_s",
+                                                 "rebuild_and_first_step_s"]
         # a migration asked from the page, through the job's authenticated request path
         wait.until(lambda d: len(d.find_elements(
             "css selector", '#standbys tr[data-standby] td:nth-child(2)')) >= 1 and any(
@@ -182,11 +191,8 @@ def test_dashboard_in_chromium_shows_a_crash_and_moves_a_worker(tmp_path):
                 "css selector", "#standbys tr[data-standby] td:nth-child(2)")))
         driver.find_element("css selector", '#roles input[value="w0"]').click()
         driver.find_element("id", "migrate-btn").click()
-        mig = wait.until(lambda d: _interruption(d, "migration 1"))
-        assert "planned" in mig.text and "done" in mig.text and "w0" in mig.text
-        mig.click()
-        assert [p.get_attribute("data-phase") for p in
-                mig.find_elements("css selector", ".bar .phase")] == \
+        wait.until(lambda d: all(w in _text(d, "migration 1") for w in ("planned", "done", "w0")))
+        assert _phases(driver, "migration 1") == \
             ["prepare_s", "wait_boundary_s", "transfer_s", "group_switch_s", "first_step_s"]
         wait.until(lambda d: "done" in d.find_element("id", "requests").text)
         wait.until(lambda d: not d.find_elements("css selector",

@@ -230,11 +230,11 @@ def test_forged_counter_bumps_and_queue_slots_neither_stop_nor_stall_the_job(
         tmp_path, baseline):
     """Without the secret, one can still bump the store's counters and fill numbered slots
     before their writers do. None of it may cost a genuine order: bumps of steps' vote
-    counts, bumps of the controller's incarnation (the controller once stepped down), a request number with no request behind
-    it (the controller once blocked on it), junk in the slots of the agent's queue (the job's
-    shutdown was lost) and of a worker's commands (a migration's orders were lost). A
-    migration asked for after all of that completes, and the job ends on the uninterrupted
-    run's weights, its agent shut down on request."""
+    counts, bumps of the controller's incarnation (the controller once stepped down), a
+    request number with no request behind it (the controller once blocked on it), junk in
+    the slots of the agent's queue (the job's shutdown was lost) and of a worker's commands
+    (a migration's orders were lost). A migration asked for after all of that completes, and
+    the job ends on the uninterrupted run's weights, its agent shut down on request."""
     from trainmover.api import Job
     from trainmover.control.client import connect, request_migration
     from trainmover.core import protocol as P
