@@ -190,6 +190,20 @@ def test_a_crash_after_the_last_commit_finishes_the_job(tmp_path, baseline, vict
 
 
 @pytest.mark.timeout(300)
+def test_a_crash_recovered_in_the_last_step_finishes_the_job_with_its_summary(tmp_path,
+                                                                             baseline):
+    """The end-of-job race: a worker dies inside the job's last step, before its vote. The
+    step is aborted and recovered, redone, and the job ends right after the recovery:
+    with its summary, the recovery accounted, and the uninterrupted run's weights."""
+    cfg = with_faults(job(), Inject("crash", 15, "w1", "backward"))
+    summary, events = run(tmp_path, cfg)
+    assert fired(events) == [("w1", "backward")]
+    (rec,) = summary["recoveries"]
+    assert rec["status"] == "done" and rec["failures"] == {"w1": "crash"}, rec
+    assert summary["steps"] == 16 and summary["weights_sha256"] == baseline
+
+
+@pytest.mark.timeout(300)
 def test_a_crash_after_the_last_commit_without_a_replica_stops_resumably(tmp_path):
     cfg = with_faults(job(dp=1, pp=2, standbys=1), Inject("crash", 15, "w0", "optimizer"))
     with pytest.raises(JobFailed, match="trainmover run --resume"):
