@@ -269,12 +269,14 @@ class JobContext:
         self.steady_since = time.time()
 
     def read(self, cls, key: str):
-        """The ``cls`` message at ``key``, or None if there is none. A malformed, unsigned
-        or forged one is logged (``message_rejected``) and read as none."""
-        if not self.store.check([key]):
+        """The ``cls`` message at ``key``, or None if there is none. An unsigned or forged
+        one reads as none (reported once per key, ``AuthStore.valid``); a malformed one is
+        logged (``message_rejected``) and read as none too."""
+        raw = self.store.valid(key)
+        if raw is None:
             return None
         try:
-            return P.read_message(cls, self.store.get(key))
+            return P.read_message(cls, raw)
         except P.MessageError as exc:
             self.events.emit("message_rejected", key=key, error=str(exc))
             return None

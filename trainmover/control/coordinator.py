@@ -515,12 +515,7 @@ class Coordinator:
         # reaches the store can bump a counter (four bumps once made the controller step
         # down), only a controller of this job can write the record. A forged record reads
         # as none.
-        raw = self.ctx.store.valid(P.CONTROLLER_KEY)
-        try:
-            current = P.read_message(P.ControllerInfo, raw) if raw is not None else None
-        except P.MessageError as exc:
-            self.ctx.events.emit("message_rejected", key=P.CONTROLLER_KEY, error=str(exc))
-            current = None
+        current = self.ctx.read(P.ControllerInfo, P.CONTROLLER_KEY)
         if current is not None and current.incarnation > self.incarnation and \
                 current.pid != os.getpid():
             raise Superseded(f"controller incarnation {current.incarnation} (PID "

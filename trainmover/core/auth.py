@@ -43,6 +43,7 @@ _MAC_HEX = 64
 CAS_REPLACE_TRIES = 100
 WAIT_VALID_POLL_S = 0.005      # waiting past a forged value until the genuine one lands
 MAX_REJECTIONS_LOGGED = 10_000  # keys whose rejection is reported (once each)
+DEFAULT_STORE_TIMEOUT_S = 300.0  # a store object that does not say (test doubles)
 
 
 class AuthError(MessageError):
@@ -93,6 +94,12 @@ def unseal(secret: bytes, key: str, raw: bytes) -> bytes:
     return payload
 
 
+def store_timeout_s(store) -> float:
+    """How long the store client's blocking calls wait (a TCPStore's ``timeout``)."""
+    limit = getattr(store, "timeout", None)
+    return limit.total_seconds() if limit is not None else DEFAULT_STORE_TIMEOUT_S
+
+
 class AuthStore:
     """A store client whose values are signed on write and checked on read (see the module
     doc); everything else passes through. Wraps any object with TCPStore's methods.
@@ -135,8 +142,7 @@ class AuthStore:
         """Wait, up to the store's timeout, until the key holds a genuine value: one that
         was planted first (a forged decision) makes ``wait`` return early, but the genuine
         writer replaces it (``compare_set``) or overwrites it (``set``)."""
-        limit = getattr(self.raw, "timeout", None)
-        deadline = time.monotonic() + (limit.total_seconds() if limit is not None else 300.0)
+        deadline = time.monotonic() + store_timeout_s(self.raw)
         while True:
             self.raw.wait([key])
             value = self.valid(key)

@@ -22,6 +22,7 @@ import traceback
 from datetime import timedelta
 
 from trainmover.core import protocol as P
+from trainmover.core.auth import store_timeout_s
 from trainmover.comm.groups import AbortSignal, CommError, StepAborted, StoreClients
 
 # How often the abort watcher looks again while a forged value sits at the abort key (the
@@ -189,8 +190,7 @@ class CommitVote:
         """The genuine decision (a forged one planted before it is waited past)."""
         if not may_decide:
             return self.store.wait_valid(decision)
-        limit = getattr(self.store.raw, "timeout", None)
-        deadline = time.monotonic() + (limit.total_seconds() if limit is not None else 300.0)
+        deadline = time.monotonic() + store_timeout_s(self.store.raw)
         while True:
             try:
                 self.store.raw.wait([decision], timedelta(seconds=BALLOT_RECHECK_S))
