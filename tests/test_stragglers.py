@@ -158,24 +158,31 @@ def straggler_baseline(tmp_path_factory):
 @pytest.mark.parametrize("policy", ["alert", "migrate"])
 def test_a_slow_worker_is_detected_and_moved_only_under_migrate(tmp_path, straggler_baseline,
                                                                 policy):
-    onset = 40
-    cfg = straggler_job(policy, Inject("slow", onset, "w1", "1.3"))
+    """The detector's sensitivity (1.2-1.3x found, no healthy worker flagged under +-20%
+    noise) is measured on synthetic times above and by `trainmover bench stragglers`; here the
+    pipeline around it runs in a real job. Its steps compute for 11-17 ms, and on a loaded
+    2-core machine two healthy peers' CPU times drift up to 1.2x apart for several windows
+    (measured: a joiner against an old stayer, 1.185x in one CI run), which the default 0.15
+    shift cannot tell from a straggler. So this job uses a 0.25 shift and a 1.5x straggler:
+    a margin of 0.25 either way."""
+    onset, factor = 40, 1.5
+    cfg = straggler_job(policy, Inject("slow", onset, "w1", str(factor)))
+    cfg.straggler.min_shift = 0.25
     summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
     found = summary["stragglers"]
     assert [f["worker"] for f in found] == ["w1"], found
     s = cfg.straggler
     # the documented latency is min_windows // 2 + 1 windows after the onset (one more if
     # the onset falls inside a window); every window counts, however seldom the controller
-    # reads them (measured here: step 63 in 3 of 3 runs)
+    # reads them
     assert onset < found[0]["step"] <= onset + (s.min_windows // 2 + 2) * s.window, found
     # the score at detection is the median over the rule's windows, at most
     # 1 / (1 + min_shift) by the rule itself (not asserted: it cannot fail); the injected
-    # 1.3x puts it near 1 / 1.3 (measured: 0.78-0.81 in 6 runs), but a run whose slow
-    # windows read low is detected the moment their median crosses the threshold, just
-    # under it (0.867 once in a full-suite run here). What can go wrong is overstating the
-    # slowdown: the score must not read as much worse than 1.3x
+    # slowdown puts it near 1 / factor, but a run whose slow windows read low is detected
+    # the moment their median crosses the threshold, just under it. What can go wrong is
+    # overstating the slowdown: the score must not read as much worse than the factor
     assert found[0]["reference"] == "peers"
-    assert found[0]["score"] > 1 / 1.45
+    assert found[0]["score"] > 1 / (factor + 0.2), found
     moves = [m for m in summary["migrations"] if m["status"] == "done"]
     if policy == "alert":
         assert moves == [] and events_of(tmp_path, "straggler_migration") == []
