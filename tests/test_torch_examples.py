@@ -15,8 +15,11 @@ TORCH_FSDP = ROOT / "examples" / "torch_fsdp.py"
 TORCH_FSDP_PLAIN = ROOT / "examples" / "torch_fsdp_plain.py"
 TORCH_FSDP_TP = ROOT / "examples" / "torch_fsdp_tp.py"
 TORCH_FSDP_TP_PLAIN = ROOT / "examples" / "torch_fsdp_tp_plain.py"
+TORCH_PIPELINE = ROOT / "examples" / "torch_pipeline.py"
+TORCH_PIPELINE_PLAIN = ROOT / "examples" / "torch_pipeline_plain.py"
 PAIR = ("--nproc", "2")
 GRID = ("--dp", "2", "--tp", "2")      # the 2-D example: w0 dp0.tp0 ... w3 dp1.tp1
+PIPE = ("--dp", "2", "--pp", "2")      # the pipeline: w0 dp0.pp0, w1 dp0.pp1, w2 dp1.pp0 ...
 ARGS = ("--steps", str(STEPS))
 # the default suite runs a middle role's migration and a first role's crash of each example;
 # `make test-slow` adds the other migration and the hang
@@ -178,3 +181,46 @@ def test_torch_fsdp_tp_under_trainmover_ends_with_the_weights_of_the_plain_scrip
         tmp_path, torch_fsdp_tp_base):
     assert _torchrun_weights(tmp_path, TORCH_FSDP_TP_PLAIN, nproc=4) == \
         torch_fsdp_tp_base["weights_sha256"]
+
+
+def test_torch_pipeline_example_is_the_plain_torchrun_script_with_at_most_10_changed_lines():
+    changed = changed_lines(TORCH_PIPELINE_PLAIN, TORCH_PIPELINE)
+    assert 0 < len(changed) <= 10, changed
+    resilient = TORCH_PIPELINE.read_text().splitlines()
+    assert any("PipelineStage(model, stage_index" in line for line in resilient)
+    assert any("ScheduleGPipe(stage" in line for line in resilient)
+
+
+@pytest.fixture(scope="module")
+def torch_pipeline_base(tmp_path_factory):
+    return _base(tmp_path_factory, "torch-pipeline", TORCH_PIPELINE, FSDP_FLAGS, PIPE)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("fault", ["migrate@3:w1", "crash@9:w0",
+                                   pytest.param("migrate@5:w2", marks=pytest.mark.slow),
+                                   pytest.param("hang@9:w3", marks=pytest.mark.slow)])
+def test_torch_pipeline_survives_migration_crash_and_hang_bit_identically(
+        tmp_path, torch_pipeline_base, fault):
+    """torch.distributed.pipelining (a GPipe schedule, FSDP2 per stage): the joiner's new
+    schedule initialises its stage from the recording (the stayers initialised theirs at
+    step 0 and send activations): no stayer takes part, nothing differs."""
+    run_dir, summary, kind, _ = _with_fault(tmp_path, TORCH_PIPELINE, FSDP_FLAGS, fault, PIPE)
+    (replayed,) = events(run_dir, "stage_initialisation_replayed")
+    # the stage's vote and shape exchange on its pipeline group, the inference pass's FSDP
+    # all-gathers on its data-parallel group (the groups of the script's init_device_mesh:
+    # the second forwarder of each axis)
+    ops = replayed["operations"]
+    assert ops.get("pp.1", 0) > 0 and ops.get("dp.1", 0) > 0, replayed
+    assert not events(run_dir, "replay_diverged") and not events(run_dir, "warmup_skipped")
+    if kind != "migrate":
+        (r,) = summary["recoveries"]
+        assert set(r["sources"].values()) == {"checkpoint"} and r["rollback_step"] == 5, r
+    assert summary["weights_sha256"] == torch_pipeline_base["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_torch_pipeline_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
+        tmp_path, torch_pipeline_base):
+    assert _torchrun_weights(tmp_path, TORCH_PIPELINE_PLAIN, nproc=4) == \
+        torch_pipeline_base["weights_sha256"]

@@ -19,7 +19,7 @@ import functools
 import hashlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -163,10 +163,18 @@ class RecordingGroup:
 class Recording:
     manifest: dict
     ops: dict[str, list[tuple[str, torch.Tensor]]]   # slot -> outputs in issue order
+    # a script's torch operations (``worker/recording.py``): per recorded step, forwarder ->
+    # [(op, name, outputs or None)]; and its pipeline stage initialisations, as
+    # (step index, forwarder -> entries a..b of that step's)
+    torch_ops: list[dict[str, list]] = field(default_factory=list)
+    torch_inits: list = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ops in self.ops.values() for _, t in ops)
+        own = sum(t.numel() * t.element_size() for ops in self.ops.values() for _, t in ops)
+        return own + sum(t.numel() * t.element_size() for tape in self.torch_ops
+                         for entries in tape.values() for _, _, outs in entries
+                         for t in outs or () if not t.is_meta)
 
 
 class Recorder:
@@ -201,7 +209,8 @@ def save_recording(rec: Recording, path: str) -> float:
     t0 = time.perf_counter()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({"manifest": rec.manifest, "ops": rec.ops}, tmp)
+    torch.save({"manifest": rec.manifest, "ops": rec.ops, "torch_ops": rec.torch_ops,
+                "torch_inits": rec.torch_inits}, tmp)
     os.replace(tmp, path)
     return time.perf_counter() - t0
 
@@ -221,7 +230,7 @@ def load_recording(path: str, expected: dict) -> Recording:
         if manifest.get(key) != value:
             raise RecordingInvalid(f"recording {path} was made for {key}={manifest.get(key)!r}, "
                                    f"this job has {key}={value!r}")
-    return Recording(manifest, ops)
+    return Recording(manifest, ops, blob.get("torch_ops", []), blob.get("torch_inits", []))
 
 
 # --- replay ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ to use instead (docs/torch-groups.md).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -56,6 +57,11 @@ def _create(dist_opts, backend_opts):
     return _active[-1].adopt(list(dist_opts.global_ranks_in_group))
 
 
+def current():
+    """The ``TorchGroups`` of this process's current run of the script, if any."""
+    return _active[-1] if _active else None
+
+
 def _register() -> None:
     global _registered
     if not _registered:
@@ -84,6 +90,7 @@ class TorchGroups:
         _register()
         self.holder, self.layout, self.role = holder, layout, role
         self.sandbox = sandbox
+        self.joiner = joining
         self.local = sandbox or joining
         self.device_type = device.type
         self.native_signal = module.Signal()
@@ -94,6 +101,16 @@ class TorchGroups:
         # (init_device_mesh) over the same ranks.
         self._forwarders: dict[str, list] = {}
         self._bound: dict[int, Group | None] = {}       # id(forwarder) -> the group it serves
+        # record and replay (comm/record.py, comm/pipelining.py): the recording worker's
+        # stage initialisations, as (tape segment, forwarder -> entries a..b of it); a
+        # joiner's, answered from the recording's
+        self._segments_taken = 0
+        self._recorded_inits: list[tuple[int, dict[str, tuple[int, int]]]] | None = None
+        self._init_replays: list[dict[str, list]] | None = None
+        self._init_calls = 0
+        self.init_source = None     # a joiner's: () -> (segments, inits) of its recording
+        self.emit = lambda event, **fields: None    # the worker's event log
+        self.replay_mismatch: str | None = None
         self.process_groups: dict[str, dist.ProcessGroup] = {}
         self.rank = layout.global_rank(role)
         size = layout.num_roles
@@ -161,6 +178,114 @@ class TorchGroups:
             for fwd in fwds:
                 fwd.set_local(len(self.ranks[follows]) == 1)
 
+    # --- record and replay ----------------------------------------------------------------
+    def _taped(self):
+        """(key, forwarder) of every forwarder that communicates: its key is what it follows
+        and its place among those (the same in every run of the same script)."""
+        for follows, fwds in self._forwarders.items():
+            if len(self.ranks[follows]) > 1:
+                for i, fwd in enumerate(fwds):
+                    yield f"{follows}.{i}", fwd
+
+    def start_recording(self, max_bytes: int) -> None:
+        """Keep every operation's outputs from now on (outputs over ``max_bytes``: their
+        shapes only), and where each stage initialisation's operations fall."""
+        self._recorded_inits = []
+        self._segments_taken = 0
+        for _, fwd in self._taped():
+            fwd.start_recording(max_bytes)
+
+    def take_recording(self, keep_going: bool) -> dict[str, list]:
+        """The operations since the last take: {forwarder key: [(op, name, outputs or
+        None)]}."""
+        self._segments_taken += 1
+        return {key: list(fwd.take_recording(keep_going)) for key, fwd in self._taped()}
+
+    def restart_segment(self) -> None:
+        """Drop what was recorded since the last take (a step being redone)."""
+        for _, fwd in self._taped():
+            fwd.take_recording(True)
+        if self._recorded_inits is not None:
+            self._recorded_inits = [(seg, r) for seg, r in self._recorded_inits
+                                    if seg != self._segments_taken]
+
+    def recorded_inits(self) -> list:
+        return list(self._recorded_inits or [])
+
+    def load_replay(self, tape: dict[str, list]) -> None:
+        """A sandbox: answer operations from ``tape`` (a recorded segment) from now on."""
+        for key, fwd in self._taped():
+            fwd.set_replay([(op, outputs) for op, _, outputs in tape.get(key, [])])
+
+    def mismatch(self) -> str | None:
+        """The first operation a replay could not answer from the recording, if any."""
+        for _, fwd in self._taped():
+            _, _, why = fwd.replay_state()
+            if why:
+                return why
+        return None
+
+    def expect_stage_initialisations(self, segments: list[dict[str, list]],
+                                     inits: list) -> None:
+        """A joiner: answer its schedules' stage initialisations from a recording's
+        (``segments`` as taken, ``inits`` as ``recorded_inits``)."""
+        self._init_replays = []
+        for segment, ranges in inits:
+            tape = segments[segment] if segment < len(segments) else {}
+            self._init_replays.append({key: [(op, out) for op, _, out in
+                                             tape.get(key, [])[a:b]]
+                                       for key, (a, b) in ranges.items()})
+
+    @contextmanager
+    def stage_initialisation(self):
+        """Around a pipeline schedule's stage initialisation (``comm/pipelining.py``)."""
+        index, self._init_calls = self._init_calls, self._init_calls + 1
+        if self.joiner and not self.local and self._init_replays is None and \
+                self.init_source is not None:
+            source, self.init_source = self.init_source, None
+            try:
+                self.expect_stage_initialisations(*source())
+            except ValueError as exc:    # RecordingInvalid: missing, stale or unreadable
+                raise RuntimeError(f"trainmover: a joiner cannot initialise a pipeline "
+                                   f"schedule without disturbing the stayers: {exc}") from exc
+        if self._recorded_inits is not None:
+            before = {key: fwd.recorded() for key, fwd in self._taped()}
+            yield
+            self._recorded_inits.append(
+                (self._segments_taken, {key: (before[key], fwd.recorded())
+                                        for key, fwd in self._taped() if key in before}))
+            return
+        if self.local or self.sandbox or self._init_replays is None:
+            if not self.local and not self.sandbox and self.joiner:
+                raise RuntimeError(
+                    "trainmover: a joiner cannot initialise a pipeline schedule: there is no "
+                    "recording of its stage's initialisation (the job records it at step 0 "
+                    "when it has standbys; a resumed job does not)")
+            yield
+            return
+        replay = self._init_replays[index] if index < len(self._init_replays) else None
+        if replay is None:    # a later initialisation (eval <-> train): every stage runs it
+            yield
+            return
+        taped = list(self._taped())
+        for key, fwd in taped:
+            fwd.set_local(True)
+            fwd.set_replay(replay.get(key, []))
+        try:
+            yield
+            why = self.mismatch()
+            answered = {key: fwd.replay_state()[0] for key, fwd in taped}
+        finally:
+            for key, fwd in taped:
+                fwd.clear_replay()
+                fwd.set_local(False)
+        if why:
+            raise RuntimeError(f"trainmover: this joiner's pipeline stage initialisation "
+                               f"differs from the one recorded at step 0 ({why})")
+        answered = {k: n for k, n in answered.items() if n}
+        if answered:    # (a later step's call finds its stages initialised: nothing to do)
+            self.emit("stage_initialisation_replayed", operations=answered)
+
     def close(self) -> None:
         """The end of one run of the script: torch forgets these groups (the communicators
         are the runtime's and stay), so the process's next run can have its own."""
@@ -168,6 +293,7 @@ class TorchGroups:
             self.holder.listeners.remove(self.refresh)
         if self in _active:
             _active.remove(self)
+        self.replay_mismatch = self.mismatch() if self.sandbox else None
         for fwds in self._forwarders.values():
             for fwd in fwds:
                 fwd.set_inner(None)

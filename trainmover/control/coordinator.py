@@ -587,6 +587,10 @@ class Coordinator:
         if not all(ctx.procs.exit_code(w) == 0 for w in ctx.membership.workers
                    if w not in failed):
             return False
+        # a leaver that reached its switch exited at it: its joiner holds the role now, and
+        # the job is not done until the joiner is (it may still be in the last step)
+        if not all(ctx.procs.exit_code(j) == 0 for j in self.migrations.joiners_past_switch()):
+            return False
         if self.baseline.due():
             self.baseline.restart()
             return False

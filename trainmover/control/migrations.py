@@ -190,6 +190,16 @@ class Migrations:
         self.ctx.events.emit("migration_go", migration_id=mig.plan.migration_id)
         self.ctx.reached("migration_switch")
 
+    def joiners_past_switch(self) -> list[str]:
+        """The joiners of the active migration whose leavers reached the switch (the
+        leaver's state went to the joiner, and the leaver left)."""
+        mig = self.active
+        if mig is None:
+            return []
+        mid = mig.plan.migration_id
+        return [p.joiner for p in mig.plan.pairs
+                if self.ctx.store.check([P.mig_key(mid, "at_switch", p.leaver)])]
+
     def all_switched(self) -> bool:
         mig = self.active
         count = self.ctx.store.add(P.mig_key(mig.plan.migration_id, "switched_count"), 0)

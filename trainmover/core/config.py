@@ -294,6 +294,10 @@ class StandbyConfig:
     warmup: bool = True
     warmup_iterations: int = 2
     recording_dir: str | None = None   # default: <run dir>/recordings
+    # A script's torch operations are recorded with their outputs, except an output larger
+    # than this (an FSDP all-gather of a whole layer): its shape only, answered locally in
+    # the replay. What steers code (sizes, pickled objects, norms, votes) is small.
+    record_max_mb: float = 4.0
     # How often a standby looks for a structure's recording that is not written yet.
     recording_poll_s: float = 0.05
     # How long a standby's shadow step waits for the job's fingerprint of the same step's
@@ -310,6 +314,7 @@ class StandbyConfig:
     def validate(self) -> None:
         _non_negative("standby", count=self.count, replenish_max=self.replenish_max)
         _positive("standby", warmup_iterations=self.warmup_iterations)
+        _seconds("standby", record_max_mb=self.record_max_mb)   # (a positive number)
         _seconds("standby", recording_poll_s=self.recording_poll_s,
                  fingerprint_wait_s=self.fingerprint_wait_s)
 

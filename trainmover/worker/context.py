@@ -89,6 +89,7 @@ class WorkerContext:
         self.runtime = None          # the Runtime of the script run in progress
         self.shadow_times: list[float] = []   # the current shadow run's step times
         self.shadow_wait_s = 0.0                # how long it waited for its recording
+        self.replay_mismatch: str | None = None  # where the last shadow run's replay diverged
         self.events.emit("worker_started", pid=os.getpid(),
                          **({"cuda_device": self.device.index} if self.device.type == "cuda"
                             else {}),

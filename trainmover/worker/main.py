@@ -114,14 +114,19 @@ def warm_up(ctx: WorkerContext) -> None:
         except ShadowDone:
             pass
         except (RecordingInvalid, SandboxMismatch) as exc:
-            ctx.events.emit("warmup_skipped", structure=key, reason=str(exc), level="warning")
-            print(f"warning: {ctx.name} cannot warm {key} ({exc}); it stays cold for it",
-                  file=sys.stderr, flush=True)
+            _stays_cold(ctx, key, str(exc))
             continue
         except (DataNotDeterministic, identity.IdentityMismatch) as exc:
             ctx.events.emit("standby_refused", structure=key, reason=str(exc), level="error")
             ctx.set_standby_state("refused", reason=str(exc)[:2000])
             raise
+        except Exception as exc:  # noqa: BLE001 - only where the replay had lost its place
+            if not ctx.replay_mismatch:
+                raise
+            # the script failed on local answers after its torch operations left the
+            # recording: the replay's fault, not the script's
+            _stays_cold(ctx, key, f"{ctx.replay_mismatch}; then {type(exc).__name__}: {exc}")
+            continue
         warmed.append(key)
         ctx.set_standby_state("warming", warmed)
         ctx.events.emit("warmed", structure=key, role=role.name,
@@ -131,6 +136,12 @@ def warm_up(ctx: WorkerContext) -> None:
         if not ctx.commands.queue.empty():
             break
     ctx.set_standby_state("warm" if warmed else "cold", warmed)
+
+
+def _stays_cold(ctx: WorkerContext, key: str, reason: str) -> None:
+    ctx.events.emit("warmup_skipped", structure=key, reason=reason, level="warning")
+    print(f"warning: {ctx.name} cannot warm {key} ({reason}); it stays cold for it",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

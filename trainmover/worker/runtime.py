@@ -35,9 +35,9 @@ from typing import Iterator
 import torch
 
 from trainmover.comm.groups import Group, build_comm_groups
-from trainmover.comm.record import (Recorder, load_into, load_recording, manifest_for,
-                                    recording_dir, recording_path, representative_roles,
-                                    rewind, sandbox_groups, save_recording, structure_depths)
+from trainmover.comm import pipelining
+from trainmover.comm.record import (load_into, load_recording, representative_roles,
+                                    rewind, sandbox_groups, structure_depths)
 from trainmover.core import protocol as P
 from trainmover.core.identity import DATA_KEY, data_mismatch
 from trainmover.core.config import JobConfig
@@ -58,6 +58,7 @@ from trainmover.worker.errors import UsageError
 from trainmover.worker.handles import GroupView
 from trainmover.worker.liveness import AbortWatcher, CommitVote
 from trainmover.worker.perf import StepMeter
+from trainmover.worker.recording import StepRecorder, stage_initialisations
 
 
 class DataNotDeterministic(UsageError):
@@ -179,9 +180,13 @@ class Runtime:
         step."""
         from trainmover.comm.torch_groups import TorchGroups
 
-        return TorchGroups(self.comm_groups, self.layout, self.role, self.ctx.abort,
-                           self.device, sandbox=self.sandbox,
-                           joining=isinstance(self.ctx.launch, Join))
+        groups = TorchGroups(self.comm_groups, self.layout, self.role, self.ctx.abort,
+                             self.device, sandbox=self.sandbox,
+                             joining=isinstance(self.ctx.launch, Join))
+        groups.emit = self.ctx.events.emit
+        if groups.joiner:
+            groups.init_source = lambda: stage_initialisations(self)
+        return groups
 
     def device_mesh(self, axes: tuple[str, ...] | None = None):
         """A ``torch.distributed.DeviceMesh`` over this worker's process groups, dimensions
@@ -213,6 +218,7 @@ class Runtime:
         """The end of this run of the script (the worker's, between runs)."""
         if self.torch_groups is not None:
             self.torch_groups.close()
+            self.ctx.replay_mismatch = self.torch_groups.replay_mismatch
             self.torch_groups = None
 
     # --- where this worker is --------------------------------------------------------------
@@ -376,10 +382,16 @@ class Runtime:
                 raise ShadowInterrupted(f"assigned before {launch.structure} was recorded")
             time.sleep(ctx.cfg.standby.recording_poll_s)
         ctx.shadow_wait_s = time.perf_counter() - t_wait
-        load_into(self.comm_groups, load_recording(launch.path, launch.manifest))
+        rec = load_recording(launch.path, launch.manifest)
+        load_into(self.comm_groups, rec)
+        if self.torch_groups is not None:
+            pipelining.hook()
         for i in range(ctx.cfg.standby.warmup_iterations):
             step = i + 1
             rewind(self.comm_groups)
+            if self.torch_groups is not None and rec.torch_ops:
+                # torch's first step differs from the next (worker/recording.py)
+                self.torch_groups.load_replay(rec.torch_ops[min(i, len(rec.torch_ops) - 1)])
             cur = self.current = StepInFlight(step, time.perf_counter(),
                                               fingerprinted=step in P.FINGERPRINT_STEPS)
             try:
@@ -391,6 +403,11 @@ class Runtime:
                 raise UsageError("the step loop skipped the commit point: call "
                                  "rt.commit() once per step, before optimizer.step()")
             self._check_fingerprint(launch.structure, cur)
+            why = self.torch_groups.mismatch() if self.torch_groups is not None else None
+            if why:
+                # the rest of that step ran on local answers: warm, but not on real values
+                ctx.events.emit("replay_diverged", structure=launch.structure, step=step,
+                                reason=why, level="warning")
             if not ctx.commands.queue.empty():
                 break
         raise ShadowDone()
@@ -553,6 +570,10 @@ class _Loop:
         # publishes batch fingerprints for the standbys' warm-up), if any
         self.structure = self._record_key(step)
         record_key = self.structure
+        self.recorder = StepRecorder(rt, record_key, self.total) \
+            if record_key is not None else None
+        if rt.torch_groups is not None:
+            pipelining.hook()     # the script has imported what it uses by now
         self._start_epoch()
         if self.checkpointer is not None and step == 0:
             # the initial state: the recovery source of last resort for a role without a
@@ -592,8 +613,7 @@ class _Loop:
                 rt.comm_groups.shutdown()
                 raise Departed()
             self.meter.begin(step, rt.comm_groups)
-            recorder = Recorder(rt.comm_groups).__enter__() \
-                if step == 0 and record_key is not None else None
+            recorder = self.recorder.begin(step) if self.recorder is not None else None
             cur = rt.current = StepInFlight(
                 step, time.perf_counter(),
                 fingerprinted=self.structure is not None and step in P.FINGERPRINT_STEPS)
@@ -613,8 +633,8 @@ class _Loop:
             if not cur.commit:
                 step = self._recover(step)
                 continue
-            if recorder is not None:
-                self._save_recording(recorder, record_key, cur.metrics.get("loss"))
+            if self.recorder is not None:
+                self.recorder.committed(step, recorder, cur.metrics.get("loss"))
             if cur.batch_digest is not None:   # a fingerprinted step (see StepInFlight)
                 ctx.store.set(P.batch_fingerprint_key(self.structure, step), cur.batch_digest)
             if self.on_first_step is not None:
@@ -685,17 +705,6 @@ class _Loop:
         record["worker"] = self.rt.name
         record["epoch"] = self.ctx.epoch   # a resumed controller's committed count (resume)
         self.metrics.write(record)
-
-    def _save_recording(self, recorder: Recorder, key: str, loss: float | None) -> None:
-        rt, ctx = self.rt, self.ctx
-        t0 = time.perf_counter()
-        rec = recorder.recording(manifest_for(self.cfg, key, rt.role))
-        rec.manifest.update(record_step=0, bytes=rec.nbytes, loss=loss)
-        path = recording_path(recording_dir(self.cfg, rt.run_dir), key)
-        save_s = save_recording(rec, path)
-        ctx.events.emit("recorded", structure=key, path=path, bytes=rec.nbytes,
-                        ops=sum(len(v) for v in rec.ops.values()),
-                        record_s=round(time.perf_counter() - t0, 4), save_s=round(save_s, 4))
 
     def _recover(self, step: int) -> int:
         rt, ctx = self.rt, self.ctx

@@ -16,7 +16,11 @@
 // completed the same way, so no thread stays blocked on a dead or hung peer.
 //
 // A sandbox forwarder (a standby's warm-up) has no inner backend: it answers every
-// operation locally (see `Local*` below) and never touches the network.
+// operation locally (see `Local*` below) and never touches the network. With a replay
+// loaded (`set_replay`) it answers from a recording instead: the outputs the job's own
+// worker of that role got for the same operations (`start_recording`/`take_recording`),
+// so a warm-up sees real values (a pipeline stage's shapes, exchanged as pickled objects,
+// must be real) and runs the code paths the job runs.
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -174,6 +178,45 @@ class Waiter {
 
 std::string op_name(OpType op) { return c10d::opTypeToString(op); }
 
+// One forwarder's operations in issue order, with copies of their outputs once they
+// completed: what the recording worker keeps for the standbys' replay. An output larger
+// than `max_bytes` is kept as its shape only (a "meta" tensor): a replay answers it
+// locally; the values that steer code (sizes, pickled objects, norms, votes) are small.
+struct TapeEntry {
+  OpType op;
+  std::vector<at::Tensor> tensors;
+  bool filled = false;
+};
+
+struct Tape {
+  std::mutex mutex;
+  std::vector<TapeEntry> entries;
+  int64_t max_bytes = 0;
+
+  size_t add(OpType op, bool filled) {
+    std::lock_guard<std::mutex> lock(mutex);
+    entries.push_back(TapeEntry{op, {}, filled});
+    return entries.size() - 1;
+  }
+  void fill(size_t index, const std::vector<at::Tensor>& outputs) {
+    std::vector<at::Tensor> copies;
+    for (auto& t : outputs) {
+      if (t.numel() * static_cast<int64_t>(t.element_size()) > max_bytes) {
+        copies.push_back(at::empty(t.sizes(), t.options().device(at::kMeta)));
+      } else {
+        copies.push_back(t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (index < entries.size()) {
+      entries[index].tensors = std::move(copies);
+      entries[index].filled = true;
+    }
+  }
+};
+
+bool has_outputs(OpType op) { return op != OpType::SEND && op != OpType::BARRIER; }
+
 class ForwardWork : public Work {
  public:
   ForwardWork(WorkPtr inner, OpType op, std::shared_ptr<Signal> signal,
@@ -279,6 +322,11 @@ class ForwardWork : public Work {
     return future_;
   }
 
+  void record_into(std::shared_ptr<Tape> tape, size_t index) {
+    tape_ = std::move(tape);
+    tape_index_ = index;
+  }
+
   // The signal was set: a wait inside a step returns, outside a step it raises.
   void doom() {
     if (signal_->in_step()) {
@@ -309,6 +357,7 @@ class ForwardWork : public Work {
     doomed_.store(doomed);
     if (!doomed) {
       counts_->pending.fetch_sub(1);  // a doomed operation stays pending: the group is dirty
+      if (tape_) tape_->fill(tape_index_, outputs_);
     }
     complete_future();
     signal_->notify();
@@ -337,6 +386,8 @@ class ForwardWork : public Work {
   bool p2p_;
   WorkPtr inner_;
   OpType op_;
+  std::shared_ptr<Tape> tape_;   // recording: where this operation's outputs go
+  size_t tape_index_ = 0;
   std::shared_ptr<Signal> signal_;
   std::shared_ptr<Counts> counts_;
   std::shared_ptr<Waiter> waiter_;
@@ -404,6 +455,76 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
     return d;
   }
   int64_t generation() { return generation_; }
+
+  // Recording: every operation issued from now on, with its outputs once complete.
+  void start_recording(int64_t max_bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tape_ = std::make_shared<Tape>();
+    tape_->max_bytes = max_bytes;
+  }
+  int64_t recorded() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!tape_) return 0;
+    std::lock_guard<std::mutex> tape_lock(tape_->mutex);
+    return static_cast<int64_t>(tape_->entries.size());
+  }
+  // The operations recorded so far, as (op, name, outputs or None when the operation never
+  // completed); recording goes on in a fresh tape if `keep_going`, else it stops.
+  py::list take_recording(bool keep_going) {
+    std::shared_ptr<Tape> tape;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tape = tape_;
+      tape_.reset();
+      if (tape && keep_going) {
+        tape_ = std::make_shared<Tape>();
+        tape_->max_bytes = tape->max_bytes;
+      }
+    }
+    py::list out;
+    if (!tape) return out;
+    std::lock_guard<std::mutex> lock(tape->mutex);
+    for (auto& e : tape->entries) {
+      py::object tensors = py::none();
+      if (e.filled) tensors = py::cast(e.tensors);
+      out.append(py::make_tuple(static_cast<int>(e.op), op_name(e.op), tensors));
+    }
+    return out;
+  }
+
+  // Replay: local operations are answered from `entries` ((op, outputs or None) in issue
+  // order) instead of locally, from the first one on. An operation that does not match its
+  // entry (another kind, other shapes) is answered locally, as is every one after it, and
+  // the replay notes why.
+  void set_replay(const py::list& entries) {
+    std::vector<TapeEntry> replay;
+    for (auto item : entries) {
+      auto tuple = item.cast<py::tuple>();
+      TapeEntry e{static_cast<OpType>(tuple[0].cast<int>()), {}, false};
+      if (!tuple[1].is_none()) {
+        e.tensors = tuple[1].cast<std::vector<at::Tensor>>();
+        e.filled = true;
+      }
+      replay.push_back(std::move(e));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    replay_ = std::move(replay);
+    replaying_ = true;
+    cursor_ = 0;
+    mismatch_.clear();
+  }
+  void clear_replay() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    replay_.clear();
+    replaying_ = false;
+    cursor_ = 0;
+  }
+  // (operations answered from the replay so far, its length, the first mismatch or "")
+  py::tuple replay_state() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return py::make_tuple(static_cast<int64_t>(cursor_),
+                          static_cast<int64_t>(replay_.size()), mismatch_);
+  }
 
   const std::string getBackendName() const override { return "trainmover"; }
   bool supportsCoalescing() const override { return false; }
@@ -560,7 +681,11 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
       return done(op, std::move(outputs), counts);
     }
     if (local_) {
-      local();
+      if (replaying()) {
+        replay(op, outputs, local);
+      } else {
+        local();
+      }
       return done(op, std::move(outputs), counts);
     }
     auto inner = current();
@@ -592,8 +717,74 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
       if (!waiter_) waiter_ = std::make_shared<Waiter>();
       waiter = waiter_;
     }
-    return c10::make_intrusive<ForwardWork>(work, op, signal_, counts, waiter, p2p,
-                                            std::move(outputs), name_);
+    auto forward = c10::make_intrusive<ForwardWork>(work, op, signal_, counts, waiter, p2p,
+                                                    std::move(outputs), name_);
+    std::shared_ptr<Tape> tape;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tape = tape_;
+    }
+    if (tape) {
+      forward->record_into(tape, tape->add(op, !has_outputs(op)));
+    }
+    return forward;
+  }
+
+  bool replaying() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return replaying_;
+  }
+
+  template <typename Local>
+  void replay(OpType op, std::vector<at::Tensor>& outputs, Local&& local) {
+    TapeEntry entry;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      size_t index = cursor_++;
+      if (index >= replay_.size()) {
+        note_mismatch(op_name(op) + " #" + std::to_string(index) +
+                      " is beyond the recording (" + std::to_string(replay_.size()) +
+                      " operations)");
+        local();
+        return;
+      }
+      entry = replay_[index];
+      std::string why;
+      if (entry.op != op) {
+        why = "is " + op_name(op) + " but the recording has " + op_name(entry.op);
+      } else if (entry.filled && has_outputs(op)) {
+        if (entry.tensors.size() != outputs.size()) {
+          why = op_name(op) + " has " + std::to_string(outputs.size()) +
+                " outputs, the recording " + std::to_string(entry.tensors.size());
+        }
+        for (size_t i = 0; why.empty() && i < outputs.size(); ++i) {
+          if (entry.tensors[i].sizes() != outputs[i].sizes() ||
+              entry.tensors[i].scalar_type() != outputs[i].scalar_type()) {
+            why = op_name(op) + " output " + std::to_string(i) + " is " +
+                  c10::str(outputs[i].sizes()) + " " + c10::toString(outputs[i].scalar_type()) +
+                  ", the recording's " + c10::str(entry.tensors[i].sizes()) + " " +
+                  c10::toString(entry.tensors[i].scalar_type());
+          }
+        }
+      }
+      if (!why.empty()) {
+        note_mismatch("operation #" + std::to_string(index) + " " + why);
+        local();
+        return;
+      }
+    }
+    local();  // what the recording does not hold (too large, never completed) stays local
+    if (!entry.filled || !has_outputs(op)) return;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (!entry.tensors[i].is_meta()) outputs[i].copy_(entry.tensors[i]);
+    }
+  }
+
+  // (mutex_ held) After a mismatch every later operation is answered locally: the replay
+  // has lost its place, and a later entry of the same shape would hand over wrong values.
+  void note_mismatch(const std::string& why) {
+    if (mismatch_.empty()) mismatch_ = name_ + ": " + why;
+    replaying_ = false;
   }
 
   WorkPtr done(OpType op, std::vector<at::Tensor> outputs, std::shared_ptr<Counts> counts) {
@@ -610,6 +801,11 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
   bool local_ = false;
   std::string unavailable_;
   int64_t generation_ = 0;
+  std::shared_ptr<Tape> tape_;        // recording, when set
+  std::vector<TapeEntry> replay_;     // replay, when replaying_
+  bool replaying_ = false;
+  size_t cursor_ = 0;
+  std::string mismatch_;
 };
 
 }  // namespace trainmover
@@ -630,5 +826,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_local", &ForwardingBackend::set_local)
       .def("set_unavailable", &ForwardingBackend::set_unavailable)
       .def("counts", &ForwardingBackend::counts)
+      .def("start_recording", &ForwardingBackend::start_recording)
+      .def("recorded", &ForwardingBackend::recorded)
+      .def("take_recording", &ForwardingBackend::take_recording, py::arg("keep_going"))
+      .def("set_replay", &ForwardingBackend::set_replay)
+      .def("clear_replay", &ForwardingBackend::clear_replay)
+      .def("replay_state", &ForwardingBackend::replay_state)
       .def_property_readonly("generation", &ForwardingBackend::generation);
 }
