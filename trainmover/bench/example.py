@@ -49,7 +49,8 @@ def run_plain(nproc: int, steps: int, timeout_s: float, script: str = "ddp_gpt")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", os.path.join(_examples_dir(), f"{PLAIN[script]}.py"),
+         f"--nproc-per-node={_nproc(script, nproc)}",
+         os.path.join(_examples_dir(), f"{PLAIN[script]}.py"),
          "--steps", str(steps)], capture_output=True, text=True, timeout=timeout_s, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"torchrun failed: {res.stderr[-2000:]}")
@@ -60,13 +61,14 @@ def run_trainmover(nproc: int, steps: int, timeout_s: float, scratch: str,
                    script: str = "ddp_gpt") -> list[float]:
     run_dir = os.path.join(scratch, f"tm-{time.time_ns()}")
     res = subprocess.run(
-        [sys.executable, "-m", "trainmover", "launch", "--nproc", str(nproc), "--threads", "1",
+        [sys.executable, "-m", "trainmover", "launch",
+         *LAYOUTS.get(script, ("--nproc", str(nproc))), "--threads", "1",
          "--run-dir", run_dir, "--quiet", *LAUNCH_FLAGS.get(script, ()), "--", sys.executable,
          os.path.join(_examples_dir(), f"{script}.py"), "--steps", str(steps)],
         capture_output=True, text=True, timeout=timeout_s)
     if res.returncode != 0:
         raise RuntimeError(f"trainmover launch failed: {res.stderr[-2000:]}")
-    with open(os.path.join(run_dir, "logs", "w0.log")) as f:   # w0 holds dp rank 0
+    with open(os.path.join(run_dir, "logs", f"{PRINTER.get(script, 'w0')}.log")) as f:
         times = _step_times(f.read())
     shutil.rmtree(run_dir, ignore_errors=True)
     return times
@@ -74,9 +76,21 @@ def run_trainmover(nproc: int, steps: int, timeout_s: float, scratch: str,
 
 # each resilient example and the plain torchrun script it was made from
 PLAIN = {"ddp_gpt": "ddp_gpt_plain", "torch_ddp": "ddp_gpt_plain",
-         "torch_fsdp": "torch_fsdp_plain"}
-LAUNCH_FLAGS = {"torch_fsdp": ("--dp-sharded",)}
+         "torch_fsdp": "torch_fsdp_plain", "torch_fsdp_tp": "torch_fsdp_tp_plain",
+         "torch_pipeline": "torch_pipeline_plain"}
+LAUNCH_FLAGS = {"torch_fsdp": ("--dp-sharded",), "torch_fsdp_tp": ("--dp-sharded",),
+                "torch_pipeline": ("--dp-sharded",)}
+# the 2-D examples' layouts (4 processes: --nproc is ignored) and the worker that prints
+# the step lines (the pipeline's loss is on its last stage: w1 holds dp0.pp1)
+LAYOUTS = {"torch_fsdp_tp": ("--dp", "2", "--tp", "2"),
+           "torch_pipeline": ("--dp", "2", "--pp", "2")}
+PRINTER = {"torch_pipeline": "w1"}
 SCRIPTS = tuple(PLAIN)
+
+
+def _nproc(script: str, nproc: int) -> int:
+    layout = LAYOUTS.get(script)
+    return nproc if layout is None else int(layout[1]) * int(layout[3])
 
 
 def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
@@ -107,7 +121,7 @@ def bench_example(nproc: int = 2, steps: int = 40, repeats: int = 3,
     noise = max(max(v) / min(v) - 1 for v in runs.values())
     result = {
         "benchmark": "example", "script": script, "machine": machine_description(),
-        "nproc": nproc,
+        "nproc": _nproc(script, nproc), "layout": list(LAYOUTS.get(script, ())),
         "steps": steps, "warmup_steps_skipped": SKIP, "repeats": repeats, "order": order,
         "median_step_s": {k: {"median": med[k], "min": min(v), "max": max(v), "runs": v}
                           for k, v in runs.items()},
