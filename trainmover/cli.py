@@ -608,11 +608,14 @@ def make_parser() -> argparse.ArgumentParser:
     ex = bsub.add_parser("example", help="examples/ddp_gpt.py (or --script torch_ddp) under "
                                          "trainmover vs the plain DDP script under torchrun "
                                          "(run from the repo root)")
-    ex.add_argument("--script", choices=("ddp_gpt", "torch_ddp", "torch_fsdp"),
+    ex.add_argument("--script", choices=("ddp_gpt", "torch_ddp", "torch_fsdp", "torch_fsdp_tp",
+                                         "torch_pipeline"),
                     default="ddp_gpt",
                     help="ddp_gpt: trainmover's data-parallel wrapper; torch_ddp: torch's "
                          "DistributedDataParallel on trainmover's process groups; "
-                         "torch_fsdp: FSDP2 on them (--dp-sharded)")
+                         "torch_fsdp: FSDP2 on them (--dp-sharded); torch_fsdp_tp: FSDP2 + "
+                         "tensor parallel (--dp 2 --tp 2); torch_pipeline: pipelining + "
+                         "FSDP2 (--dp 2 --pp 2)")
     ex.add_argument("--nproc", type=int, default=2)
     ex.add_argument("--steps", type=int, default=40)
     ex.add_argument("--repeats", type=int, default=3)
