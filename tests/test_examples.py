@@ -182,6 +182,50 @@ def test_misuse_is_refused_with_a_clear_error(tmp_path, case):
     assert summary is None
 
 
+@pytest.mark.timeout(300)
+def test_a_script_imports_its_neighbours_wherever_it_is_launched_from(tmp_path):
+    """As ``python SCRIPT`` does: the script's folder is first on sys.path (the launch runs
+    from the repository root, the script and its module live elsewhere)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "model.py").write_text("import torch\n\ndef build():\n"
+                                     "    return torch.nn.Linear(4, 4)\n")
+    script = folder / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import trainmover
+        from model import build
+        rt = trainmover.init()
+        model = rt.data_parallel(build())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rt.register(model=model, optimizer=opt)
+        for step in rt.steps(3):
+            model(torch.ones(2, 4)).sum().backward()
+            if rt.commit():
+                opt.step()
+            opt.zero_grad()
+        """))
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], script)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary["steps"] == 3
+
+
+@pytest.mark.timeout(300)
+def test_a_script_that_fails_before_init_ends_the_job_at_once_naming_the_error(tmp_path):
+    """Not a machine's failure to recover from: every replacement would fail the same way.
+    The job stops on the first such exit, with the exception and where its traceback is."""
+    script = tmp_path / "train.py"
+    script.write_text("import trainmover\nfrom no_such_module import GPT\n")
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], script, (), ["--standbys", "1"])
+    assert res.returncode == 1 and summary is None
+    assert "failed before trainmover.init(): ModuleNotFoundError: No module named " \
+           "'no_such_module'" in res.stderr, res.stderr[-3000:]
+    assert "logs/w" in res.stderr and "cannot recover" not in res.stderr
+    (first, *_) = events(tmp_path / "run", "script_error")
+    assert "ModuleNotFoundError" in first["error"]
+    assert not events(tmp_path / "run", "recovery_started")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("command, message", [
     ([], "no training command after '--'"),

@@ -21,7 +21,8 @@ RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
                  "controller_restart": "controller_restart", "verify_every": "health_verify_every",
                  "nnodes": "hosts_nnodes", "nproc_per_node": "hosts_nproc_per_node",
                  "store_host": "process_store_host", "store_port": "process_store_port",
-                 "allow_remote": "process_allow_remote"}
+                 "allow_remote": "process_allow_remote",
+                 "allow_replica_disagreement": "health_replicas_must_agree"}
 
 
 def apply_runtime_args(cfg: JobConfig, args: argparse.Namespace) -> None:
@@ -122,6 +123,10 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-every", type=int, metavar="N",
                    help="compare the data-parallel replicas' state digests every N steps "
                         "(default 0: at the end only)")
+    p.add_argument("--allow-replica-disagreement", action="store_const", const=False,
+                   help="end with exit code 0 even when data-parallel replicas hold different "
+                        "states at the end (a script whose replicas legitimately differ); by "
+                        "default that fails the job: its weights would depend on the replica")
     p.add_argument("--keep-checkpoints", type=int, metavar="N",
                    help="complete checkpoints kept on disk (default 2; older ones deleted)")
     p.add_argument("--controller-restart", choices=["auto", "manual"],
@@ -248,6 +253,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         coord = Coordinator(cfg, run_dir, quiet=args.quiet, injects=injects)
     summary = run_until_done(coord)
     print(json.dumps(summary, indent=2))
+    return _verdict(coord.cfg, summary)
+
+
+def _verdict(cfg, summary: dict) -> int:
+    """The exit code of a job that ran to its end: 1 when its data-parallel replicas ended
+    with different states (unless allowed): which one is "the" model is then undefined."""
+    if summary.get("replicas_agree") is False and cfg.health.replicas_must_agree:
+        print("trainmover: job failed: data-parallel replicas hold different states at the "
+              "end (replicas_disagree in events.jsonl names them): a script that seeds each "
+              "rank differently and builds no DDP/rt.data_parallel, a non-deterministic "
+              "kernel, or a bad device. --allow-replica-disagreement accepts it",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -266,7 +284,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         coord = Coordinator(cfg, run_dir, quiet=args.quiet, injects=injects)
     summary = run_until_done(coord)
     print(json.dumps(summary, indent=2))
-    return 0
+    return _verdict(coord.cfg, summary)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -621,6 +639,16 @@ def make_parser() -> argparse.ArgumentParser:
     ex.add_argument("--repeats", type=int, default=3)
     ex.add_argument("--out", default="benchmarks/results")
     ex.set_defaults(fn=cmd_bench)
+    exd = bsub.add_parser("example-downtime",
+                          help="a planned migration's and a crash's downtime for the FSDP2 + "
+                               "TP example against the built-in trainer's, same layout and "
+                               "model (run from the repo root)")
+    exd.add_argument("--repeats", type=int, default=3)
+    exd.add_argument("--steps", type=int, default=40)
+    exd.add_argument("--event-step", type=int, default=20)
+    exd.add_argument("--checkpoint-every", type=int, default=5)
+    exd.add_argument("--out", default="benchmarks/results")
+    exd.set_defaults(fn=cmd_bench)
     ck = bsub.add_parser("checkpoint", help="periodic checkpoints' cost to the step, per "
                                             "interval, against checkpoints off")
     ck.add_argument("--intervals", default="10,50", help="comma list of checkpoint intervals")

@@ -269,6 +269,12 @@ def main(args) -> int:
 
         bench_example(args.nproc, args.steps, args.repeats, args.out, script=args.script)
         return 0
+    if args.bench == "example-downtime":
+        from trainmover.bench.example_downtime import bench_example_downtime
+
+        bench_example_downtime(args.repeats, args.steps, args.event_step,
+                               args.checkpoint_every, args.out)
+        return 0
     if args.bench == "checkpoint":
         from trainmover.bench.checkpoint import bench_checkpoint
 

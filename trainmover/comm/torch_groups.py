@@ -104,8 +104,9 @@ class TorchGroups:
         # record and replay (comm/record.py, comm/pipelining.py): the recording worker's
         # stage initialisations, as (tape segment, forwarder -> entries a..b of it); a
         # joiner's, answered from the recording's
+        self._recording = False
         self._segments_taken = 0
-        self._recorded_inits: list[tuple[int, dict[str, tuple[int, int]]]] | None = None
+        self._recorded_inits: list[tuple[int, dict[str, tuple[int, int]]]] = []
         self._init_replays: list[dict[str, list]] | None = None
         self._init_calls = 0
         self.init_source = None     # a joiner's: () -> (segments, inits) of its recording
@@ -190,8 +191,7 @@ class TorchGroups:
     def start_recording(self, max_bytes: int) -> None:
         """Keep every operation's outputs from now on (outputs over ``max_bytes``: their
         shapes only), and where each stage initialisation's operations fall."""
-        self._recorded_inits = []
-        self._segments_taken = 0
+        self._recording, self._recorded_inits, self._segments_taken = True, [], 0
         for _, fwd in self._taped():
             fwd.start_recording(max_bytes)
 
@@ -199,18 +199,18 @@ class TorchGroups:
         """The operations since the last take: {forwarder key: [(op, name, outputs or
         None)]}."""
         self._segments_taken += 1
+        self._recording = keep_going
         return {key: list(fwd.take_recording(keep_going)) for key, fwd in self._taped()}
 
     def restart_segment(self) -> None:
         """Drop what was recorded since the last take (a step being redone)."""
         for _, fwd in self._taped():
             fwd.take_recording(True)
-        if self._recorded_inits is not None:
-            self._recorded_inits = [(seg, r) for seg, r in self._recorded_inits
-                                    if seg != self._segments_taken]
+        self._recorded_inits = [(seg, r) for seg, r in self._recorded_inits
+                                if seg != self._segments_taken]
 
     def recorded_inits(self) -> list:
-        return list(self._recorded_inits or [])
+        return list(self._recorded_inits)
 
     def load_replay(self, tape: dict[str, list]) -> None:
         """A sandbox: answer operations from ``tape`` (a recorded segment) from now on."""
@@ -248,7 +248,7 @@ class TorchGroups:
             except ValueError as exc:    # RecordingInvalid: missing, stale or unreadable
                 raise RuntimeError(f"trainmover: a joiner cannot initialise a pipeline "
                                    f"schedule without disturbing the stayers: {exc}") from exc
-        if self._recorded_inits is not None:
+        if self._recording:
             before = {key: fwd.recorded() for key, fwd in self._taped()}
             yield
             self._recorded_inits.append(

@@ -348,6 +348,9 @@ class HealthConfig:
     # ``replicas_agree: false`` in the summary). Hashing the whole state costs a pass over
     # it: off by default between the ends.
     verify_every: int = 0
+    # Replicas that end with different states fail the job (exit code 1; the summary and
+    # final state are still written): its weights would depend on which replica is read.
+    replicas_must_agree: bool = True
     # A worker whose main thread shows no progress for this long while it trains (no step
     # started, no wait polled: wedged in a deadlock or a stuck data loader) stops beating,
     # so it is fenced as hung, and reports where that thread is stuck. Must exceed the

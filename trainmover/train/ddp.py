@@ -4,8 +4,9 @@
 under a running job (a migration, a recovery), so a user's script wraps its model with
 ``rt.data_parallel(model)`` instead. It behaves like DDP for the usual loop: the forward is
 the module's, ``loss.backward()`` returns with gradients averaged over the data-parallel
-replicas (bucketed all-reduces overlapped with the backward pass), and ``no_sync()`` skips
-the all-reduce for gradient accumulation. It reads the current data-parallel group at every
+replicas (bucketed all-reduces overlapped with the backward pass), and ``no_sync()`` (or
+``require_backward_grad_sync = False``, as with DDP) skips the all-reduce for gradient
+accumulation; at construction every replica takes the first one's parameters and buffers. It reads the current data-parallel group at every
 backward, so a group switch between steps is invisible to the script.
 """
 from __future__ import annotations
@@ -36,6 +37,33 @@ class DataParallel(torch.nn.Module):
         if self._on_forward is not None:
             self._on_forward(args, kwargs)
         return self.module(*args, **kwargs)
+
+    def align(self, groups: CommGroups) -> None:
+        """Give every replica the first replica's parameters and buffers, as
+        ``DistributedDataParallel`` does at construction: a script that seeds each rank
+        differently (``seed + rank``) trains one model, not one per replica. One broadcast
+        per dtype (the tensors flattened together)."""
+        group = groups.dp
+        if group is None or group.size == 1:
+            return
+        tensors = [t.data for t in list(self.module.parameters()) + list(self.module.buffers())]
+        by_dtype: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        for same in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(same)
+            group.broadcast(flat, 0)
+            for t, value in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+                t.copy_(value)
+
+    # the DDP attribute scripts set for gradient accumulation (False: skip the all-reduce)
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
 
     @contextlib.contextmanager
     def no_sync(self):

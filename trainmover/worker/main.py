@@ -17,6 +17,7 @@ its ``trainmover.init()`` finds this process's context.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 import time
@@ -39,21 +40,36 @@ from trainmover.worker.runtime import (DataNotDeterministic, Departed,  # noqa: 
 EXIT_USAGE = P.EXIT_USAGE
 
 
+class ScriptFailedEarly(Exception):
+    """The training script failed before it called ``trainmover.init()`` (an import, its
+    arguments, its model): a restart would run the same code into the same error."""
+
+
 def run_script(ctx: WorkerContext) -> None:
     """One run of the training script in this interpreter, as ``python SCRIPT ARGS`` would
-    run it (``sys.argv``, ``__main__``)."""
+    run it: ``sys.argv`` as given, ``__main__``, and the script's folder (for ``-m``: the
+    working folder) first on ``sys.path``, so the script imports its neighbours."""
     command = ctx.cfg.process.command
     ctx.runtime = None
-    saved = sys.argv
+    saved, saved_path = sys.argv, list(sys.path)
     try:
         if command[0] == "-m":
             sys.argv = [command[1], *command[2:]]
+            sys.path.insert(0, os.getcwd())
             runpy.run_module(command[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(command)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(command[0])))
             runpy.run_path(command[0], run_name="__main__")
+    except (Exception, SystemExit) as exc:
+        if ctx.runtime is not None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            raise
+        traceback.print_exc()
+        raise ScriptFailedEarly(f"the training script failed before trainmover.init(): "
+                                f"{type(exc).__name__}: {exc}") from exc
     finally:
         sys.argv = saved
+        sys.path[:] = saved_path
         if ctx.runtime is not None:
             ctx.runtime.close()
 
@@ -173,4 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx.events.emit("usage_error", error=str(exc), level="error")
         print(f"trainmover: {ctx.name}: {exc}", file=sys.stderr, flush=True)
         traceback.print_exc()
+        return EXIT_USAGE
+    except ScriptFailedEarly as exc:
+        # not a machine's failure: every replacement would fail the same way
+        log = os.path.join(args.run_dir, "logs", f"{args.name}.log")
+        ctx.events.emit("script_error", error=str(exc), log=log, level="error")
+        print(f"trainmover: {ctx.name}: {exc} (full traceback: {log})", file=sys.stderr,
+              flush=True)
         return EXIT_USAGE

@@ -47,6 +47,7 @@ from trainmover.core.files import DIGEST_FILE, final_dir
 from trainmover.core.topology import Layout, Role
 from trainmover.train.checkpoint import AsyncCheckpointer, load_local
 from trainmover.train.snapshot import PeerSnapshotter
+from trainmover.train import rng
 from trainmover.train.ddp import DataParallel
 from trainmover.train.final import write_final_shard
 from trainmover.train.state import TrainState, state_digest
@@ -247,6 +248,15 @@ class Runtime:
         return self.layout.tp
 
     @property
+    def is_main(self) -> bool:
+        """Whether this process should log, report and write the script's own files: the
+        holder of the role that records metrics (data- and tensor-parallel rank 0 of the last
+        stage, which holds the loss), and never a standby's warm-up. Guard ``wandb.init``,
+        printing and the script's own checkpoints with it: a standby rehearses the script
+        with ``is_main`` False, and a promoted one holding that role gets True."""
+        return self.is_reporter
+
+    @property
     def is_first_stage(self) -> bool:
         return self.role.pp == 0
 
@@ -275,6 +285,10 @@ class Runtime:
             if self.is_first_stage else None
         wrapper = DataParallel(module, self.comm_groups, bucket_mb, on_forward=on_forward,
                                on_point=lambda point: self.fault_point(point))
+        if isinstance(self.ctx.launch, Start):
+            # as DDP: one model whatever each rank seeded. Not in a shadow run (no peers) or
+            # a joiner (its state arrives from the leaver or a replica, mid-training)
+            wrapper.align(self.comm_groups)
         self._wrappers.append(wrapper)
         return wrapper
 
@@ -494,6 +508,7 @@ class _Loop:
             if rt.is_reporter else None
         self.on_first_step = None
         self.meter: StepMeter | None = None   # set when the training loop starts
+        self._rng_start: tuple[int, tuple] | None = None   # (step, generators at its start)
 
     def _new_checkpointer(self) -> AsyncCheckpointer:
         rt = self.rt
@@ -613,6 +628,7 @@ class _Loop:
                 rt.comm_groups.shutdown()
                 raise Departed()
             self.meter.begin(step, rt.comm_groups)
+            self._rng_at_start(step)
             recorder = self.recorder.begin(step) if self.recorder is not None else None
             cur = rt.current = StepInFlight(
                 step, time.perf_counter(),
@@ -656,6 +672,15 @@ class _Loop:
             if every and (step + 1) % every == 0:
                 self._post_digest(step + 1)
             step += 1
+
+    def _rng_at_start(self, step: int) -> None:
+        """A step redone after a failure starts from the generators its first attempt
+        started from (``train/rng.py``). After a rollback the state loaded brought its own."""
+        saved = self._rng_start
+        if saved is not None and saved[0] == step:
+            rng.restore(saved[1])
+        else:
+            self._rng_start = (step, rng.snapshot())
 
     def _stand_by_for_final(self) -> None:
         """A replica waits until the job's final state is assembled: if the holder of its
@@ -709,6 +734,9 @@ class _Loop:
     def _recover(self, step: int) -> int:
         rt, ctx = self.rt, self.ctx
         error = ctx.abort.reason or f"step {step} was aborted by the job"
+        # the generators back to the step's start before this role's state may be sent to a
+        # joiner (as a replica): the joiner redoes the step from them too
+        self._rng_at_start(step)
         resume, _ = R.survive(ctx, rt.role, rt.comm_groups, rt.state, self.migrations, step,
                               error)
         self._start_epoch(watching=True)
