@@ -224,6 +224,12 @@ def test_a_script_that_fails_before_init_ends_the_job_at_once_naming_the_error(t
     (first, *_) = events(tmp_path / "run", "script_error")
     assert "ModuleNotFoundError" in first["error"]
     assert not events(tmp_path / "run", "recovery_started")
+    # and the ended job's status says how it ended
+    res = subprocess.run([sys.executable, "-m", "trainmover", "status", "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "is not running and left no summary" in res.stdout
+    assert "job_failed" in res.stdout and "ModuleNotFoundError" in res.stdout, res.stdout
 
 
 @pytest.mark.timeout(60)

@@ -46,7 +46,8 @@ def dropout_base(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["crash@8:w1:allreduce", "hang@8:w0:allreduce"])
+@pytest.mark.parametrize("fault", ["crash@8:w1:allreduce",
+                                   pytest.param("hang@8:w0:allreduce", marks=pytest.mark.slow)])
 def test_a_step_redone_after_a_failure_draws_the_random_numbers_of_its_first_attempt(
         tmp_path, dropout_base, fault):
     """Both replicas drew step 8's dropout masks before the failure; the survivor redoes the
@@ -70,3 +71,123 @@ def test_a_step_redone_after_a_failure_draws_the_random_numbers_of_its_first_att
     runs = {name: ms for name, ms in seen.items() if name.endswith(".run")}
     assert [m["role"] for ms in runs.values() for m in ms if m["is_main"]] == \
         ["dp0.pp0.tp0"] * (2 if fault.endswith("w0:allreduce") else 1), runs
+
+
+SCALER = textwrap.dedent("""
+    import torch
+    import trainmover
+
+    rt = trainmover.init()
+    torch.manual_seed(0)
+    model = rt.data_parallel(torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    rt.register(model=model, optimizer=opt, extra={"scaler": scaler})
+    for step in rt.steps(16):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 16, generator=g)[rt.dp_rank * 4:(rt.dp_rank + 1) * 4]
+        if step == 4:
+            x[0, 0] = float("inf")         # an overflow: the scaler skips this step
+        scaler.scale(model(x).pow(2).mean()).backward()
+        scaler.unscale_(opt)               # before the commit point, to clip
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if rt.commit():
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+""")
+
+
+@pytest.mark.timeout(300)
+def test_an_amp_grad_scaler_registered_as_state_survives_a_redone_step(tmp_path):
+    """A step redone after a failure unscales its gradients again: the scaler forgets the
+    abandoned attempt (unscale_() would refuse), keeps its scale, and the job ends with the
+    uninterrupted run's weights, the skipped overflow step included."""
+    script = tmp_path / "train.py"
+    script.write_text(SCALER)
+    res, base = launch(tmp_path / "base", ["--nproc", "2"], script, (), ["--standbys", "0"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], script, (),
+                          ["--standbys", "1", "--inject", "crash@8:w1:allreduce"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary["recoveries"][0]["status"] == "done"
+    assert summary["weights_sha256"] == base["weights_sha256"]
+
+
+STATEFUL = textwrap.dedent("""
+    import torch
+    import trainmover
+    from torch.utils.data import DistributedSampler, TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    rt = trainmover.init()
+    torch.manual_seed(0)
+    model = rt.data_parallel(torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(512, 16, generator=g))
+    # a shuffled shard per replica, read by two worker processes with prefetching: the
+    # batch of a step is the loader's position, not a function of the step
+    sampler = DistributedSampler(data, num_replicas=rt.dp_size, rank=rt.dp_rank, seed=3)
+    loader = StatefulDataLoader(data, batch_size=4, sampler=sampler, num_workers=2,
+                                prefetch_factor=2)
+    rt.register(model=model, optimizer=opt, data=loader)
+    batches = rt.batches()
+    for step in rt.steps(24):
+        for micro in range(2):
+            (x,) = next(batches)
+            model.require_backward_grad_sync = micro == 1
+            model(x).pow(2).mean().backward()
+        if rt.commit():
+            opt.step()
+        opt.zero_grad()
+""")
+
+
+@pytest.fixture(scope="module")
+def stateful_base(tmp_path_factory):
+    pytest.importorskip("torchdata.stateful_dataloader")
+    root = tmp_path_factory.mktemp("stateful")
+    script = root / "train.py"
+    script.write_text(STATEFUL)
+    res, summary = launch(root / "run", ["--nproc", "2"], script, (), ["--standbys", "0"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return summary
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", ["migrate@6:w1", "crash@10:w1:allreduce",
+                                   pytest.param("hang@10:w0:allreduce",
+                                                marks=pytest.mark.slow)])
+def test_a_registered_stateful_loader_moves_with_its_role_and_a_redo_gets_its_batches(
+        tmp_path, stateful_base, fault):
+    """torchdata's StatefulDataLoader (2 workers, prefetching, a shuffled shard per
+    replica), registered as rt.register(data=...): a joiner continues from the leaver's (or
+    the replica's) position, a redone step is handed the batches its first attempt drew,
+    and the job ends with the uninterrupted run's weights."""
+    script = tmp_path / "train.py"
+    script.write_text(STATEFUL)
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], script, (),
+                          ["--standbys", "1", "--inject", fault])
+    assert res.returncode == 0, res.stderr[-3000:]
+    if fault.startswith("migrate"):
+        assert [m["status"] for m in summary["migrations"]] == ["done"]
+    else:
+        (r,) = summary["recoveries"]
+        assert r["status"] == "done" and r["lost_steps"] == 0, r
+    assert summary["weights_sha256"] == stateful_base["weights_sha256"]
+
+
+def test_data_that_cannot_be_resumed_is_refused_at_register(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import trainmover
+        rt = trainmover.init()
+        model = torch.nn.Linear(2, 2)
+        rt.register(model=model, data=iter([torch.ones(2)]))
+    """))
+    res, _ = launch(tmp_path / "run", ["--nproc", "1"], script)
+    assert res.returncode == 1
+    assert "rt.register(data=...): list_iterator has no state_dict, load_state_dict" in \
+        res.stderr, res.stderr[-2000:]

@@ -70,6 +70,15 @@ def test_checkpoint_round_trip_restores_everything_into_a_fresh_model():
     assert torch.equal(net.a.weight, fresh_net.a.weight)
 
 
+def test_a_compiled_model_has_the_state_names_of_the_eager_one():
+    """torch.compile's wrapper holds the module as ``_orig_mod``: its checkpoints and
+    transfers must match an eager run's by name (compiling is lazy: nothing compiles here)."""
+    net, opt, _ = trained(1, 1)
+    eager, _ = TrainState(net, opt).local_state()
+    compiled, _ = TrainState(torch.compile(net), opt).local_state()
+    assert sorted(compiled) == sorted(eager) and not any("_orig_mod" in k for k in compiled)
+
+
 def test_loading_a_state_of_another_model_is_refused():
     net, opt, _ = trained(1, 1)
     tensors, _ = TrainState(net, opt).local_state()

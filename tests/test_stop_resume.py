@@ -151,3 +151,20 @@ def test_resume_refuses_a_run_dir_without_a_job_or_a_checkpoint(tmp_path):
     none = cli("run", "--resume", str(run_dir))
     assert none.returncode == 2 and "no complete checkpoint" in none.stderr
     assert "step 4: no readable manifest" in none.stderr
+
+
+@pytest.mark.timeout(300)
+def test_status_of_a_finished_job_reports_its_outcome(tmp_path):
+    """A finished job's status is its summary (as `kubectl get job` or `sacct` give a
+    finished job's), at once: no store to reach any more."""
+    run_dir = str(tmp_path / "run")
+    summary = run_job(job(steps=4, standbys=0), run_dir, quiet=True, timeout_s=200)
+    res = subprocess.run([sys.executable, "-m", "trainmover", "status", "--run-dir", run_dir],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "finished: 4 steps" in res.stdout and summary["weights_sha256"] in res.stdout
+    assert f"{run_dir}/summary.json" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "trainmover", "status", "--run-dir", run_dir,
+                          "--json"], capture_output=True, text=True, timeout=60)
+    out = json.loads(res.stdout)
+    assert out["state"] == "finished" and out["summary"]["steps"] == 4

@@ -345,15 +345,21 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from trainmover.control.status import (fresh_limit_s, read_status, read_status_file,
-                                           render)
+    from trainmover.control.status import (ended, fresh_limit_s, read_status,
+                                           read_status_file, render, render_ended)
 
     fresh_s = fresh_limit_s(args.run_dir)
     store = None
     while True:
         # the controller's status.json while it is fresh (no torch import, no store); else
-        # the store, which also answers while the controller is down
+        # the store, which also answers while the controller is down; a job whose processes
+        # are all gone: its summary (finished, stopped) or how it ended
         st = read_status_file(args.run_dir, fresh_s)
+        outcome = ended(args.run_dir) if st is None else None
+        if outcome is not None:
+            print(json.dumps(outcome, indent=2) if args.json else
+                  render_ended(args.run_dir, outcome), flush=True)
+            return 0
         if st is None:
             from trainmover.control.client import connect
             store = store or connect(args.run_dir)

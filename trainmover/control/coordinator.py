@@ -472,6 +472,7 @@ class Coordinator:
             self.started.set()
             raise
         except BaseException as exc:
+            self._failed(exc)
             try:
                 self.migrations.fail_all(exc)
                 self._flush(force=True)
@@ -496,7 +497,11 @@ class Coordinator:
                     "restarts": self.baseline.report(), "recoveries": self.recovery.done}
         if self.stopping.requested and read_digest(self.run_dir) is None:
             return self._stopped(wall, stop_step)
-        summary = self._finish(wall)
+        try:
+            summary = self._finish(wall)
+        except JobFailed as exc:
+            self._failed(exc)
+            raise
         ctx.events.emit("job_done", wall_s=round(wall, 3),
                         weights_sha256=summary["weights_sha256"])
         return summary
@@ -676,6 +681,16 @@ class Coordinator:
         ctx.progress.say(f"stopped at step {step} ({self.stopping.reason}); continue with "
                          f"`trainmover run --resume {self.run_dir}`")
         return summary
+
+    def _failed(self, exc: BaseException) -> None:
+        """The job's end as an event (``trainmover status`` of the ended job reads it)."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        try:
+            self.ctx.events.emit("job_failed", error=f"{type(exc).__name__}: {exc}"[:4000],
+                                 level="error")
+        except Exception:  # noqa: BLE001 - the failure itself is what the caller reports
+            pass
 
     def _finish(self, wall_s: float) -> dict:
         cfg = self.cfg

@@ -189,3 +189,78 @@ def _ms(seconds) -> str:
 def _brief(item: dict) -> str:
     keys = ("status", "pairs", "failures", "downtime_s", "worker", "score", "step")
     return ", ".join(f"{k}={item[k]}" for k in keys if k in item)
+
+
+# --- a job that is not running any more ----------------------------------------------------
+
+def ended(run_dir: str) -> dict | None:
+    """The outcome of a job whose processes are gone (its agent, which outlives every other
+    process of the job, is not running), else None: {"state": "finished" | "stopped" |
+    "ended", "summary": the summary or None, "last_error": the newest error event or None}."""
+    from trainmover.core import jobfile
+    from trainmover.core.events import read_jsonl
+
+    try:
+        agent = jobfile.read_control(run_dir).get("agent_pid")
+    except (OSError, ValueError):
+        return None        # no job was started here (status says so its own way)
+    if isinstance(agent, int) and pid_alive(agent):
+        return None
+    summary, path = None, os.path.join(run_dir, "summary.json")
+    try:
+        # a summary older than the run's start (run.json: rewritten by each launch and
+        # --resume) is the one of the run before a --resume
+        if os.path.getmtime(path) >= os.path.getmtime(os.path.join(run_dir, jobfile.RUN_FILE)):
+            with open(path) as f:
+                summary = json.load(f)
+    except (OSError, ValueError):
+        pass
+    events = os.path.join(run_dir, "events.jsonl")
+    errors = [e for e in read_jsonl(events) if e.get("level") == "error"] \
+        if os.path.exists(events) else []
+    state = "ended" if summary is None else "stopped" if summary.get("stopped") else "finished"
+    return {"state": state, "summary": summary, "last_error": errors[-1] if errors else None}
+
+
+def render_ended(run_dir: str, outcome: dict) -> str:
+    s, state = outcome["summary"], outcome["state"]
+    if state == "ended":
+        err = outcome["last_error"]
+        why = ""
+        if err:
+            # a failure's message is its headline, then the last log lines of the worker
+            # behind it: the headline and the last of those (where the script's own error is)
+            text = str(err.get("error") or err.get("reason") or "").strip().splitlines()
+            shown = text[:1] + (["  ..."] if len(text) > 4 else []) + text[1:][-3:]
+            why = f"; last error: {err.get('event')}: " + "\n".join(shown)
+        return (f"job in {run_dir} is not running and left no summary (it failed or was "
+                f"killed){why}\nevents: {run_dir}/events.jsonl; logs: {run_dir}/logs/; "
+                f"continue from its newest checkpoint with `trainmover run --resume "
+                f"{run_dir}`")
+    if state == "stopped":
+        return (f"job {s.get('name', '')!r} stopped at step {s.get('resume_step')} "
+                f"({s.get('reason', 'asked')}); continue with `trainmover run --resume "
+                f"{run_dir}`\nsummary: {run_dir}/summary.json")
+    lines = [f"job {s.get('name', '')!r} finished: {s.get('steps')} steps"
+             + (f", final loss {s['final_loss']:.4f}" if s.get("final_loss") is not None
+                else "")
+             + f", {s.get('wall_s', 0):.1f} s"
+             + (f" (mean step {s['mean_step_time_s'] * 1000:.1f} ms)"
+                if s.get("mean_step_time_s") else "")]
+    layout = s.get("layout") or {}
+    lines.append(f"layout dp{layout.get('dp')}.pp{layout.get('pp')}.tp{layout.get('tp')}: "
+                 f"{s.get('workers')} workers + {s.get('standbys')} standby")
+    moves = s.get("migrations") or []
+    recs = s.get("recoveries") or []
+    lines.append(f"migrations: {sum(m.get('status') == 'done' for m in moves)} done of "
+                 f"{len(moves)}; recoveries: {sum(r.get('status') == 'done' for r in recs)} "
+                 f"done of {len(recs)} (steps lost: "
+                 f"{sum(r.get('lost_steps') or 0 for r in recs)}); stragglers: "
+                 f"{len(s.get('stragglers') or [])}")
+    agree = s.get("replicas_agree")
+    lines.append("replicas: " + {True: "agree", False: "DISAGREE (see replicas_disagree in "
+                                 "events.jsonl)", None: "none to compare"}[agree])
+    lines.append(f"weights_sha256 {s.get('weights_sha256')}; final checkpoint "
+                 f"{s.get('checkpoint')}")
+    lines.append(f"summary: {run_dir}/summary.json; events: {run_dir}/events.jsonl")
+    return "\n".join(lines)

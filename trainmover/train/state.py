@@ -102,9 +102,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local().detach() if isinstance(t, _dtensor_type()) else t.detach()
 
 
+# torch.compile wraps a module in an OptimizedModule that holds it as ``_orig_mod``: its
+# names gain that part, and a compiled run's state would not match an eager run's by name
+_COMPILED = "_orig_mod."
+
+
 def _rename(model: torch.nn.Module):
     rename = getattr(model, "canonical_name", None)
-    return rename if rename is not None else (lambda n: n)
+    if rename is None:
+        rename = getattr(getattr(model, "_orig_mod", None), "canonical_name", None)
+    base = rename if rename is not None else (lambda n: n)
+    return lambda n: base(n.replace(_COMPILED, ""))
 
 
 def canonical_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -132,7 +140,8 @@ class TrainState:
         for key in self.extra:
             if not isinstance(key, str) or "/" in key:
                 raise ValueError(f"extra keys must be strings without '/', got {key!r}")
-        self._param_names = {id(p): n for n, p in canonical_params(model)} if model else {}
+        self._param_names = {id(p): n for n, p in canonical_params(model)} \
+            if model is not None else {}
 
     # --- the named view ------------------------------------------------------------------
     def _live(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
@@ -339,7 +348,8 @@ class TrainState:
         """Both sides walk the same entries in the same order (names sorted; the receiver
         allocated what it lacked from the sender's layout first)."""
         tag, nbytes = 2, 0
-        by_param = {id(p): n for n, p in canonical_params(self.model)} if self.model else {}
+        by_param = {id(p): n for n, p in canonical_params(self.model)} \
+            if self.model is not None else {}
         bucketed: set[str] = set()
         with torch.no_grad():
             if self.buckets is not None:

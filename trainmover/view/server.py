@@ -117,6 +117,7 @@ class View:
                 "title": i.title, "what": i.what, "id": i.id, "kind": i.kind,
                 "status": i.status, "t": i.time - t0, "step": i.step,
                 "downtime_s": i.downtime_s, "workers": i.workers,
+                "downtime_noise_s": i.record.get("downtime_noise_s"),
                 "phases": [asdict(p) for p in i.phases],
                 "reason": i.record.get("reason")} for i in log.interruptions],
             "stragglers": log.stragglers[-20:],

@@ -34,8 +34,9 @@ from trainmover.core.auth import load_secret  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.worker import context as context_mod  # noqa: E402
 from trainmover.worker.context import Join, Shadow, Start, WorkerContext  # noqa: E402
-from trainmover.worker.runtime import (DataNotDeterministic, Departed,  # noqa: E402
-                                       ShadowDone, ShadowInterrupted, UsageError)
+from trainmover.worker.loop import Departed  # noqa: E402
+from trainmover.worker.runtime import (DataNotDeterministic, ShadowDone,  # noqa: E402
+                                       ShadowInterrupted, UsageError)
 
 EXIT_USAGE = P.EXIT_USAGE
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
@@ -36,40 +36,27 @@ import torch
 
 from trainmover.comm.groups import Group, build_comm_groups
 from trainmover.comm import pipelining
-from trainmover.comm.record import (load_into, load_recording, representative_roles,
-                                    rewind, sandbox_groups, structure_depths)
+from trainmover.comm.record import load_into, load_recording, rewind, sandbox_groups
 from trainmover.core import protocol as P
 from trainmover.core.identity import DATA_KEY, data_mismatch
 from trainmover.core.config import JobConfig
-from trainmover.core.events import JsonlWriter
-from trainmover.core.faults import slowdowns
-from trainmover.core.files import DIGEST_FILE, final_dir
 from trainmover.core.topology import Layout, Role
-from trainmover.train.checkpoint import AsyncCheckpointer, load_local
-from trainmover.train.snapshot import PeerSnapshotter
-from trainmover.train import rng
 from trainmover.train.ddp import DataParallel
-from trainmover.train.final import write_final_shard
-from trainmover.train.state import TrainState, state_digest
+from trainmover.train.loader import DataUnsupported, RegisteredData
+from trainmover.train.state import TrainState
 from trainmover.worker import context as context_mod
 from trainmover.worker import migration as M
 from trainmover.worker import recover as R
 from trainmover.worker.context import Join, Shadow, Start, WorkerContext
 from trainmover.worker.errors import UsageError
 from trainmover.worker.handles import GroupView
-from trainmover.worker.liveness import AbortWatcher, CommitVote
-from trainmover.worker.perf import StepMeter
-from trainmover.worker.recording import StepRecorder, stage_initialisations
+from trainmover.worker.loop import StepInFlight, StepLoop
+from trainmover.worker.recording import stage_initialisations
 
 
 class DataNotDeterministic(UsageError):
     """A step's batch differs from the batch recorded for that step: the script's data is not
     a pure function of the step, so a joiner would train on other samples."""
-
-
-class Departed(BaseException):
-    """Ends a leaver's script run: its role now belongs to the joiner (not an error).
-    A BaseException, so a script's ``except Exception`` does not swallow it."""
 
 
 class ShadowDone(BaseException):
@@ -86,10 +73,6 @@ def reporter_role(layout: Layout) -> Role:
     return Role(0, layout.pp - 1, 0)
 
 
-# How often a replica, done with its steps, looks whether the final state is assembled or it
-# must write its share (a wait of about the final assembly, once per job).
-FINAL_WAIT_POLL_S = 0.05
-
 def init() -> "Runtime":
     """This worker's runtime. Call once per run of the script, before building the model."""
     ctx = context_mod.current()
@@ -101,21 +84,6 @@ def init() -> "Runtime":
     rt = Runtime(ctx)
     ctx.runtime = rt
     return rt
-
-
-@dataclass
-class StepInFlight:
-    """The step the script is running: what the runtime's loop and the script's calls
-    (``commit``, ``fingerprint``) share."""
-
-    index: int
-    t_start: float
-    commit: bool | None = None          # the commit point's answer; None until it is called
-    metrics: dict = field(default_factory=dict)
-    # whether this step's data is checked (only the steps a standby compares: hashing every
-    # batch would put a host copy and a hash on every step's path), and its digest
-    fingerprinted: bool = False
-    batch_digest: str | None = None     # the step's data, as the script first fed it
 
 
 @dataclass
@@ -142,8 +110,10 @@ class Runtime:
         self.finished = False
         self.current: StepInFlight | None = None   # None between steps
         self.joining: Joining | None = None
-        self.loop: _Loop | None = None             # a real (not shadow) run's step loop
+        self.loop: StepLoop | None = None            # a real (not shadow) run's step loop
         self._wrappers: list[DataParallel] = []
+        self.scalers: list = []     # AMP GradScalers registered as extra state (see StepLoop)
+        self.data: RegisteredData | None = None    # rt.register(data=...)
         t_init = time.perf_counter()
         if isinstance(launch, Shadow):
             self.role = launch.role
@@ -294,15 +264,27 @@ class Runtime:
 
     def register(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
-                 buckets=None) -> None:
+                 buckets=None, data=None) -> None:
         """Declare the training state: the model's parameters and buffers, the optimizer's
         state and settings, and ``extra`` (tensors, JSON values, or objects with
         ``state_dict``; a dict updated in place when state arrives). It is what a joiner
-        receives and what checkpoints hold; RNG states and the step come with it."""
+        receives and what checkpoints hold; RNG states and the step come with it.
+        ``data``: a stateful loader (``state_dict``/``load_state_dict``, e.g. torchdata's
+        ``StatefulDataLoader``) whose position is state too; iterate ``rt.batches()``
+        (``train/loader.py``)."""
         if self.state is not None:
             raise UsageError("rt.register() was called twice")
-        if model is None and optimizer is None and not extra:
+        if model is None and optimizer is None and not extra and data is None:
             raise UsageError("rt.register() needs a model, an optimizer or extra state")
+        if data is not None:
+            if extra and "data" in extra:
+                raise UsageError("rt.register(data=...) keeps the loader's position as the "
+                                 "extra entry 'data': rename the script's own 'data' entry")
+            try:
+                self.data = RegisteredData(data)
+            except DataUnsupported as exc:
+                raise UsageError(str(exc)) from exc
+            extra = {**(extra or {}), "data": self.data}
         if buckets is None:
             for w in self._wrappers:
                 if model is w or model is w.module:
@@ -310,6 +292,7 @@ class Runtime:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             _fix_ddp_buckets(model)
         self.state = TrainState(model, optimizer, extra, buckets, axes_of=self._mesh_axes)
+        self.scalers = [v for v in (extra or {}).values() if isinstance(v, torch.amp.GradScaler)]
         sharded = self.state.dp_dims()
         if sharded and not self.layout.dp_sharded:
             raise UsageError(
@@ -321,6 +304,14 @@ class Runtime:
             M.joiner_ready(self.ctx.store, self.ctx.events, self.name,
                            launch.command.migration_id, self.joining.build_s,
                            time.perf_counter() - self.joining.t_start)
+
+    def batches(self) -> RegisteredData:
+        """The registered loader's batches (``rt.register(data=loader)``): iterate this
+        instead of the loader, so a redone step gets its first attempt's batches."""
+        if self.data is None:
+            raise UsageError("rt.batches() iterates the loader given as rt.register(data=...)"
+                             ": register one first")
+        return self.data
 
     def fingerprint(self, batch) -> None:
         """Declare the step's data (tensors, or lists/dicts of them): kept to check that the
@@ -365,7 +356,7 @@ class Runtime:
         if self.sandbox:
             yield from self._shadow_steps()
             return
-        yield from _Loop(self, total).run()
+        yield from StepLoop(self, total).run()
 
     def commit(self, loss: float | None = None, **metrics) -> bool:
         """The step's commit point, after its last collective and before the optimizer:
@@ -430,6 +421,10 @@ class Runtime:
         step = cur.index
         if step not in P.FINGERPRINT_STEPS or cur.batch_digest is None:
             return
+        if self.data is not None:
+            # the position is the registered loader's, which travels with the role: a
+            # standby's rehearsal draws from its own, and is not the job's batch
+            return
         key = P.batch_fingerprint_key(structure, step)
         if self.ctx.store.check([P.RESUMED_KEY]):
             self.ctx.events.emit("fingerprint_skipped", step=step, structure=structure,
@@ -479,296 +474,3 @@ def _tensors_in(obj):
     elif isinstance(obj, dict):
         for k in sorted(obj):
             yield from _tensors_in(obj[k])
-
-
-class _Loop:
-    """The real step loop of one script run (active worker or joiner)."""
-
-    def __init__(self, rt: Runtime, total: int):
-        self.rt, self.ctx, self.total = rt, rt.ctx, total
-        rt.loop = self
-        cfg = self.ctx.cfg
-        self.cfg = cfg
-        self.vote: CommitVote | None = None
-        self.migrations = M.Migrations(rt.name, rt.role, rt.layout, rt.comm_groups,
-                                       self.ctx.builder, self.ctx.stores, self.ctx.commands,
-                                       self.ctx.events)
-        self.migrations.state = rt.state
-        self.migrations.on_point = lambda point, step: rt.fault_point(point, step)
-        self.checkpointer = self._new_checkpointer() if cfg.checkpoint.every else None
-        self.snapshotter = PeerSnapshotter(
-            rt.role.name, self.ctx.stores.get(), self.ctx.stores.secret,
-            int(os.environ.get("TRAINMOVER_NODE", "0")), cfg.hosts.nnodes,
-            cfg.snapshot.connect_timeout_s, cfg.snapshot.io_timeout_s,
-            self.ctx.events.emit) if cfg.takes_snapshots() else None
-        if self.checkpointer is not None:
-            self.checkpointer.on_write = lambda path: self.ctx.fault(
-                "checkpoint", self.checkpointer.step)
-        self.metrics = JsonlWriter(os.path.join(rt.run_dir, "metrics.jsonl")) \
-            if rt.is_reporter else None
-        self.on_first_step = None
-        self.meter: StepMeter | None = None   # set when the training loop starts
-        self._rng_start: tuple[int, tuple] | None = None   # (step, generators at its start)
-
-    def _new_checkpointer(self) -> AsyncCheckpointer:
-        rt = self.rt
-        return AsyncCheckpointer(rt.run_dir, rt.role.name, [r.name for r in rt.layout.roles()],
-                                 self.ctx.stores.get(), self.cfg.checkpoint.keep)
-
-    # --- where the run starts -----------------------------------------------------------------
-    def _start(self) -> int:
-        rt, ctx, launch = self.rt, self.ctx, self.ctx.launch
-        if isinstance(launch, Start):
-            if launch.resume_step:
-                t1 = time.perf_counter()
-                rt.state.load(load_local(rt.run_dir, launch.resume_step, rt.role.name))
-                ctx.events.emit("checkpoint_loaded", step=launch.resume_step,
-                                duration_s=round(time.perf_counter() - t1, 4))
-            ctx.events.emit("engine_ready",
-                            setup_s=round(time.perf_counter() - ctx.t_imported, 4))
-            return launch.resume_step
-        cmd = launch.command
-        if isinstance(cmd, P.AssignRecovery):
-            t0 = rt.joining.t_start
-            start = R.joiner_restore(ctx, rt.role, cmd, rt.state, rt.joining.channel)
-            prepare_s = time.perf_counter() - t0
-
-            def first(step_time_s: float) -> None:
-                ctx.store.add(P.recovered_count_key(cmd.recovery_id), 1)
-                ctx.events.emit("joiner_started", recovery_id=cmd.recovery_id, step=start,
-                                prepare_s=round(prepare_s, 4), source=cmd.source.kind,
-                                first_step_s=round(step_time_s, 4))
-        else:
-            mid = cmd.migration_id
-            start, report = M.joiner_receive(rt.state, rt.joining.channel)
-            report.update(build_s=rt.joining.build_s,
-                          prepare_s=time.perf_counter() - rt.joining.t_start)
-
-            def first(step_time_s: float) -> None:
-                M.joiner_started(ctx.store, ctx.events, rt.name, mid, report, start,
-                                 step_time_s)
-        ctx.fault("joiner_start", start)
-        self.on_first_step = first
-        return start
-
-    def _start_epoch(self, watching: bool = False) -> None:
-        """Arm this epoch's abort watcher (unless ``watching`` already) and commit vote."""
-        ctx = self.ctx
-        if not self.cfg.health.recover:
-            self.vote = None
-            return
-        if not watching:
-            ctx.abort.clear()
-            AbortWatcher(ctx.stores, ctx.abort, ctx.epoch)
-        self.vote = CommitVote(ctx.stores, self.rt.layout.num_roles, ctx.epoch,
-                               self.rt.name if self.rt.is_reporter else None, ctx.progress,
-                               voter=self.rt.name)
-
-    def _record_key(self, start: int) -> str | None:
-        """The structure this worker records step 0 of, if it is that structure's
-        representative role and the job has standbys to warm."""
-        cfg = self.cfg
-        if not (cfg.standby.record and cfg.standby.count > 0 and start == 0):
-            return None
-        for key, role in representative_roles(cfg.layout, structure_depths(cfg)).items():
-            if role == self.rt.role:
-                return key
-        return None
-
-    # --- the loop --------------------------------------------------------------------------
-    def run(self) -> Iterator[int]:
-        rt, ctx, cfg = self.rt, self.ctx, self.cfg
-        step = start_step = self._start()
-        if rt.torch_groups is not None:
-            rt.torch_groups.live()     # a joiner's state is in: its next operations are real
-        # the stage structure this worker is the representative of (it records step 0 and
-        # publishes batch fingerprints for the standbys' warm-up), if any
-        self.structure = self._record_key(step)
-        record_key = self.structure
-        self.recorder = StepRecorder(rt, record_key, self.total) \
-            if record_key is not None else None
-        if rt.torch_groups is not None:
-            pipelining.hook()     # the script has imported what it uses by now
-        self._start_epoch()
-        if self.checkpointer is not None and step == 0:
-            # the initial state: the recovery source of last resort for a role without a
-            # replica when no later checkpoint is complete yet (written in the background)
-            self.checkpointer.step, self.checkpointer.epoch = None, ctx.epoch
-            self.checkpointer.save(0, rt.state.local_state()[0])
-        if self.snapshotter is not None and step == 0:
-            self.snapshotter.send(0, ctx.epoch, rt.state.local_state()[0])
-        tolerant = self.vote is not None
-        self.meter = StepMeter(ctx.store, rt.name, rt.role.name, step, cfg.straggler.window,
-                               slowdowns(cfg.faults, rt.name),
-                               publish=cfg.straggler.policy != "off",
-                               cpu_time=cfg.straggler.cpu_measure(ctx.device.type),
-                               gpu=ctx.device.index if ctx.device.type == "cuda" else None)
-        ctx.progress.arm(True)    # from here the main thread must keep showing progress
-        try:
-            yield from self._steps(step, start_step, record_key, tolerant)
-        finally:
-            ctx.progress.arm(False)
-        self._finish()
-
-    def _steps(self, step: int, start_step: int, record_key: str | None,
-               tolerant: bool) -> Iterator[int]:
-        rt, ctx, cfg = self.rt, self.ctx, self.cfg
-        while step < self.total:
-            ctx.progress.tick()
-            outcome = self.migrations.at_boundary(step)
-            if outcome == M.LEAVE:
-                ctx.events.emit("worker_left", step=step)
-                raise Departed()
-            if outcome == M.STOP:
-                self._stop(step)
-            if step == cfg.baseline.restart_at_step and step != start_step:
-                if self.checkpointer is not None:
-                    self.checkpointer.wait()  # the checkpoint the restart loads
-                ctx.events.emit("worker_stopped_for_restart", step=step)
-                rt.comm_groups.shutdown()
-                raise Departed()
-            self.meter.begin(step, rt.comm_groups)
-            self._rng_at_start(step)
-            recorder = self.recorder.begin(step) if self.recorder is not None else None
-            cur = rt.current = StepInFlight(
-                step, time.perf_counter(),
-                fingerprinted=self.structure is not None and step in P.FINGERPRINT_STEPS)
-            rt.fault_point("forward", step)
-            ctx.abort.in_step = tolerant
-            try:
-                yield step
-            finally:
-                ctx.abort.in_step = False
-                rt.current = None
-                if recorder is not None:
-                    recorder.__exit__(None, None, None)
-            step_time = time.perf_counter() - cur.t_start
-            if cur.commit is None:
-                raise UsageError(f"the step loop skipped the commit point in step {step}: "
-                                 f"call rt.commit() once per step, before optimizer.step()")
-            if not cur.commit:
-                step = self._recover(step)
-                continue
-            if self.recorder is not None:
-                self.recorder.committed(step, recorder, cur.metrics.get("loss"))
-            if cur.batch_digest is not None:   # a fingerprinted step (see StepInFlight)
-                ctx.store.set(P.batch_fingerprint_key(self.structure, step), cur.batch_digest)
-            if self.on_first_step is not None:
-                self.on_first_step(step_time)
-                self.on_first_step = None
-            if self.checkpointer is not None and (step + 1) % cfg.checkpoint.every == 0:
-                tensors, _ = rt.state.local_state()
-                self.checkpointer.step = step  # the step just completed (fault points key on it)
-                self.checkpointer.epoch = ctx.epoch
-                sync_s = self.checkpointer.save(step + 1, tensors)
-                ctx.events.emit("checkpoint_taken", step=step + 1, sync_s=round(sync_s, 6))
-            if self.snapshotter is not None and (step + 1) % cfg.snapshot.every == 0:
-                self.snapshotter.send(step + 1, ctx.epoch, rt.state.local_state()[0])
-            self.meter.end(step, step_time, rt.comm_groups)
-            self.migrations.step_ended(step)
-            if self.metrics is not None:
-                self._write_metrics(step, step_time, cur.metrics)
-            every = cfg.health.verify_every
-            if every and (step + 1) % every == 0:
-                self._post_digest(step + 1)
-            step += 1
-
-    def _rng_at_start(self, step: int) -> None:
-        """A step redone after a failure starts from the generators its first attempt
-        started from (``train/rng.py``). After a rollback the state loaded brought its own."""
-        saved = self._rng_start
-        if saved is not None and saved[0] == step:
-            rng.restore(saved[1])
-        else:
-            self._rng_start = (step, rng.snapshot())
-
-    def _stand_by_for_final(self) -> None:
-        """A replica waits until the job's final state is assembled: if the holder of its
-        data-parallel-rank-0 role died after the last commit, the controller names it to
-        write that role's share instead (the state is the same)."""
-        rt, ctx = self.rt, self.ctx
-        mine = Role(0, rt.role.pp, rt.role.tp)
-        key = P.final_need_key(mine.name)
-        digest = os.path.join(final_dir(rt.run_dir), DIGEST_FILE)
-        deadline = time.monotonic() + self.cfg.checkpoint.final_timeout_s
-        while not os.path.exists(digest) and time.monotonic() < deadline:
-            if ctx.store.valid(key) == rt.name.encode():
-                ctx.events.emit("final_shard_instead", role=mine.name)
-                write_final_shard(rt.run_dir, mine, rt.state, ctx.stores.get(), rt.layout,
-                                  self.cfg.checkpoint.final_timeout_s)
-                return
-            time.sleep(FINAL_WAIT_POLL_S)
-
-    def _post_digest(self, step: int) -> None:
-        """This role's state digest before ``step``, for the controller to compare across
-        data-parallel replicas (``control/replicas.py``)."""
-        if not self.rt.layout.has_replicas:
-            return
-        digest = state_digest(self.rt.state.entries()[0])
-        self.ctx.store.set(P.replica_digest_key(step, self.rt.role.name), digest)
-
-    def vote_on(self, cur: StepInFlight) -> bool:
-        """The commit point's decision for the step in flight (see ``Runtime.commit``)."""
-        if self.meter is not None:
-            self.meter.before_vote(cur.index, cur.t_start, self.rt.comm_groups)
-        if self.vote is None:
-            return True
-        if self.ctx.abort.is_set():
-            return False   # doomed: no vote; the controller aborts the step everywhere
-        info = {k: v for k, v in cur.metrics.items() if v is not None}
-        t_vote, cpu_vote = time.perf_counter(), time.thread_time()
-        info["step_time_s"] = t_vote - cur.t_start
-        decision = self.vote(cur.index, info)
-        if self.meter is not None:
-            self.meter.voted(time.perf_counter() - t_vote, time.thread_time() - cpu_vote)
-        return decision
-
-    def _write_metrics(self, step: int, step_time: float, metrics: dict) -> None:
-        record = {"step": step, **metrics, "step_time_s": round(step_time, 6)}
-        if self.rt.tokens_per_step:
-            record["tokens_per_s"] = round(self.rt.tokens_per_step / step_time, 1)
-        record["worker"] = self.rt.name
-        record["epoch"] = self.ctx.epoch   # a resumed controller's committed count (resume)
-        self.metrics.write(record)
-
-    def _recover(self, step: int) -> int:
-        rt, ctx = self.rt, self.ctx
-        error = ctx.abort.reason or f"step {step} was aborted by the job"
-        # the generators back to the step's start before this role's state may be sent to a
-        # joiner (as a replica): the joiner redoes the step from them too
-        self._rng_at_start(step)
-        resume, _ = R.survive(ctx, rt.role, rt.comm_groups, rt.state, self.migrations, step,
-                              error)
-        self._start_epoch(watching=True)
-        return resume
-
-    def _stop(self, step: int) -> None:
-        """A graceful stop at ``step``: the checkpoint taken before it (unless the periodic
-        one just was), written before the process exits; ``Departed`` ends the script."""
-        rt, ctx = self.rt, self.ctx
-        ck = self.checkpointer or self._new_checkpointer()
-        ck.wait()
-        if ck.saved_step != step:
-            ck.step, ck.epoch = None, ctx.epoch
-            ck.save(step, rt.state.local_state()[0])
-            ck.wait()
-        ctx.events.emit("worker_stopped", step=step)
-        rt.comm_groups.shutdown()
-        raise Departed()
-
-    def _finish(self) -> None:
-        rt, ctx = self.rt, self.ctx
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-        # every step is committed: a failure from here on needs no recovery (the
-        # controller sees this key), only someone to write the final state
-        ctx.store.set(P.finished_key(rt.name), "1")
-        self._post_digest(self.total)
-        if rt.layout.holds_final_share(rt.role):
-            write_final_shard(rt.run_dir, rt.role, rt.state, ctx.stores.get(), rt.layout,
-                              self.cfg.checkpoint.final_timeout_s)
-        else:
-            self._stand_by_for_final()
-        ctx.events.emit("worker_done", steps=self.total)
-        rt.comm_groups.shutdown()
-        rt.finished = True

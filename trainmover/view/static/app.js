@@ -20,6 +20,15 @@ function el(tag, attrs, ...children) {
 }
 const ms = (s) => s == null ? "-" : (s * 1000).toFixed(1);
 const secs = (s) => s == null ? "-" : (s < 1 ? (s * 1000).toFixed(0) + " ms" : s.toFixed(2) + " s");
+// A planned migration's downtime is measured against the spread of normal steps: one inside
+// that spread (or below zero) is no measurable stall, and a number would mean nothing.
+function downtime(it) {
+  const d = it.downtime_s, noise = it.downtime_noise_s;
+  if (d == null) return "downtime not measured";
+  if (d <= 0 || (noise != null && d <= noise))
+    return `no measurable stall (within step noise${noise != null ? ", ±" + secs(noise) : ""})`;
+  return `downtime ${secs(d)}`;
+}
 
 function markInterruptions(u) {
   // vertical lines where each interruption ended, coloured by kind
@@ -124,7 +133,7 @@ function drawInterruptions(s) {
     });
     const summary = el("summary", {}, el("span", {class: "kind " + it.kind, text: it.kind}), " ",
       `${it.title} ${it.status}: ${it.workers.join(", ")}` +
-      (it.step != null ? ` at step ${it.step}` : "") + ` — downtime ${secs(it.downtime_s)}` +
+      (it.step != null ? ` at step ${it.step}` : "") + ` — ${downtime(it)}` +
       (it.reason ? ` (${it.reason})` : ""));
     const d = el("details", {class: "interruption", "data-title": it.title}, summary, bar,
                  el("table", {class: "phases"}, rows));
