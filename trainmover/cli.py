@@ -354,12 +354,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         # the controller's status.json while it is fresh (no torch import, no store); else
         # the store, which also answers while the controller is down; a job whose processes
         # are all gone: its summary (finished, stopped) or how it ended
-        st = read_status_file(args.run_dir, fresh_s)
-        outcome = ended(args.run_dir) if st is None else None
+        outcome = ended(args.run_dir, fresh_s)   # status.json may still look fresh then
         if outcome is not None:
             print(json.dumps(outcome, indent=2) if args.json else
                   render_ended(args.run_dir, outcome), flush=True)
             return 0
+        st = read_status_file(args.run_dir, fresh_s)
         if st is None:
             from trainmover.control.client import connect
             store = store or connect(args.run_dir)

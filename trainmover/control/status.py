@@ -193,10 +193,12 @@ def _brief(item: dict) -> str:
 
 # --- a job that is not running any more ----------------------------------------------------
 
-def ended(run_dir: str) -> dict | None:
+def ended(run_dir: str, fresh_s: float) -> dict | None:
     """The outcome of a job whose processes are gone (its agent, which outlives every other
-    process of the job, is not running), else None: {"state": "finished" | "stopped" |
-    "ended", "summary": the summary or None, "last_error": the newest error event or None}."""
+    process of the job, is not running here, and the run wrote its summary or its controller
+    stopped writing status: an agent on another host is not seen from this one), else None:
+    {"state": "finished" | "stopped" | "ended", "summary": the summary or None,
+    "last_error": the newest error event or None}."""
     from trainmover.core import jobfile
     from trainmover.core.events import read_jsonl
 
@@ -215,6 +217,8 @@ def ended(run_dir: str) -> dict | None:
                 summary = json.load(f)
     except (OSError, ValueError):
         pass
+    if summary is None and read_status_file(run_dir, fresh_s) is not None:
+        return None        # no summary yet, and a controller writing status: still running
     events = os.path.join(run_dir, "events.jsonl")
     errors = [e for e in read_jsonl(events) if e.get("level") == "error"] \
         if os.path.exists(events) else []
