@@ -233,3 +233,4 @@ def test_torch_pipeline_under_trainmover_ends_with_the_weights_of_the_plain_scri
         tmp_path, torch_pipeline_base):
     assert _torchrun_weights(tmp_path, TORCH_PIPELINE_PLAIN, nproc=4) == \
         torch_pipeline_base["weights_sha256"]
+

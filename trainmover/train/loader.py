@@ -13,7 +13,11 @@ instead of the loader:
   or a checkpoint continues from its position. Between steps it is the loader's state; in
   a step not yet committed it is the state the step started from, so a replica that serves
   a recovery mid-step hands over the position the redone step starts at;
-- loading a state (a joiner, a rollback) restarts the iteration from it.
+- loading a state (a joiner, a rollback) restarts the iteration from it, without the draw
+  from torch's global generator that making a DataLoader iterator takes (the run's first
+  iterator took it; a second would shift every later random number). The new iterator's
+  workers therefore get another base seed: a dataset that draws random numbers in its
+  workers (augmentation) is not yet exact across a move.
 The state is carried as ``torch.save`` bytes (loaded with ``weights_only=True``: tensors,
 numbers, strings and containers, never code), base64 in the role's JSON metadata.
 
@@ -63,6 +67,7 @@ class RegisteredData:
                 f"the step and register nothing")
         self.loader = loader
         self._it = None
+        self._resumed = False              # the next iterator continues a loaded position
         self._step: int | None = None      # the step whose batches are being kept
         self._fetched: list = []           # this attempt's batches, copied
         self._replay: deque = deque()      # the first attempt's, for a redo
@@ -91,11 +96,22 @@ class RegisteredData:
             batch = self._replay.popleft()
         else:
             if self._it is None:
-                self._it = iter(self.loader)
+                self._it = self._iterator()
             batch = next(self._it)
         if self._in_step:
             self._fetched.append(_copy(batch))
         return batch
+
+    def _iterator(self):
+        """A DataLoader's iterator draws its workers' base seed from torch's global generator
+        when it is made. The run's first one does so where the plain script's does; one made
+        again to continue a loaded position (a joiner, a rollback) must not, or every later
+        draw (dropout) would be one off the uninterrupted run's."""
+        if not self._resumed:
+            return iter(self.loader)
+        self._resumed = False
+        with torch.random.fork_rng(devices=[]):
+            return iter(self.loader)
 
     # --- as state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -105,4 +121,5 @@ class RegisteredData:
     def load_state_dict(self, saved: dict) -> None:
         self.loader.load_state_dict(_decode(saved))
         self._it = None                   # the next batch comes from the loaded position
+        self._resumed = True
         self._in_step, self._fetched, self._replay = False, [], deque()

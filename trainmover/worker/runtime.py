@@ -264,14 +264,14 @@ class Runtime:
 
     def register(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
-                 buckets=None, data=None) -> None:
+                 buckets=None, data=None) -> RegisteredData | None:
         """Declare the training state: the model's parameters and buffers, the optimizer's
         state and settings, and ``extra`` (tensors, JSON values, or objects with
         ``state_dict``; a dict updated in place when state arrives). It is what a joiner
         receives and what checkpoints hold; RNG states and the step come with it.
         ``data``: a stateful loader (``state_dict``/``load_state_dict``, e.g. torchdata's
-        ``StatefulDataLoader``) whose position is state too; iterate ``rt.batches()``
-        (``train/loader.py``)."""
+        ``StatefulDataLoader``) whose position is state too; iterate what this returns for
+        it (``rt.batches()``, ``train/loader.py``)."""
         if self.state is not None:
             raise UsageError("rt.register() was called twice")
         if model is None and optimizer is None and not extra and data is None:
@@ -304,6 +304,7 @@ class Runtime:
             M.joiner_ready(self.ctx.store, self.ctx.events, self.name,
                            launch.command.migration_id, self.joining.build_s,
                            time.perf_counter() - self.joining.t_start)
+        return self.data
 
     def batches(self) -> RegisteredData:
         """The registered loader's batches (``rt.register(data=loader)``): iterate this
