@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -128,6 +130,8 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--save", default="", help="a folder: the final model and optimizer "
+                   "state in torch.distributed.checkpoint (DCP) format")
     args = p.parse_args()
     rt = trainmover.init()
     world = dist.get_world_size()
@@ -159,6 +163,9 @@ def main():
             print(f"step {step} loss {loss.item():.4f} {1000 * (t_now - t_prev):.1f} ms",
                   flush=True)
         t_prev = t_now
+    if args.save:   # collective on the default group: every rank writes its own shards
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=args.save)
 
 
 if __name__ == "__main__":

@@ -29,19 +29,24 @@ FAULTS = ["migrate@3:w1", pytest.param("migrate@5:w0", marks=pytest.mark.slow), 
 FSDP_FLAGS = ["--dp-sharded", "--checkpoint-every", "5"]
 
 
-def _base(tmp_path_factory, name, script, flags=(), layout=PAIR):
+def _base(tmp_path_factory, name, script, flags=(), layout=PAIR, save=False):
+    """The uninterrupted run; with ``save``, the script's final DCP checkpoint goes to
+    ``summary["dcp"]``."""
     run_dir = tmp_path_factory.mktemp(name) / "base"
-    res, summary = launch(run_dir, list(layout), script, ARGS, list(flags))
+    args = ARGS + (("--save", str(run_dir.parent / "dcp")) if save else ())
+    res, summary = launch(run_dir, list(layout), script, args, list(flags))
     assert res.returncode == 0, res.stderr[-3000:]
     assert summary["steps"] == STEPS
+    if save:
+        summary["dcp"] = run_dir.parent / "dcp"
     return summary
 
 
-def _with_fault(tmp_path, script, flags, fault, layout=PAIR):
+def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
     """The script launched with one standby and ``fault``; checks the event was handled and
     the job ran to the end. Returns the run dir, summary, the event's kind and worker."""
     run_dir = tmp_path / "run"
-    res, summary = launch(run_dir, list(layout), script, ARGS,
+    res, summary = launch(run_dir, list(layout), script, args,
                           list(flags) + ["--standbys", "1", "--inject", fault])
     assert res.returncode == 0, res.stderr[-3000:]
     kind, worker = fault.split("@")[0], fault.split(":")[1]
@@ -162,7 +167,27 @@ def test_torch_fsdp_tp_example_is_the_plain_torchrun_script_with_at_most_10_chan
 
 @pytest.fixture(scope="module")
 def torch_fsdp_tp_base(tmp_path_factory):
-    return _base(tmp_path_factory, "torch-fsdp-tp", TORCH_FSDP_TP, FSDP_FLAGS, GRID)
+    return _base(tmp_path_factory, "torch-fsdp-tp", TORCH_FSDP_TP, FSDP_FLAGS, GRID, save=True)
+
+
+def _dcp_tensors(folder) -> dict:
+    """A DCP checkpoint read back offline (no process group), as full tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch
+
+    out = folder.parent / (folder.name + ".pt")
+    dcp_to_torch_save(str(folder), str(out))
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
 
 
 @pytest.mark.timeout(500)
@@ -174,8 +199,12 @@ def torch_fsdp_tp_base(tmp_path_factory):
 def test_torch_fsdp_tp_survives_migration_crash_and_hang_bit_identically(
         tmp_path, torch_fsdp_tp_base, fault):
     """A first, a middle and a last role of the 2-D mesh; a migration of w1 rebuilds its dp
-    and its tp group (the mesh's two dimensions) under the script's DeviceMesh."""
-    _, summary, kind, _ = _with_fault(tmp_path, TORCH_FSDP_TP, FSDP_FLAGS, fault, GRID)
+    and its tp group (the mesh's two dimensions) under the script's DeviceMesh. The script
+    ends with a DCP checkpoint on the default group (composed from the dp and tp groups),
+    which holds the uninterrupted run's tensors."""
+    ckpt = tmp_path / "dcp"
+    _, summary, kind, _ = _with_fault(tmp_path, TORCH_FSDP_TP, FSDP_FLAGS, fault, GRID,
+                                      ARGS + ("--save", str(ckpt)))
     if kind == "migrate":
         assert set(summary["migrations"][0]["affected_groups"]) == {"dp.pp0.tp1",
                                                                     "tp.dp0.pp0"}
@@ -183,6 +212,15 @@ def test_torch_fsdp_tp_survives_migration_crash_and_hang_bit_identically(
         (r,) = summary["recoveries"]
         assert set(r["sources"].values()) == {"checkpoint"} and r["rollback_step"] == 5, r
     assert summary["weights_sha256"] == torch_fsdp_tp_base["weights_sha256"]
+    import torch
+
+    got, want = _dcp_tensors(ckpt), _dcp_tensors(torch_fsdp_tp_base["dcp"])
+    assert sorted(got) == sorted(want) and any(k.startswith("optim.state.") for k in got)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
 
 
 @pytest.mark.slow

@@ -288,3 +288,155 @@ def test_a_sandbox_answers_torch_operations_from_the_recording_of_the_real_ones(
         # later one (the replay lost its place: a later entry would hand over wrong values)
         assert "ALLREDUCE" in why and "[2]" in why and "[1]" in why, why
         assert diverged == [5.0, 5.0] and after == 7.0
+
+
+def _world_ops(rank, address, layout, switch, ckpt):
+    """Every operation torch's default group offers, on a layout with two or more axes (the
+    world composed from the axis groups); then, after a switch of one tensor group, again."""
+    import torch.distributed.checkpoint as dcp
+    from trainmover.comm.torch_groups import TorchGroups
+
+    role = layout.role_of(rank)
+    size = layout.num_roles
+    sig = AbortSignal()
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30.0, abort_signal=sig)
+    groups, _ = build_comm_groups(builder, layout, role)
+    tg = TorchGroups(groups, layout, role, sig, torch.device("cpu"))
+    out = {"rank": dist.get_rank(), "size": dist.get_world_size()}
+
+    def ops(tag):
+        got = {}
+        t = torch.tensor([float(rank + 1), 1.0])
+        dist.all_reduce(t)
+        got["all_reduce"] = t.tolist()
+        t = torch.tensor([rank])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        got["max"] = t.item()
+        for root in (0, size - 1, 1):
+            t = torch.tensor([rank * 1.5])
+            dist.broadcast(t, src=root)
+            got[f"broadcast{root}"] = t.item()
+        parts = [torch.zeros(2) for _ in range(size)]
+        dist.all_gather(parts, torch.tensor([rank, -rank], dtype=torch.float))
+        got["all_gather"] = [p.tolist() for p in parts]
+        flat = torch.zeros(size * 3, dtype=torch.int64)
+        dist.all_gather_into_tensor(flat, torch.full((3,), rank))
+        got["all_gather_into"] = flat.tolist()
+        root = size - 2
+        parts = [torch.zeros(1) for _ in range(size)] if rank == root else None
+        dist.gather(torch.tensor([rank * 2.0]), parts, dst=root)
+        got["gather"] = [p.item() for p in parts] if parts else None
+        t = torch.zeros(2)
+        blocks = [torch.tensor([r * 10.0, r]) for r in range(size)] if rank == 1 else None
+        dist.scatter(t, blocks, src=1)
+        got["scatter"] = t.tolist()
+        t = torch.tensor([rank + 1.0])
+        dist.reduce(t, dst=size - 1)
+        got["reduce"] = t.item()
+        t = torch.zeros(2)
+        dist.reduce_scatter_tensor(t, torch.arange(size * 2, dtype=torch.float) * (rank + 1))
+        got["reduce_scatter"] = t.tolist()
+        dist.barrier()
+        objs = [None] * size
+        dist.all_gather_object(objs, {"r": rank, "tag": tag})
+        got["all_gather_object"] = objs
+        objs = [None] * size if rank == 0 else None
+        dist.gather_object(f"w{rank}", objs, dst=0)
+        got["gather_object"] = objs
+        box = [f"from {size - 1}"] if rank == size - 1 else [None]
+        dist.broadcast_object_list(box, src=size - 1)
+        got["broadcast_object"] = box[0]
+        box = [None]
+        dist.scatter_object_list(box, [f"to {r}" for r in range(size)] if rank == 0 else None,
+                                 src=0)
+        got["scatter_object"] = box[0]
+        # point-to-point with the tensor-parallel neighbour (one axis group apart)
+        peer = layout.global_rank(Role(role.dp, role.pp, 1 - role.tp))
+        t = torch.zeros(1)
+        if role.tp == 0:
+            dist.send(torch.tensor([rank + 100.0]), dst=peer)
+            dist.recv(t, src=peer)
+        else:
+            dist.recv(t, src=peer)
+            dist.send(torch.tensor([rank + 100.0]), dst=peer)
+        got["p2p"] = t.item()
+        return got
+
+    out["before"] = ops("before")
+    errors = []
+    try:
+        dist.all_to_all_single(torch.zeros(size), torch.zeros(size))
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    far = layout.global_rank(Role(1 - role.dp, role.pp, 1 - role.tp))
+    try:
+        dist.send(torch.zeros(1), dst=far)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    out["errors"] = errors
+    if switch and role.dp == 0:
+        spec = layout.tp_group(role)
+        for old in groups.install({spec.name: builder.build(spec, role, 1)}):
+            old.shutdown()
+        out["tp_generation"] = groups.tp.accounting()["generation"]
+    out["after"] = ops("after")
+    out["tp_coll"] = groups.tp.accounting()["coll"]
+    # torch.distributed.checkpoint on the default group: a tensor sharded over every axis,
+    # saved and loaded back into zeros
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = tg.device_mesh()
+    full = torch.arange(float(size * 4)).reshape(size, 4)
+    x = distribute_tensor(full, mesh, [Shard(0)] * 3, src_data_rank=None)
+    x.to_local().copy_(full[rank:rank + 1])
+    dcp.save({"x": x}, checkpoint_id=str(ckpt))
+    y = distribute_tensor(torch.zeros(size, 4), mesh, [Shard(0)] * 3, src_data_rank=None)
+    y.to_local().zero_()
+    box = {"x": y}
+    dcp.load(box, checkpoint_id=str(ckpt))
+    out["dcp"] = box["x"].full_tensor().equal(full)
+    return out
+
+
+def _expected_world_ops(rank, size, tag):
+    return {
+        "all_reduce": [size * (size + 1) / 2, float(size)],
+        "max": size - 1,
+        **{f"broadcast{root}": root * 1.5 for root in (0, size - 1, 1)},
+        "all_gather": [[r, -r] for r in range(size)],
+        "all_gather_into": [r for r in range(size) for _ in range(3)],
+        "gather": [r * 2.0 for r in range(size)] if rank == size - 2 else None,
+        "scatter": [rank * 10.0, rank],
+        "reduce": size * (size + 1) / 2 if rank == size - 1 else rank + 1.0,
+        "reduce_scatter": [(2 * rank + i) * size * (size + 1) / 2 for i in range(2)],
+        "all_gather_object": [{"r": r, "tag": tag} for r in range(size)],
+        "gather_object": [f"w{r}" for r in range(size)] if rank == 0 else None,
+        "broadcast_object": f"from {size - 1}",
+        "scatter_object": f"to {rank}",
+    }
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout", [Layout(2, 1, 2), Layout(2, 2, 2)], ids=["dp2tp2", "dp2pp2tp2"])
+def test_the_world_group_of_a_multi_axis_layout_runs_every_operation_and_follows_a_switch(
+        layout, tmp_path):
+    size = layout.num_roles
+    res = values(run_processes(_world_ops, size, layout, layout.pp == 1, tmp_path / "dcp",
+                               timeout=120))
+    for rank, out in res.items():
+        role = layout.role_of(rank)
+        assert (out["rank"], out["size"]) == (rank, size)
+        peer = layout.global_rank(Role(role.dp, role.pp, 1 - role.tp))
+        for tag in ("before", "after"):
+            got = dict(out[tag])
+            assert got.pop("p2p") == peer + 100.0
+            assert got == _expected_world_ops(rank, size, tag), (rank, tag)
+        # refused, naming what to use instead, before anything is sent
+        assert len(out["errors"]) == 2
+        assert "ALLTOALL_BASE on the world group is not supported" in out["errors"][0]
+        assert "rt.groups.dp.process_group" in out["errors"][0]
+        assert "share no axis group" in out["errors"][1]
+        assert out["dcp"]
+        if layout.pp == 1 and role.dp == 0:
+            # the switched tensor group carried the world's operations after the switch
+            assert out["tp_generation"] == 1 and out["tp_coll"] > 0

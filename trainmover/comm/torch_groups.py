@@ -17,9 +17,9 @@ which a Python subclass does not intercept, and a registered backend cannot be r
 The world group: global ranks are role ranks (dp-major, then pp, then tp), which never
 change, since a standby takes a role one-for-one. When one axis spans the whole job (pure
 data, tensor or pipeline parallelism) the world *is* that axis's group and shares its
-communicator, so it costs nothing and moves with it. With two or more parallel axes the
-world group has no communicator yet: an operation on it is refused, naming the axis groups
-to use instead (docs/torch-groups.md).
+communicator. With two or more parallel axes the world has no communicator of its own: its
+operations are composed from the axis groups' (``comm/native/world.h``), so it follows every
+switch with them and a migration never rebuilds a group across every worker.
 """
 from __future__ import annotations
 
@@ -116,13 +116,6 @@ class TorchGroups:
         self.rank = layout.global_rank(role)
         size = layout.num_roles
         self.world_axis = self._world_axis()
-        self.world_unavailable = ""
-        if self.world_axis is None and size > 1:
-            wide = [a for a in AXES if getattr(layout, a) > 1]
-            self.world_unavailable = (
-                f"the world group of a {layout} layout has no communicator under trainmover "
-                f"(it would be rebuilt across every worker at each migration); pass group= "
-                f"one of " + ", ".join(f"rt.groups.{a}.process_group" for a in wide))
         specs = layout.groups_of(role)
         self.ranks = {"world": list(range(size))}
         for axis in AXES:
@@ -140,6 +133,7 @@ class TorchGroups:
             if dist.get_group_rank(pg, self.rank) != spec.rank_of(role):
                 raise AssertionError(f"torch orders group {spec.name} otherwise than its spec")
             self.process_groups[axis] = pg
+        self._compose_world(self._forwarders["world"][0])
         self.refresh(holder)
         holder.listeners.append(self.refresh)
         _active.append(self)
@@ -149,8 +143,6 @@ class TorchGroups:
         fwd = self._module.ForwardingBackend(ranks.index(self.rank), len(ranks),
                                              self.native_signal, follows)
         fwd.set_local(self.local or len(ranks) == 1)
-        if follows == "world" and self.world_unavailable:
-            fwd.set_unavailable(self.world_unavailable)
         self._forwarders.setdefault(follows, []).append(fwd)
         self._bound[id(fwd)] = None
         return fwd
@@ -161,6 +153,8 @@ class TorchGroups:
         for follows, known in self.ranks.items():
             if sorted(ranks) == known:
                 fwd = self._forwarder(follows)
+                if follows == "world":
+                    self._compose_world(fwd)
                 self.refresh(self.holder)
                 return fwd
         raise RuntimeError(
@@ -300,6 +294,18 @@ class TorchGroups:
         if dist.is_initialized():
             dist.destroy_process_group()
         _forget_meshes()
+
+    def _compose_world(self, fwd) -> None:
+        """With two or more parallel axes, ``fwd`` (a world group's) runs its operations on
+        this worker's axis groups: trainmover's own forwarder of each, which every switch
+        re-points."""
+        wide = [a for a in AXES if getattr(self.layout, a) > 1]
+        if self.world_axis is not None or len(wide) < 2:
+            return
+        levels = [(self._forwarders[a][0], getattr(self.layout, a), getattr(self.role, a))
+                  for a in wide]
+        fwd.set_composed(levels, "use an axis group instead (" + ", ".join(
+            f"rt.groups.{a}.process_group" for a in wide) + ")")
 
     def _world_axis(self) -> str | None:
         """The axis whose group is the whole job, if one is."""

@@ -369,5 +369,6 @@ class StepLoop:
         else:
             self._stand_by_for_final()
         ctx.events.emit("worker_done", steps=self.total)
-        rt.comm_groups.shutdown()
+        # the groups stay up until the script returns (``Runtime.close``): code after the
+        # loop (a DCP save, an evaluation) runs its collectives on them
         rt.finished = True

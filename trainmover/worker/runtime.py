@@ -191,6 +191,8 @@ class Runtime:
             self.torch_groups.close()
             self.ctx.replay_mismatch = self.torch_groups.replay_mismatch
             self.torch_groups = None
+        if self.finished:
+            self.comm_groups.shutdown()
 
     # --- where this worker is --------------------------------------------------------------
     @property

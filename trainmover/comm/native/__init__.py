@@ -20,7 +20,10 @@ import hashlib
 import os
 import stat
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forwarding.cpp")
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the files the module is built from: translation units, then the headers they share
+UNITS = ("forwarding.cpp", "world.cpp")
+FILES = UNITS + ("world.h",)
 NAME = "trainmover_forwarding"
 
 
@@ -29,8 +32,11 @@ class NativeUnavailable(RuntimeError):
 
 
 def source_digest() -> str:
-    with open(SOURCE, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for name in FILES:
+        with open(os.path.join(HERE, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def cache_root() -> str:
@@ -100,19 +106,20 @@ def load():
             # Build from a copy inside the folder: the folder is keyed by the source's digest,
             # so two checkouts of the same source share one build instead of rebuilding each
             # other's (ninja tracks the source by path).
-            source = os.path.join(path, "forwarding.cpp")
-            with open(SOURCE, "rb") as f:
-                text = f.read()
-            if not os.path.exists(source) or open(source, "rb").read() != text:
-                with open(source + ".tmp", "wb") as f:
-                    f.write(text)
-                os.replace(source + ".tmp", source)
+            for name in FILES:
+                source = os.path.join(path, name)
+                with open(os.path.join(HERE, name), "rb") as f:
+                    text = f.read()
+                if not os.path.exists(source) or open(source, "rb").read() != text:
+                    with open(source + ".tmp", "wb") as f:
+                        f.write(text)
+                    os.replace(source + ".tmp", source)
             # torch's own build baton: one left by a builder that was killed would make every
             # later load wait for ever; under this lock no other builder of ours is running
             baton = os.path.join(path, "lock")
             if os.path.exists(baton):
                 os.remove(baton)
-            return ext.load(NAME, [source], build_directory=path,
+            return ext.load(NAME, [os.path.join(path, n) for n in UNITS], build_directory=path,
                             extra_cflags=["-O2"], verbose=False)
         except (OSError, RuntimeError, ImportError) as exc:
             raise NativeUnavailable(

@@ -31,7 +31,10 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <functional>
 #include <thread>
+
+#include "world.h"
 
 namespace py = pybind11;
 
@@ -177,6 +180,18 @@ class Waiter {
 };
 
 std::string op_name(OpType op) { return c10d::opTypeToString(op); }
+
+// Set while the composed world group runs its operations on the axis forwarders: those
+// belong to the world operation (recorded there, once), not to the axis groups' tapes, so a
+// replay of either finds its own operations in order.
+thread_local bool t_composing = false;
+
+struct Composing {
+  Composing() { t_composing = true; }
+  ~Composing() { t_composing = false; }
+};
+
+using Compose = std::function<WorkPtr(ComposedWorld&)>;
 
 // One forwarder's operations in issue order, with copies of their outputs once they
 // completed: what the recording worker keeps for the standbys' replay. An output larger
@@ -470,6 +485,27 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     return unavailable_;
   }
+  // This world group runs its operations on `levels` ((axis forwarder, size, this worker's
+  // rank in it), outermost axis first; see world.h); `refusal` says what to use instead of
+  // an operation it cannot compose.
+  void set_composed(const py::list& levels, const std::string& refusal) {
+    std::vector<ComposedWorld::Level> parts;
+    for (auto item : levels) {
+      auto t = item.cast<py::tuple>();
+      auto* raw = t[0].cast<Backend*>();
+      parts.push_back({c10::intrusive_ptr<Backend>::reclaim_copy(raw), t[1].cast<int>(),
+                       t[2].cast<int>()});
+    }
+    auto signal = signal_;
+    auto world = std::make_shared<ComposedWorld>(
+        std::move(parts), getRank(),
+        [signal] { return signal->is_set() && signal->in_step(); });
+    TORCH_CHECK(world->size() == getSize(), "trainmover: the axes compose a world of ",
+                world->size(), ", not ", getSize());
+    std::lock_guard<std::mutex> lock(mutex_);
+    world_ = std::move(world);
+    world_refusal_ = refusal;
+  }
   py::dict counts() {
     auto c = current_counts();
     py::dict d;
@@ -554,20 +590,39 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
   const std::string getBackendName() const override { return "trainmover"; }
   bool supportsCoalescing() const override { return false; }
 
+  // Each operation: what it issues on the current generation, what it does locally (a
+  // sandbox, a joiner before its first step), and, on a composed world group, how it runs
+  // on the axis groups (none: refused there).
   WorkPtr broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
-    return run(OpType::BROADCAST, t, [&](Backend& b) { return b.broadcast(t, o); },
-               [] {});
+    return run(OpType::BROADCAST, t, [&](Backend& b) { return b.broadcast(t, o); }, [] {},
+               [&](ComposedWorld& w) {
+                 w.broadcast(t, o.rootRank);
+                 return WorkPtr();
+               });
   }
   WorkPtr allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
-    return run(OpType::ALLREDUCE, t, [&](Backend& b) { return b.allreduce(t, o); }, [] {});
+    return run(OpType::ALLREDUCE, t, [&](Backend& b) { return b.allreduce(t, o); }, [] {},
+               [&](ComposedWorld& w) {
+                 w.allreduce(t, o);
+                 return WorkPtr();
+               });
   }
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& t,
                               const c10d::AllreduceCoalescedOptions& o) override {
     return run(OpType::ALLREDUCE_COALESCED, t,
-               [&](Backend& b) { return b.allreduce_coalesced(t, o); }, [] {});
+               [&](Backend& b) { return b.allreduce_coalesced(t, o); }, [] {},
+               [&](ComposedWorld& w) {
+                 w.allreduce(t, o);
+                 return WorkPtr();
+               });
   }
   WorkPtr reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
-    return run(OpType::REDUCE, t, [&](Backend& b) { return b.reduce(t, o); }, [] {});
+    return run(OpType::REDUCE, t, [&](Backend& b) { return b.reduce(t, o); }, [] {},
+               [&](ComposedWorld& w) {
+                 TORCH_CHECK(t.size() == 1, "trainmover: reduce of ", t.size(), " tensors");
+                 w.reduce(t[0], o.rootRank, o);
+                 return WorkPtr();
+               });
   }
   WorkPtr allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
                     const c10d::AllgatherOptions& o) override {
@@ -575,13 +630,26 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
                [&](Backend& b) { return b.allgather(out, in, o); }, [&] {
                  for (size_t i = 0; i < out.size(); ++i)
                    for (auto& t : out[i]) t.copy_(in[i]);
+               },
+               [&](ComposedWorld& w) {
+                 for (size_t i = 0; i < out.size() && i < in.size(); ++i) {
+                   auto all = w.gather_all(in[i]);
+                   if (!all.defined()) break;
+                   spread(all, out[i]);
+                 }
+                 return WorkPtr();
                });
   }
   WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in,
                           const c10d::AllgatherOptions& o) override {
     return run(OpType::_ALLGATHER_BASE, {out},
                [&](Backend& b) { return b._allgather_base(out, in, o); },
-               [&] { local_gather(out, in); });
+               [&] { local_gather(out, in); },
+               [&](ComposedWorld& w) {
+                 auto all = w.gather_all(in);
+                 if (all.defined()) out.copy_(all.view_as(out));
+                 return WorkPtr();
+               });
   }
   WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
                               std::vector<at::Tensor>& in,
@@ -590,6 +658,17 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
                [&](Backend& b) { return b.allgather_coalesced(out, in, o); }, [&] {
                  for (auto& l : out)
                    for (size_t i = 0; i < l.size() && i < in.size(); ++i) l[i].copy_(in[i]);
+               },
+               [&](ComposedWorld& w) {
+                 // out[r][i]: rank r's input i
+                 for (size_t i = 0; i < in.size(); ++i) {
+                   auto all = w.gather_all(in[i]);
+                   if (!all.defined()) break;
+                   std::vector<at::Tensor> column;
+                   for (auto& l : out) column.push_back(l.at(i));
+                   spread(all, column);
+                 }
+                 return WorkPtr();
                });
   }
   WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& out,
@@ -599,6 +678,14 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
                [&](Backend& b) { return b.allgather_into_tensor_coalesced(out, in, o); },
                [&] {
                  for (size_t i = 0; i < out.size(); ++i) local_gather(out[i], in[i]);
+               },
+               [&](ComposedWorld& w) {
+                 for (size_t i = 0; i < out.size() && i < in.size(); ++i) {
+                   auto all = w.gather_all(in[i]);
+                   if (!all.defined()) break;
+                   out[i].copy_(all.view_as(out[i]));
+                 }
+                 return WorkPtr();
                });
   }
   WorkPtr gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -607,13 +694,26 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
                [&] {
                  for (auto& l : out)
                    for (auto& t : l) t.copy_(in[0]);
+               },
+               [&](ComposedWorld& w) {
+                 TORCH_CHECK(in.size() == 1, "trainmover: gather of ", in.size(), " tensors");
+                 auto all = w.gather(in[0], static_cast<int>(o.rootRank));
+                 if (all.defined() && !out.empty()) spread(all, out[0]);
+                 return WorkPtr();
                });
   }
   WorkPtr scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
                   const c10d::ScatterOptions& o) override {
     return run(OpType::SCATTER, out, [&](Backend& b) { return b.scatter(out, in, o); }, [&] {
       if (!in.empty() && !in[0].empty()) out[0].copy_(in[0][getRank()]);
-    });
+    },
+               [&](ComposedWorld& w) {
+                 TORCH_CHECK(out.size() == 1, "trainmover: scatter into ", out.size(),
+                             " tensors");
+                 static const std::vector<at::Tensor> none;
+                 w.scatter(out[0], in.empty() ? none : in[0], static_cast<int>(o.rootRank));
+                 return WorkPtr();
+               });
   }
   WorkPtr reduce_scatter(std::vector<at::Tensor>& out,
                          std::vector<std::vector<at::Tensor>>& in,
@@ -621,13 +721,25 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
     return run(OpType::REDUCE_SCATTER, out,
                [&](Backend& b) { return b.reduce_scatter(out, in, o); }, [&] {
                  for (size_t i = 0; i < out.size(); ++i) out[i].copy_(in[i][getRank()]);
+               },
+               [&](ComposedWorld& w) {
+                 for (size_t i = 0; i < out.size() && !signal_->is_set(); ++i) {
+                   std::vector<at::Tensor> blocks;
+                   for (auto& b : in.at(i)) blocks.push_back(b.contiguous().view(-1));
+                   w.reduce_scatter(out[i], at::cat(blocks), o.reduceOp);
+                 }
+                 return WorkPtr();
                });
   }
   WorkPtr _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                const c10d::ReduceScatterOptions& o) override {
     return run(OpType::_REDUCE_SCATTER_BASE, {out},
                [&](Backend& b) { return b._reduce_scatter_base(out, in, o); },
-               [&] { local_scatter(out, in); });
+               [&] { local_scatter(out, in); },
+               [&](ComposedWorld& w) {
+                 w.reduce_scatter(out, in, o.reduceOp);
+                 return WorkPtr();
+               });
   }
   WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& out,
                                           std::vector<at::Tensor>& in,
@@ -636,6 +748,12 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
                [&](Backend& b) { return b.reduce_scatter_tensor_coalesced(out, in, o); },
                [&] {
                  for (size_t i = 0; i < out.size(); ++i) local_scatter(out[i], in[i]);
+               },
+               [&](ComposedWorld& w) {
+                 for (size_t i = 0; i < out.size() && !signal_->is_set(); ++i) {
+                   w.reduce_scatter(out[i], in.at(i), o.reduceOp);
+                 }
+                 return WorkPtr();
                });
   }
   WorkPtr alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
@@ -655,16 +773,22 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
     });
   }
   WorkPtr barrier(const c10d::BarrierOptions& o) override {
-    return run(OpType::BARRIER, {}, [&](Backend& b) { return b.barrier(o); }, [] {});
+    return run(OpType::BARRIER, {}, [&](Backend& b) { return b.barrier(o); }, [] {},
+               [&](ComposedWorld& w) {
+                 w.barrier();
+                 return WorkPtr();
+               });
   }
   WorkPtr send(std::vector<at::Tensor>& t, int dst, int tag) override {
-    return run(OpType::SEND, t, [&](Backend& b) { return b.send(t, dst, tag); }, [] {});
+    return run(OpType::SEND, t, [&](Backend& b) { return b.send(t, dst, tag); }, [] {},
+               [&](ComposedWorld& w) { return w.send(t, dst, tag); });
   }
   WorkPtr recv(std::vector<at::Tensor>& t, int src, int tag) override {
     // a sandbox receive yields zeros: a warm-up must not run on uninitialised memory
     return run(OpType::RECV, t, [&](Backend& b) { return b.recv(t, src, tag); }, [&] {
       for (auto& x : t) x.zero_();
-    });
+    },
+               [&](ComposedWorld& w) { return w.recv(t, src, tag); });
   }
   WorkPtr recvAnysource(std::vector<at::Tensor>& t, int tag) override {
     return run(OpType::RECVANYSOURCE, t, [&](Backend& b) { return b.recvAnysource(t, tag); },
@@ -678,6 +802,17 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
   }
 
  private:
+  // the blocks of `all` (one per rank, in rank order) into `outs`
+  static void spread(const at::Tensor& all, std::vector<at::Tensor>& outs) {
+    auto blocks = all.chunk(static_cast<int64_t>(outs.size()));
+    for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(blocks[r].view_as(outs[r]));
+  }
+
+  std::shared_ptr<ComposedWorld> composed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return world_;
+  }
+
   void local_gather(at::Tensor& out, const at::Tensor& in) {
     auto chunks = out.flatten().chunk(getSize());
     for (auto& c : chunks) c.copy_(in.flatten());
@@ -697,7 +832,8 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
   }
 
   template <typename Issue, typename Local>
-  WorkPtr run(OpType op, std::vector<at::Tensor> outputs, Issue&& issue, Local&& local) {
+  WorkPtr run(OpType op, std::vector<at::Tensor> outputs, Issue&& issue, Local&& local,
+              const Compose& compose = nullptr) {
     auto counts = current_counts();
     if (signal_->is_set()) {
       // a doomed step issues nothing more; outside a step the caller hears why
@@ -713,25 +849,47 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
       }
       return done(op, std::move(outputs), counts);
     }
-    auto inner = current();
-    if (!inner) {
-      std::string why = unavailable();
-      if (why.empty() && signal_->in_step()) {
-        // the communicator was released (aborted) during the step: the step is doomed
-        signal_->set(std::string(op_name(op)) + " on " + name_ + ": communicator released");
+    auto world = composed();
+    WorkPtr work;
+    if (world) {
+      TORCH_CHECK(static_cast<bool>(compose), "trainmover: ", op_name(op),
+                  " on the world group is not supported: ", world_refusal_);
+      try {
+        Composing composing;
+        work = compose(*world);
+      } catch (const std::exception& e) {
+        if (!signal_->in_step()) throw;
+        signal_->set(std::string(op_name(op)) + " on " + name_ + " failed: " + e.what());
         return done(op, std::move(outputs), counts);
       }
-      TORCH_CHECK(false, "trainmover: ", op_name(op), " on group ", name_, ": ",
-                  why.empty() ? "the group has no communicator in this process" : why);
-    }
-    counts = current_counts();
-    WorkPtr work;
-    try {
-      work = issue(*inner);
-    } catch (const std::exception& e) {
-      if (!signal_->in_step()) throw;
-      signal_->set(std::string(op_name(op)) + " on " + name_ + " failed: " + e.what());
-      return done(op, std::move(outputs), counts);
+      if (!work) {   // a composed collective: complete (or its step doomed) by now
+        auto tape = current_tape();
+        if (tape && !signal_->is_set()) {
+          size_t index = tape->add(op, !has_outputs(op));
+          if (has_outputs(op)) tape->fill(index, outputs);
+        }
+        return done(op, std::move(outputs), counts);
+      }
+    } else {
+      auto inner = current();
+      if (!inner) {
+        std::string why = unavailable();
+        if (why.empty() && signal_->in_step()) {
+          // the communicator was released (aborted) during the step: the step is doomed
+          signal_->set(std::string(op_name(op)) + " on " + name_ + ": communicator released");
+          return done(op, std::move(outputs), counts);
+        }
+        TORCH_CHECK(false, "trainmover: ", op_name(op), " on group ", name_, ": ",
+                    why.empty() ? "the group has no communicator in this process" : why);
+      }
+      counts = current_counts();
+      try {
+        work = issue(*inner);
+      } catch (const std::exception& e) {
+        if (!signal_->in_step()) throw;
+        signal_->set(std::string(op_name(op)) + " on " + name_ + " failed: " + e.what());
+        return done(op, std::move(outputs), counts);
+      }
     }
     bool p2p = op == OpType::SEND || op == OpType::RECV || op == OpType::RECVANYSOURCE;
     (op == OpType::SEND ? counts->sent : p2p ? counts->recv : counts->coll).fetch_add(1);
@@ -744,15 +902,19 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
     }
     auto forward = c10::make_intrusive<ForwardWork>(work, op, signal_, counts, waiter, p2p,
                                                     std::move(outputs), name_);
-    std::shared_ptr<Tape> tape;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      tape = tape_;
-    }
+    auto tape = current_tape();
     if (tape) {
       forward->record_into(tape, tape->add(op, !has_outputs(op)));
     }
     return forward;
+  }
+
+  // where this forwarder's operations are recorded, if they are (not while it serves a
+  // composed world operation: see t_composing)
+  std::shared_ptr<Tape> current_tape() {
+    if (t_composing) return nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return tape_;
   }
 
   bool replaying() {
@@ -825,6 +987,8 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
   std::shared_ptr<Waiter> waiter_;
   bool local_ = false;
   std::string unavailable_;
+  std::shared_ptr<ComposedWorld> world_;   // a world group composed from the axis groups
+  std::string world_refusal_;
   int64_t generation_ = 0;
   std::shared_ptr<Tape> tape_;        // recording, when set
   std::vector<TapeEntry> replay_;     // replay, when replaying_
@@ -850,6 +1014,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_inner", &ForwardingBackend::set_inner)
       .def("set_local", &ForwardingBackend::set_local)
       .def("set_unavailable", &ForwardingBackend::set_unavailable)
+      .def("set_composed", &ForwardingBackend::set_composed)
       .def("counts", &ForwardingBackend::counts)
       .def("start_recording", &ForwardingBackend::start_recording)
       .def("recorded", &ForwardingBackend::recorded)
