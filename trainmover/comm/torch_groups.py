@@ -23,6 +23,8 @@ switch with them and a migration never rebuilds a group across every worker.
 """
 from __future__ import annotations
 
+import time
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -67,6 +69,7 @@ def _register() -> None:
     if not _registered:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True,
                                       devices=["cpu", "cuda"])
+        _track_meshes()
         _registered = True
 
 
@@ -293,7 +296,16 @@ class TorchGroups:
                 fwd.set_inner(None)
         if dist.is_initialized():
             dist.destroy_process_group()
-        _forget_meshes()
+        _retire_meshes()
+
+    def rebind_meshes(self) -> None:
+        """Point the warm-up runs' cached sharding decisions at this run's meshes (see the
+        module's ``rebind_meshes``): at a joiner's registration, before its switch (a mesh
+        its script makes later starts with its own decisions)."""
+        t0 = time.perf_counter()
+        n = rebind_meshes()
+        if n:
+            self.emit("meshes_rebound", meshes=n, seconds=round(time.perf_counter() - t0, 4))
 
     def _compose_world(self, fwd) -> None:
         """With two or more parallel axes, ``fwd`` (a world group's) runs its operations on
@@ -376,17 +388,63 @@ class TorchGroups:
         return self._forwarders[name][0].generation
 
 
-def _forget_meshes() -> None:
-    """Drop DTensor's caches of sharding decisions. They hold the DeviceMesh objects of the
-    run that filled them, and a DeviceMesh compares equal to another over the same ranks and
-    names whatever its process groups: the process's next run of the script (a standby that
-    warmed up as one role, then runs as another) would be handed the destroyed groups of the
-    last run ("Could not resolve the process group registered under the name 1")."""
+# DeviceMesh objects of this process's earlier runs of the script, and of its current run
+# (weak: most die with their run; DTensor's caches of sharding decisions keep some alive, see
+# ``rebind_meshes``). Every mesh is made through DeviceMesh.__init__ (slices and flattened
+# meshes too), which ``_track_meshes`` wraps once per process: no scan of the heap.
+_earlier_meshes: list = []
+_run_meshes: list = []
+
+
+def _track_meshes() -> None:
     try:
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:       # a torch without DTensor: nothing is cached
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:       # a torch without DeviceMesh: nothing to track
         return
-    _clear_sharding_prop_cache()
+    if getattr(DeviceMesh.__init__, "_trainmover_tracked", False):
+        return
+    original = DeviceMesh.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _run_meshes.append(weakref.ref(self))
+
+    init._trainmover_tracked = True
+    DeviceMesh.__init__ = init
+
+
+def _retire_meshes() -> None:
+    """(The end of a run.) This run's meshes become earlier ones."""
+    _earlier_meshes[:] = [r for r in _earlier_meshes + _run_meshes if r() is not None]
+    _run_meshes.clear()
+
+
+def rebind_meshes() -> int:
+    """Make each earlier run's DeviceMesh that equals one of this run's a copy of it (its
+    groups, this worker's coordinates); returns how many were.
+
+    Why: DTensor caches its sharding decisions per operation (shapes, placements, mesh), and
+    the decisions hold the mesh objects of the run that filled the cache. A standby fills it
+    in its warm-up runs; emptied, the joiner's first step would decide ~100 operations anew
+    (most of its first step's extra time in the FSDP2 + TP example: the downtime). Kept as
+    they are, they would hand the joiner's DTensors a mesh of the warm-up's role (another
+    coordinate, destroyed groups): a DeviceMesh compares equal to another over the same
+    ranks and names whatever its groups. Rebound, every cached decision is the joiner's."""
+    earlier = [m for m in (r() for r in _earlier_meshes) if m is not None]
+    if not earlier:
+        return 0
+    current = {}
+    for mesh in (r() for r in _run_meshes):
+        if mesh is not None:
+            current.setdefault(mesh, mesh)     # keyed by equality (ranks, names, device)
+    rebound = 0
+    for old in earlier:
+        new = current.get(old)
+        if new is not None and new is not old:
+            old.__dict__.clear()
+            old.__dict__.update(new.__dict__)
+            rebound += 1
+    return rebound
 
 
 def _sum(counts) -> dict:

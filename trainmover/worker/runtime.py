@@ -302,6 +302,8 @@ class Runtime:
                 f"{next(iter(sharded))!r}: FSDP2 or ZeRO), so the dp roles are not replicas "
                 f"of each other: launch with --dp-sharded (layout.dp_sharded)")
         launch = self.ctx.launch
+        if isinstance(launch, Join) and self.torch_groups is not None:
+            self.torch_groups.rebind_meshes()    # before the switch: off the downtime
         if isinstance(launch, Join) and isinstance(launch.command, P.AssignMigration):
             M.joiner_ready(self.ctx.store, self.ctx.events, self.name,
                            launch.command.migration_id, self.joining.build_s,
