@@ -56,6 +56,9 @@ def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
     else:
         (r,) = summary["recoveries"]
         assert r["failures"] == {worker: kind}, r
+        # measured from the resume step's commit after the failure (a rollback's resume step
+        # was committed once before it too)
+        assert r["downtime_s"] is not None and r["downtime_s"] > 0, r
     assert summary["steps"] == STEPS
     # the job recorded its torch operations for the standby, whose replay (as far as it got
     # before the event: a warm-up may be cut short) kept its place: an operation unlike the
@@ -203,8 +206,13 @@ def test_torch_fsdp_tp_survives_migration_crash_and_hang_bit_identically(
     ends with a DCP checkpoint on the default group (composed from the dp and tp groups),
     which holds the uninterrupted run's tensors."""
     ckpt = tmp_path / "dcp"
-    _, summary, kind, _ = _with_fault(tmp_path, TORCH_FSDP_TP, FSDP_FLAGS, fault, GRID,
-                                      ARGS + ("--save", str(ckpt)))
+    run_dir, summary, kind, _ = _with_fault(tmp_path, TORCH_FSDP_TP, FSDP_FLAGS, fault, GRID,
+                                            ARGS + ("--save", str(ckpt)))
+    # the joiner took over its warm-up's sharding decisions, rebound to its own meshes (the
+    # weights below are bit-identical only if every rebound mesh has the joiner's
+    # coordinates and groups)
+    (rebound,) = events(run_dir, "meshes_rebound")
+    assert rebound["meshes"] > 0
     if kind == "migrate":
         assert set(summary["migrations"][0]["affected_groups"]) == {"dp.pp0.tp1",
                                                                     "tp.dp0.pp0"}

@@ -409,17 +409,23 @@ class Recovery:
     def finish_downtimes(self, final: bool = False) -> None:
         """A recovery's downtime is known once the job committed the first step after it."""
         for rec in list(self.awaiting):
-            if self.ctx.progress.last_step < rec.resume_step and not final:
+            # after a rollback the newest step seen is still the one before the failure: wait
+            # for the resume step's own record, committed after the failure was detected
+            if not final and self._first_commit(rec) is None:
                 continue
             self.awaiting.remove(rec)
             self.report(rec)
+
+    def _first_commit(self, rec: ActiveRecovery) -> float | None:
+        """When the resume step was committed after the failure, if it was yet."""
+        return next((r["time"] for r in self.ctx.progress.records
+                     if r["step"] == rec.resume_step and r["time"] > rec.t_detected), None)
 
     def report(self, rec: ActiveRecovery) -> dict:
         """Downtime from the fault to the first committed step after it (needs its metrics)."""
         ctx = self.ctx
         resume = rec.resume_step
-        t_commit = next((r["time"] for r in ctx.progress.records if r["step"] == resume
-                         and r["time"] > rec.t_detected), None)
+        t_commit = self._first_commit(rec)
         faults = [e for e in ctx.fault_events() if e["worker"] in rec.failures]
         t_fault = min([e["time"] for e in faults] or [rec.t_detected])
         detection = {w: f.detected_at - next((e["time"] for e in faults if e["worker"] == w),
