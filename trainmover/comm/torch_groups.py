@@ -392,8 +392,10 @@ class TorchGroups:
 # (weak: most die with their run; DTensor's caches of sharding decisions keep some alive, see
 # ``rebind_meshes``). Every mesh is made through DeviceMesh.__init__ (slices and flattened
 # meshes too), which ``_track_meshes`` wraps once per process: no scan of the heap.
-_earlier_meshes: list = []
-_run_meshes: list = []
+# Keyed by id: a mesh's own equality would fold equal meshes into one; a dead mesh leaves
+# by itself (a script slicing mesh["tp"] every step must not grow these).
+_earlier_meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_run_meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _track_meshes() -> None:
@@ -407,7 +409,7 @@ def _track_meshes() -> None:
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        _run_meshes.append(weakref.ref(self))
+        _run_meshes[id(self)] = self
 
     init._trainmover_tracked = True
     DeviceMesh.__init__ = init
@@ -415,7 +417,7 @@ def _track_meshes() -> None:
 
 def _retire_meshes() -> None:
     """(The end of a run.) This run's meshes become earlier ones."""
-    _earlier_meshes[:] = [r for r in _earlier_meshes + _run_meshes if r() is not None]
+    _earlier_meshes.update(_run_meshes)
     _run_meshes.clear()
 
 
@@ -430,13 +432,12 @@ def rebind_meshes() -> int:
     they are, they would hand the joiner's DTensors a mesh of the warm-up's role (another
     coordinate, destroyed groups): a DeviceMesh compares equal to another over the same
     ranks and names whatever its groups. Rebound, every cached decision is the joiner's."""
-    earlier = [m for m in (r() for r in _earlier_meshes) if m is not None]
+    earlier = list(_earlier_meshes.values())
     if not earlier:
         return 0
     current = {}
-    for mesh in (r() for r in _run_meshes):
-        if mesh is not None:
-            current.setdefault(mesh, mesh)     # keyed by equality (ranks, names, device)
+    for mesh in list(_run_meshes.values()):
+        current.setdefault(mesh, mesh)     # keyed by equality (ranks, names, device)
     rebound = 0
     for old in earlier:
         new = current.get(old)

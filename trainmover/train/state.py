@@ -243,7 +243,9 @@ class TrainState:
                 raise StateError(f"state has {len(meta['param_groups'])} optimizer param "
                                  f"groups, this optimizer {len(self.optimizer.param_groups)}")
             for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
-                g.update(saved)
+                # the settings travel as JSON, which has no tuples: Adam's betas stay one
+                g.update({k: tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list)
+                          else v for k, v in saved.items()})
         for key, saved in meta.get("extra", {}).items():
             if key not in self.extra:
                 raise StateError(f"state has extra entry {key!r}, which was not registered")
