@@ -164,3 +164,25 @@ def test_a_run_dir_planted_by_another_user_is_refused_before_anything_starts(
         assert owner != 0
         assert all(os.stat(os.path.join(real, n)).st_uid == owner for n in os.listdir(real))
         assert "secret" not in os.listdir(real)
+
+
+def test_an_ended_job_is_shown_with_the_event_that_ended_it(tmp_path):
+    """Workers still exiting after the controller gave up log their own errors later: the
+    status of the ended job names the job_failed event, not the newest worker error."""
+    from trainmover.control.status import ended, render_ended
+    run_dir, secret = _job(tmp_path)
+    jobfile.write_control(run_dir, {"store": "127.0.0.1:1", "agent_pid": 2 ** 22 + 1},
+                          secret)                                    # no such process
+    jobfile.start_run(run_dir, secret)
+    with open(os.path.join(run_dir, "events.jsonl"), "w") as f:
+        for event, error in (("script_error", "ModuleNotFoundError: w0"),
+                             ("job_failed", "JobFailed: the script failed before init"),
+                             ("script_error", "ModuleNotFoundError: w2")):
+            f.write(json.dumps({"event": event, "level": "error", "error": error}) + "\n")
+    outcome = ended(run_dir, fresh_s=0.0)
+    assert outcome["state"] == "ended" and outcome["last_error"]["event"] == "job_failed"
+    assert "last error: job_failed: JobFailed" in render_ended(run_dir, outcome)
+    # without a job_failed event, the newest error
+    with open(os.path.join(run_dir, "events.jsonl"), "w") as f:
+        f.write(json.dumps({"event": "worker_crash", "level": "error", "error": "x"}) + "\n")
+    assert ended(run_dir, fresh_s=0.0)["last_error"]["event"] == "worker_crash"

@@ -198,7 +198,7 @@ def ended(run_dir: str, fresh_s: float) -> dict | None:
     process of the job, is not running here, and the run wrote its summary or its controller
     stopped writing status: an agent on another host is not seen from this one), else None:
     {"state": "finished" | "stopped" | "ended", "summary": the summary or None,
-    "last_error": the newest error event or None}."""
+    "last_error": the job_failed event, else the newest error event, or None}."""
     from trainmover.core import jobfile
     from trainmover.core.events import read_jsonl
 
@@ -222,8 +222,12 @@ def ended(run_dir: str, fresh_s: float) -> dict | None:
     events = os.path.join(run_dir, "events.jsonl")
     errors = [e for e in read_jsonl(events) if e.get("level") == "error"] \
         if os.path.exists(events) else []
+    # the event that ended the job is what to show: workers still exiting after it may log
+    # their own errors later (every worker of a script failing before init does)
+    ending = [e for e in errors if e.get("event") == "job_failed"]
+    last = (ending or errors or [None])[-1]
     state = "ended" if summary is None else "stopped" if summary.get("stopped") else "finished"
-    return {"state": state, "summary": summary, "last_error": errors[-1] if errors else None}
+    return {"state": state, "summary": summary, "last_error": last}
 
 
 def render_ended(run_dir: str, outcome: dict) -> str:
