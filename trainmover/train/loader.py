@@ -73,6 +73,7 @@ class RegisteredData:
         self._replay: deque = deque()      # the first attempt's, for a redo
         self._start_state = None           # the loader's state when the step started
         self._in_step = False              # a step started and not committed yet
+        self._loaded = None                # the state loaded last, until the next batch
 
     # --- the runtime's hooks --------------------------------------------------------------
     def step_started(self, step: int) -> None:
@@ -81,7 +82,7 @@ class RegisteredData:
             self._fetched = []
             return
         self._step, self._fetched, self._replay = step, [], deque()
-        self._start_state = self.loader.state_dict()
+        self._start_state = self._position()
         self._in_step = True
 
     def step_committed(self) -> None:
@@ -114,12 +115,25 @@ class RegisteredData:
             return iter(self.loader)
 
     # --- as state -------------------------------------------------------------------------
+    def _position(self):
+        """The loader's state now. Before its first batch it is the position loaded, or
+        None (from the start): a StatefulDataLoader asked for its state without a live
+        iterator makes one, drawing from torch's global generator where the script's
+        own iteration would not (a joiner's dropout would be one draw off)."""
+        if self._it is None:
+            return self._loaded
+        return self.loader.state_dict()
+
     def state_dict(self) -> dict:
-        state = self._start_state if self._in_step else self.loader.state_dict()
-        return _encode(state)
+        state = self._start_state if self._in_step else self._position()
+        return {"from_start": True} if state is None else _encode(state)
 
     def load_state_dict(self, saved: dict) -> None:
-        self.loader.load_state_dict(_decode(saved))
         self._it = None                   # the next batch comes from the loaded position
-        self._resumed = True
         self._in_step, self._fetched, self._replay = False, [], deque()
+        if saved.get("from_start"):       # a role that had not drawn a batch yet
+            self._loaded, self._resumed = None, False
+            return
+        self._loaded = _decode(saved)
+        self.loader.load_state_dict(self._loaded)
+        self._resumed = True

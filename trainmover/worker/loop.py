@@ -32,6 +32,8 @@ from trainmover.worker.perf import StepMeter
 from trainmover.worker.recording import StepRecorder
 
 if TYPE_CHECKING:
+    import torch
+
     from trainmover.worker.runtime import Runtime
 
 # How often a replica, done with its steps, looks whether the final state is assembled or it
@@ -71,6 +73,36 @@ def _forget_attempt(scaler) -> None:
 
 
 
+def guard_optimizer(rt: Runtime, optimizer: torch.optim.Optimizer) -> None:
+    """Make the registered optimizer's ``step()`` the commit point of a script that does
+    not call ``rt.commit()``: a pre-hook (torch's, so it runs however ``step`` is reached:
+    directly, through a GradScaler, an LR scheduler's wrapper) votes if the step has not
+    voted yet, and in a step that is not committed empties every gradient first, which makes
+    the step a no-op (torch's optimizers skip a parameter without a gradient, moments and
+    step counts included). A script that commits explicitly is unaffected; one that calls
+    ``step()`` after ``rt.commit()`` returned False is kept from applying the step."""
+
+    def before_step(opt, args, kwargs):
+        cur = rt.current
+        if cur is None:
+            return None            # outside rt.steps(): not a training step of the job
+        if cur.commit is None:
+            rt.commit()
+        if not cur.commit:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        return None
+
+    optimizer.register_step_pre_hook(before_step)
+
+
+def _scale_of(scaler) -> tuple:
+    """A GradScaler's scale and growth tracker, copied (None before its first ``scale()``)."""
+    return tuple(None if t is None else t.clone()
+                 for t in (scaler._scale, scaler._growth_tracker))
+
+
 class StepLoop:
     """The real step loop of one script run (active worker or joiner)."""
 
@@ -98,7 +130,8 @@ class StepLoop:
             if rt.is_reporter else None
         self.on_first_step = None
         self.meter: StepMeter | None = None   # set when the training loop starts
-        self._rng_start: tuple[int, tuple] | None = None   # (step, generators at its start)
+        self._rng_start: tuple[int, tuple] | None = None   # (step, generators and
+        # GradScaler scales at its start)
 
     def _new_checkpointer(self) -> AsyncCheckpointer:
         rt = self.rt
@@ -234,10 +267,16 @@ class StepLoop:
                 rt.current = None
                 if recorder is not None:
                     recorder.__exit__(None, None, None)
-            step_time = time.perf_counter() - cur.t_start
             if cur.commit is None:
-                raise UsageError(f"the step loop skipped the commit point in step {step}: "
-                                 f"call rt.commit() once per step, before optimizer.step()")
+                if rt.state is None or rt.state.optimizer is None:
+                    raise UsageError(
+                        f"the step loop skipped the commit point in step {step}: call "
+                        f"rt.commit() once per step, before optimizer.step()")
+                # the registered optimizer was not stepped (a GradScaler skipped an
+                # overflow): the step, which changed nothing, votes here
+                cur.metrics = {"loss": None}
+                cur.commit = self.vote_on(cur)
+            step_time = time.perf_counter() - cur.t_start
             if not cur.commit:
                 step = self._recover(step)
                 continue
@@ -272,14 +311,16 @@ class StepLoop:
         started from (``train/rng.py``). After a rollback the state loaded brought its own.
         A registered AMP GradScaler forgets what the abandoned attempt did to it (it had
         unscaled the gradients: ``unscale_()`` would refuse to run again before an
-        ``update()``, which only an applied step calls); its scale stays, as no update ran."""
+        ``update()``) and gets back its scale from the step's start (a script that commits
+        at ``optimizer.step()`` calls ``update()`` in every attempt)."""
         saved = self._rng_start
         if saved is not None and saved[0] == step:
             rng.restore(saved[1])
-            for scaler in self.rt.scalers:
+            for scaler, scale in zip(self.rt.scalers, saved[2]):
                 _forget_attempt(scaler)
+                scaler._scale, scaler._growth_tracker = scale
         else:
-            self._rng_start = (step, rng.snapshot())
+            self._rng_start = (step, rng.snapshot(), [_scale_of(s) for s in self.rt.scalers])
 
     def _stand_by_for_final(self) -> None:
         """A replica waits until the job's final state is assembled: if the holder of its

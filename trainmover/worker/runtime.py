@@ -8,6 +8,11 @@
         if rt.commit(loss=loss.item()):      # no step is ever half-applied
             opt.step()
 
+The explicit ``rt.commit()`` may be left out: the registered optimizer's ``step()`` is then
+the commit point (``loop.guard_optimizer``), and does nothing in a step that is not
+committed; a step whose optimizer is not stepped (a GradScaler skipping an overflow) votes
+at its end.
+
 Everything else is the runtime's: planned migrations (this worker may stay, leave or join),
 the standby's sandboxed warm-up (the same script runs against recorded communication),
 failure detection and recovery, the commit vote, checkpoints, metrics and the final state.
@@ -50,7 +55,7 @@ from trainmover.worker import recover as R
 from trainmover.worker.context import Join, Shadow, Start, WorkerContext
 from trainmover.worker.errors import UsageError
 from trainmover.worker.handles import GroupView
-from trainmover.worker.loop import StepInFlight, StepLoop
+from trainmover.worker.loop import StepInFlight, StepLoop, guard_optimizer
 from trainmover.worker.recording import stage_initialisations
 
 
@@ -295,6 +300,8 @@ class Runtime:
             _fix_ddp_buckets(model)
         self.state = TrainState(model, optimizer, extra, buckets, axes_of=self._mesh_axes)
         self.scalers = [v for v in (extra or {}).values() if isinstance(v, torch.amp.GradScaler)]
+        if optimizer is not None:
+            guard_optimizer(self, optimizer)
         sharded = self.state.dp_dims()
         if sharded and not self.layout.dp_sharded:
             raise UsageError(
@@ -409,7 +416,7 @@ class Runtime:
             finally:
                 self.current = None
             ctx.shadow_times.append(time.perf_counter() - cur.t_start)
-            if cur.commit is None:
+            if cur.commit is None and (self.state is None or self.state.optimizer is None):
                 raise UsageError("the step loop skipped the commit point: call "
                                  "rt.commit() once per step, before optimizer.step()")
             self._check_fingerprint(launch.structure, cur)
