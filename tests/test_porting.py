@@ -193,3 +193,72 @@ def test_data_that_cannot_be_resumed_is_refused_at_register(tmp_path):
     assert res.returncode == 1
     assert "rt.register(data=...): list_iterator has no state_dict, load_state_dict" in \
         res.stderr, res.stderr[-2000:]
+
+
+# no rt.commit(): the registered optimizer's step() is the commit point; a GradScaler skips
+# every overflow step (no optimizer step: the step votes at its end) and calls update() in
+# every attempt, so a redone step must get back its scale from the step's start
+IMPLICIT = textwrap.dedent("""
+    import json
+    import sys
+    import torch
+    import trainmover
+
+    rt = trainmover.init()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                              torch.nn.Linear(64, 1))
+    model = rt.data_parallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    rt.register(model=model, optimizer=opt, extra={"scaler": scaler})
+    for step in rt.steps(40):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 16, generator=g)[rt.dp_rank * 4:(rt.dp_rank + 1) * 4]
+        if step % 7 == 4:
+            x[0, 0] = float("inf")
+        scaler.scale(model(x).pow(2).mean()).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    if rt.is_main:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"scale": scaler.get_scale(),
+                       "growth": int(scaler._get_growth_tracker())}, f)
+""")
+
+
+@pytest.fixture(scope="module")
+def implicit_base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("implicit")
+    script = root / "train.py"
+    script.write_text(IMPLICIT)
+    res, summary = launch(root / "run", ["--nproc", "2"], script, [str(root / "scale.json")],
+                          ["--standbys", "0"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return summary, json.loads((root / "scale.json").read_text())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", [
+    "crash@8:w1:allreduce",                   # a step that applies its update
+    "crash@11:w0:allreduce",                  # an overflow step: it votes at its end
+    pytest.param("hang@9:w1:allreduce", marks=pytest.mark.slow)])
+def test_a_script_without_rt_commit_commits_at_the_optimizer_step_and_redoes_exactly(
+        tmp_path, implicit_base, fault):
+    """The failed attempt's optimizer.step() did nothing (its gradients were dropped), its
+    scaler.update() is undone with the redo, and the job ends with the uninterrupted run's
+    weights and scale."""
+    base, base_scale = implicit_base
+    script = tmp_path / "train.py"
+    script.write_text(IMPLICIT)
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], script,
+                          [str(tmp_path / "scale.json")], ["--standbys", "1", "--inject", fault])
+    assert res.returncode == 0, res.stderr[-3000:]
+    (r,) = summary["recoveries"]
+    assert r["status"] == "done" and r["lost_steps"] == 0, r
+    assert summary["weights_sha256"] == base["weights_sha256"]
+    assert json.loads((tmp_path / "scale.json").read_text()) == base_scale
+    assert summary["steps"] == 40

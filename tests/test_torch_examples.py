@@ -17,6 +17,8 @@ TORCH_FSDP_TP = ROOT / "examples" / "torch_fsdp_tp.py"
 TORCH_FSDP_TP_PLAIN = ROOT / "examples" / "torch_fsdp_tp_plain.py"
 TORCH_PIPELINE = ROOT / "examples" / "torch_pipeline.py"
 TORCH_PIPELINE_PLAIN = ROOT / "examples" / "torch_pipeline_plain.py"
+NANOGPT = ROOT / "examples" / "nanogpt.py"
+NANOGPT_PLAIN = ROOT / "examples" / "nanogpt_plain.py"
 PAIR = ("--nproc", "2")
 GRID = ("--dp", "2", "--tp", "2")      # the 2-D example: w0 dp0.tp0 ... w3 dp1.tp1
 PIPE = ("--dp", "2", "--pp", "2")      # the pipeline: w0 dp0.pp0, w1 dp0.pp1, w2 dp1.pp0 ...
@@ -280,3 +282,46 @@ def test_torch_pipeline_under_trainmover_ends_with_the_weights_of_the_plain_scri
     assert _torchrun_weights(tmp_path, TORCH_PIPELINE_PLAIN, nproc=4) == \
         torch_pipeline_base["weights_sha256"]
 
+
+
+# --- a nanoGPT-style script: dropout, accumulation, a GradScaler, a StatefulDataLoader ------
+
+def test_nanogpt_example_is_the_plain_script_with_at_most_10_changed_lines():
+    changed = changed_lines(NANOGPT_PLAIN, NANOGPT)
+    assert 0 < len(changed) <= 10, changed
+    # what makes it a real script stays as it was: DDP, the DDP accumulation idiom, the
+    # scaler's own step and update (the optimizer's step is the commit point: no
+    # rt.commit), worker processes reading a stateful loader, dropout
+    text = NANOGPT.read_text()
+    for kept in ("    model = DDP(model)", "model.require_backward_grad_sync = ",
+                 "        scaler.step(optimizer)", "        scaler.update()",
+                 "num_workers=2", "nn.Dropout(dropout)"):
+        assert kept in text, kept
+    assert "rt.commit" not in text
+    assert "master_process = rt.is_main" in text
+
+
+@pytest.fixture(scope="module")
+def nanogpt_base(tmp_path_factory):
+    pytest.importorskip("torchdata.stateful_dataloader")
+    return _base(tmp_path_factory, "nanogpt", NANOGPT)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_nanogpt_survives_migration_crash_and_hang_bit_identically(tmp_path, nanogpt_base,
+                                                                   fault):
+    """Its dropout draws from the global generator in every micro-step and its batches are
+    the loader's position: a joiner continues both exactly where the leaver (or, after a
+    failure, the step's first attempt) was."""
+    _, summary, kind, _ = _with_fault(tmp_path, NANOGPT, (), fault)
+    if kind != "migrate":
+        (r,) = summary["recoveries"]
+        assert r["lost_steps"] == 0, r
+    assert summary["weights_sha256"] == nanogpt_base["weights_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_nanogpt_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
+        tmp_path, nanogpt_base):
+    assert _torchrun_weights(tmp_path, NANOGPT_PLAIN) == nanogpt_base["weights_sha256"]
