@@ -125,7 +125,7 @@ STATEFUL = textwrap.dedent("""
     model = rt.data_parallel(torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(512, 16, generator=g))
+    data = TensorDataset(torch.randn(2048, 16, generator=g))   # 128 steps a replica
     # a shuffled shard per replica, read by two worker processes with prefetching: the
     # batch of a step is the loader's position, not a function of the step
     sampler = DistributedSampler(data, num_replicas=rt.dp_size, rank=rt.dp_rank, seed=3)
@@ -133,7 +133,7 @@ STATEFUL = textwrap.dedent("""
                                 prefetch_factor=2)
     rt.register(model=model, optimizer=opt, data=loader)
     batches = rt.batches()
-    for step in rt.steps(24):
+    for step in rt.steps(60):
         for micro in range(2):
             (x,) = next(batches)
             model.require_backward_grad_sync = micro == 1
@@ -157,9 +157,8 @@ def stateful_base(tmp_path_factory):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", [
-    # failed once in 4 runs here, cause not found yet (the same script's crash case and the
-    # loader's own resume were exact every time): out of the default suite until it is
-    pytest.param("migrate@6:w1", marks=pytest.mark.slow), "crash@10:w1:allreduce",
+    # (with 24 steps, 1 run in 8 ended before the switch step: the standby was still warming)
+    "migrate@6:w1", "crash@10:w1:allreduce",
     pytest.param("hang@10:w0:allreduce", marks=pytest.mark.slow)])
 def test_a_registered_stateful_loader_moves_with_its_role_and_a_redo_gets_its_batches(
         tmp_path, stateful_base, fault):
