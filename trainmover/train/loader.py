@@ -13,6 +13,9 @@ instead of the loader:
   or a checkpoint continues from its position. Between steps it is the loader's state; in
   a step not yet committed it is the state the step started from, so a replica that serves
   a recovery mid-step hands over the position the redone step starts at;
+- the loader is never asked for its state before its first batch (a StatefulDataLoader
+  without a live iterator makes one to answer, drawing from torch's global generator): the
+  state then is the one loaded, or "from the start";
 - loading a state (a joiner, a rollback) restarts the iteration from it, without the draw
   from torch's global generator that making a DataLoader iterator takes (the run's first
   iterator took it; a second would shift every later random number). The new iterator's
