@@ -271,7 +271,8 @@ class StepLoop:
                 if rt.state is None or rt.state.optimizer is None:
                     raise UsageError(
                         f"the step loop skipped the commit point in step {step}: call "
-                        f"rt.commit() once per step, before optimizer.step()")
+                        f"rt.commit() once per step, before optimizer.step(), or register the "
+                        f"optimizer (rt.register(optimizer=...)): its step() commits")
                 # the registered optimizer was not stepped (a GradScaler skipped an
                 # overflow): the step, which changed nothing, votes here
                 cur.metrics = {"loss": None}

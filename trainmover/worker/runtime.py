@@ -417,8 +417,9 @@ class Runtime:
                 self.current = None
             ctx.shadow_times.append(time.perf_counter() - cur.t_start)
             if cur.commit is None and (self.state is None or self.state.optimizer is None):
-                raise UsageError("the step loop skipped the commit point: call "
-                                 "rt.commit() once per step, before optimizer.step()")
+                raise UsageError("the step loop skipped the commit point: call rt.commit() "
+                                 "once per step, before optimizer.step(), or register the "
+                                 "optimizer (rt.register(optimizer=...)): its step() commits")
             self._check_fingerprint(launch.structure, cur)
             why = self.torch_groups.mismatch() if self.torch_groups is not None else None
             if why:
