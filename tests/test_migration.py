@@ -174,3 +174,20 @@ def test_migrate_command_against_a_running_job(tmp_path):
 def test_migrate_command_without_a_job(tmp_path):
     res = cli("migrate", "--run-dir", str(tmp_path), "--worker", "w1")
     assert res.returncode == 2 and "not the run dir of a running job" in res.stderr
+
+
+@pytest.mark.timeout(400)
+def test_the_naive_baseline_migration_starts_its_joiner_at_the_switch_and_stays_exact(tmp_path):
+    """The baseline the benchmarks compare with (``naive``: no preparation, the joiner a
+    fresh process started once its leaver reached the switch, by its signed at_switch
+    record) still moves the role with the uninterrupted run's weights."""
+    cfg = job(2, 1, 1, 40, 0)
+    base = run_job(cfg, str(tmp_path / "base"), quiet=True, timeout_s=200)
+    running = Job(cfg, str(tmp_path / "moved"), timeout_s=300).start()
+    result = running.coordinator.request_migration(["w1"], naive=True,
+                                                   source="test").result(timeout=200)
+    assert result["status"] == "done", result
+    summary = running.wait(300)
+    assert summary["weights_sha256"] == base["weights_sha256"]
+    (started,) = events_of(str(tmp_path / "moved"), "migration_started")
+    assert started["naive"] is True

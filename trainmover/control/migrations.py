@@ -210,9 +210,11 @@ class Migrations:
         ctx, mig = self.ctx, self.active
         plan, mid = mig.plan, mig.plan.migration_id
         if mig.request.naive:
+            # the naive baseline starts its joiner once the leaver is at the switch: signed,
+            # or a planted at_switch value would start it early (the leaver still training)
             for pair in plan.pairs:
                 if not ctx.procs.known(pair.joiner) and \
-                        ctx.store.check([P.mig_key(mid, "at_switch", pair.leaver)]):
+                        ctx.store.valid(P.mig_key(mid, "at_switch", pair.leaver)) is not None:
                     ctx.spawn(pair.joiner, standby=True)
         dead = {j for j in plan.joiners
                 if ctx.procs.known(j) and ctx.procs.exit_code(j) not in (None, 0)}

@@ -130,8 +130,8 @@ class StepLoop:
             if rt.is_reporter else None
         self.on_first_step = None
         self.meter: StepMeter | None = None   # set when the training loop starts
-        self._rng_start: tuple[int, tuple] | None = None   # (step, generators and
-        # GradScaler scales at its start)
+        # (step, generators and GradScaler scales at its start)
+        self._rng_start: tuple[int, tuple, list] | None = None
 
     def _new_checkpointer(self) -> AsyncCheckpointer:
         rt = self.rt
