@@ -72,7 +72,6 @@ def _forget_attempt(scaler) -> None:
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
-
 def guard_optimizer(rt: Runtime, optimizer: torch.optim.Optimizer) -> None:
     """Make the registered optimizer's ``step()`` the commit point of a script that does
     not call ``rt.commit()``: a pre-hook (torch's, so it runs however ``step`` is reached:
