@@ -143,11 +143,12 @@ MISUSE = {
         for step in rt.steps(5):
             rt.commit()
         """, "register the training state"),
+    # (with the optimizer registered, its step() would be the commit point)
     "no_commit": ("""
         rt = trainmover.init()
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        rt.register(model=model, optimizer=opt)
+        rt.register(model=model)
         for step in rt.steps(5):
             model(torch.ones(2, 4)).sum().backward()
             opt.step()
