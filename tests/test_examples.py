@@ -170,6 +170,14 @@ MISUSE = {
             opt.zero_grad()
         """, "data must be a pure function of the step"),
 }
+# the same script in a job without a standby: stopped at the rehearsal of step 1
+MISUSE["stateful_data_no_standby"] = (MISUSE["stateful_data"][0],
+                                      "differs between two attempts of the step")
+# and through torch's own DDP (fingerprinted by a forward pre-hook of the registered model)
+MISUSE["stateful_data_torch_ddp"] = (MISUSE["stateful_data"][0].replace(
+    "model = rt.data_parallel(torch.nn.Linear(4, 4))",
+    "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))"),
+    "Likely cause: batches taken from an iterator's position")
 
 
 @pytest.mark.timeout(300)
@@ -178,7 +186,7 @@ def test_misuse_is_refused_with_a_clear_error(tmp_path, case):
     body, message = MISUSE[case]
     script = tmp_path / f"{case}.py"
     script.write_text("import torch\nimport trainmover\n" + textwrap.dedent(body))
-    extra = ["--standbys", "1"] if case == "stateful_data" else []
+    extra = ["--standbys", "1"] if case == "stateful_data" else ["--standbys", "0"]
     res, summary = launch(tmp_path / "run", ["--nproc", "1"], script, (), extra)
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert message in res.stderr, res.stderr[-3000:]

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from test_examples import launch
+from test_examples import events, launch
 
 DROPOUT = textwrap.dedent("""
     import json
@@ -261,3 +261,154 @@ def test_a_script_without_rt_commit_commits_at_the_optimizer_step_and_redoes_exa
     assert summary["weights_sha256"] == base["weights_sha256"]
     assert json.loads((tmp_path / "scale.json").read_text()) == base_scale
     assert summary["steps"] == 40
+
+
+# --- the rehearsal of step 1 in a job no standby checks (DataConfig.rehearse) ----------------
+
+STALE = textwrap.dedent("""
+    import torch
+    import trainmover
+
+    rt = trainmover.init()
+    torch.manual_seed(0)
+    model = rt.data_parallel(torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rt.register(model=model, optimizer=opt)
+    for step in rt.steps(12):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 16, generator=g)[rt.dp_rank * 4:(rt.dp_rank + 1) * 4]
+        model(x).pow(2).mean().backward()
+        if rt.commit():
+            opt.step()
+            opt.zero_grad()     # only after an applied step: a redo starts with old gradients
+""")
+
+
+@pytest.fixture(scope="module")
+def stale_base(tmp_path_factory):
+    """The uninterrupted run, not rehearsed (a standby checks the data instead)."""
+    root = tmp_path_factory.mktemp("stale")
+    script = root / "train.py"
+    script.write_text(STALE)
+    res, summary = launch(root / "run", ["--nproc", "2"], script, (), ["--standbys", "1"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not events(root / "run", "data_rehearsed")
+    return summary
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", [None, "crash@6:w1:allreduce"])
+def test_a_job_without_standbys_rehearses_step_1_and_ends_with_the_same_weights(
+        tmp_path, stale_base, fault):
+    """Step 1 runs twice, the first attempt not applied, and the job ends with the weights of
+    the job that was not rehearsed: the second attempt starts without the first's gradients
+    (the script zeroes them only after an applied step), and a replacement started without
+    a standby redoes a step as exactly."""
+    script = tmp_path / "train.py"
+    script.write_text(STALE)
+    extra = ["--standbys", "0"] + (["--inject", fault] if fault else [])
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], script, (), extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rehearsed = events(tmp_path / "run", "data_rehearsed")
+    assert sorted(e["worker"] for e in rehearsed) == ["w0", "w1"], rehearsed
+    assert all(e["equal"] and e["step"] == 1 for e in rehearsed), rehearsed
+    assert len(summary["recoveries"]) == (1 if fault else 0)
+    assert summary["weights_sha256"] == stale_base["weights_sha256"]
+
+
+HASHED = textwrap.dedent("""
+    import os
+    import sys
+    import torch
+    import trainmover
+
+    rt = trainmover.init()
+    with open(os.path.join(sys.argv[1], f"{rt.name}.{os.getpid()}"), "w") as f:
+        f.write(str(hash("a seed")))
+    torch.manual_seed(0)
+    model = rt.data_parallel(torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rt.register(model=model, optimizer=opt)
+    for step in rt.steps(10):
+        seed = (hash("a seed") + step) % 2**31     # Python's salted hash() of a string
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed + rt.dp_rank))
+        model(x).pow(2).mean().backward()
+        if rt.commit():
+            opt.step()
+        opt.zero_grad()
+""")
+
+
+@pytest.mark.timeout(300)
+def test_every_process_of_a_job_hashes_strings_alike(tmp_path):
+    """``PYTHONHASHSEED`` is the job's (core/jobfile.py): a replacement seeded by ``hash()``
+    gets the numbers of the process it replaces, so the rehearsal and the redo agree."""
+    script = tmp_path / "train.py"
+    script.write_text(HASHED)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], script, [str(marks)],
+                          ["--standbys", "0", "--inject", "crash@5:w1:allreduce"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert summary["recoveries"][0]["status"] == "done"
+    seen = {p.name: p.read_text() for p in marks.iterdir()}
+    assert len(seen) == 3 and len(set(seen.values())) == 1, seen   # w0, w1 and w1's joiner
+
+
+# --- a migration waits for a joiner still warming up (standby.join_wait_s) -------------------
+
+SLOW_WARMUP = textwrap.dedent("""
+    import time
+    import torch
+    import trainmover
+
+    rt = trainmover.init()
+    torch.manual_seed(0)
+    model = rt.data_parallel(torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rt.register(model=model, optimizer=opt)
+    for step in rt.steps(150):
+        if rt.sandbox:
+            time.sleep(2.0)     # a standby's warm-up step compiling
+        time.sleep(0.08)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step * 2 + rt.dp_rank))
+        model(x).pow(2).mean().backward()
+        if rt.commit():
+            opt.step()
+        opt.zero_grad()
+""")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wait_s", [120.0, 1.0])
+def test_a_migration_waits_for_its_joiner_to_finish_warming_up(tmp_path, wait_s):
+    """Requested at step 2, while the standby is still starting and warming up: the orders
+    wait until it is warm (it warms fully, then joins), or until ``standby.join_wait_s``
+    passes (reported, and the migration still completes)."""
+    from trainmover.control.coordinator import run_job
+    from trainmover.core.config import JobConfig
+    from trainmover.core.faults import parse_inject
+    from trainmover.core.topology import Layout
+
+    script = tmp_path / "train.py"
+    script.write_text(SLOW_WARMUP)
+    cfg = JobConfig(name="slow")
+    cfg.layout = Layout(2, 1, 1)
+    cfg.process.command = [str(script)]
+    cfg.train.threads_per_worker = 1
+    cfg.override(standby_count=1, standby_join_wait_s=wait_s).validate()
+    run_dir = tmp_path / "run"
+    summary = run_job(cfg, str(run_dir), quiet=True, timeout_s=240,
+                      injects=[parse_inject("migrate@2:w1")])
+    (m,) = summary["migrations"]
+    assert m["status"] == "done", m
+    (waiting,) = events(run_dir, "migration_waiting")
+    assert waiting["joiners"] == ["s0"], waiting
+    (waited,) = events(run_dir, "migration_waited")
+    warmed = [e for e in events(run_dir, "warmed") if e["worker"] == "s0"]
+    if wait_s > 1.0:
+        assert not waited["timed_out"] and waited["states"] == {"s0": "warm"}, waited
+        assert warmed and warmed[0]["time"] <= waited["time"], (warmed, waited)
+        assert m["warmup_wait_s"] >= 2.0, m
+    else:
+        assert waited["timed_out"] and 1.0 <= m["warmup_wait_s"] < 5.0, (waited, m)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import jobfile, rundir
 from trainmover.core import protocol as P
-from trainmover.core.auth import AuthStore
+from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
 from trainmover.core.proc import pid_alive
@@ -119,6 +119,7 @@ class Agent:
         self._controller_read_at = 0.0
         self._beat_at = 0.0
         self.snapshots: SnapshotServer | None = None   # the peer-snapshot holder, if used
+        self.hash_seed = jobfile.python_hash_seed(load_secret(run_dir))
 
     # --- processes ---------------------------------------------------------------------------
     def spawn(self, req: P.AgentSpawn) -> None:
@@ -157,6 +158,8 @@ class Agent:
                    TRAINMOVER_NODE=str(self.node),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
                                                   str(cfg.threads_per_worker())))
+        if "PYTHONHASHSEED" not in os.environ:     # a user's own choice stands
+            env["PYTHONHASHSEED"] = self.hash_seed
         if req.gpu is not None:
             env["LOCAL_RANK"] = str(req.gpu)
             if cfg.process.deterministic:

@@ -83,6 +83,7 @@ class Progress:
     _buf: str = ""
     _live: LiveLine | None = None
     _live_tried: bool = False
+    _params_said: bool = False
 
     @property
     def last_step(self) -> int:
@@ -107,6 +108,10 @@ class Progress:
                 continue
             rec = json.loads(line)
             self.records.append(rec)
+            if isinstance(rec.get("model_params"), int) and not self._params_said:
+                self._params_said = True       # (a script's first record)
+                self.say(f"{rec.get('model_params_of', 'the model')}: "
+                         f"{rec['model_params'] / 1e6:.2f}M parameters (as registered)")
             if len(self.records) > 2 * RECORDS_KEPT:
                 del self.records[:-RECORDS_KEPT]
             if self.enabled and self._display() is None:

@@ -47,6 +47,10 @@ class ActiveMigration:
     switch_step: int | None = None
     result: dict | None = None
     t_accountable: float | None = None   # the job passed the steps its downtime spans
+    # joiners still starting or warming up when the migration started: its orders wait for
+    # them (``standby.join_wait_s``), from t_start; then how long that took
+    waiting_for: list = field(default_factory=list)
+    warmup_wait_s: float = 0.0
 
 
 class Migrations:
@@ -155,6 +159,7 @@ class Migrations:
             ctx.progress.say(f"migration of {', '.join(req.workers)} refused: {exc}")
             self.answer(req, {"status": "refused", "reason": str(exc)})
             return
+        joiner_states = {p.joiner: ctx.membership.standbys[p.joiner] for p in plan.pairs}
         ctx.membership = C.reserve(ctx.membership, plan)
         mig = ActiveMigration(plan, req)
         self.active = mig
@@ -166,6 +171,24 @@ class Migrations:
             f"; rebuilding {info['groups_rebuilt']}/{info['groups_total']} groups"
             + (" [naive]" if req.naive else ""))
         self.answer(req, {"status": "started", **info}, final=False)
+        if not req.naive and ctx.cfg.standby.join_wait_s > 0:
+            mig.waiting_for = [p.joiner for p in plan.pairs if joiner_states[p.joiner] in
+                               (C.StandbyState.STARTING, C.StandbyState.WARMING)]
+        if mig.waiting_for:
+            # ordered now, a standby drops its warm-up: its first real steps would compile
+            # and warm up inside the switch, while every stayer waits
+            ctx.events.emit("migration_waiting", migration_id=mid, joiners=mig.waiting_for,
+                            states=[joiner_states[j].value for j in mig.waiting_for],
+                            limit_s=ctx.cfg.standby.join_wait_s)
+            ctx.progress.say(f"migration {mid} waits for {', '.join(mig.waiting_for)} to "
+                             f"finish warming up (at most {ctx.cfg.standby.join_wait_s:g} s)")
+            return
+        self._order(mig)
+
+    def _order(self, mig: ActiveMigration) -> None:
+        """Phase 1's orders to every participant (the naive baseline's switch at once)."""
+        ctx, plan, req = self.ctx, mig.plan, mig.request
+        mid = plan.migration_id
         for stayer, groups in plan.stayers.items():
             ctx.send(stayer, P.Prepare(mid, {g: plan.generations[g] for g in groups},
                                        naive=req.naive))
@@ -218,6 +241,8 @@ class Migrations:
                     ctx.spawn(pair.joiner, standby=True)
         dead = {j for j in plan.joiners
                 if ctx.procs.known(j) and ctx.procs.exit_code(j) not in (None, 0)}
+        if mig.waiting_for and not (dead or self._warmed_up(mig)):
+            return
         participants = set(plan.participants)
         ready = participants if mig.state is not C.MigrationState.PREPARING else \
             (participants if ctx.store.add(P.mig_key(mid, "ready_count"), 0) >= len(participants)
@@ -236,6 +261,28 @@ class Migrations:
             self.abort(why, dead)
         elif state is C.MigrationState.DONE:
             self._complete(mig)
+
+    def _warmed_up(self, mig: ActiveMigration) -> bool:
+        """Whether the joiners the migration waits for are done warming up (warm, or cold
+        for good) or ``standby.join_wait_s`` passed; if so, the orders go out now."""
+        ctx, mid = self.ctx, mig.plan.migration_id
+        states = {}
+        for j in mig.waiting_for:
+            report = ctx.read(P.StandbyReport, P.standby_state_key(j))
+            states[j] = report.state if report is not None else "starting"
+        busy = [j for j, st in states.items() if st in ("starting", "warming")]
+        waited = time.time() - mig.t_start
+        if busy and waited < ctx.cfg.standby.join_wait_s:
+            return False
+        mig.waiting_for, mig.warmup_wait_s = [], waited
+        ctx.events.emit("migration_waited", migration_id=mid, waited_s=round(waited, 3),
+                        states=states, timed_out=bool(busy),
+                        level="warning" if busy else "info")
+        if busy:
+            ctx.progress.say(f"migration {mid}: {', '.join(busy)} still warming up after "
+                             f"{waited:.0f} s (standby.join_wait_s): ordered in anyway")
+        self._order(mig)
+        return False     # the orders just went out: nobody is ready yet
 
     def abort(self, reason: str, dead: set[str] = frozenset()) -> None:
         """Give up the migration in flight; the job goes on unchanged."""
@@ -430,6 +477,7 @@ class Migrations:
                   "transfer_bytes": sum(r.transfer_bytes for r in leaver_r),
                   "stayer_peak_rss_growth": max(rss_growth) if rss_growth else None,
                   "naive": mig.request.naive,
+                  "warmup_wait_s": round(mig.warmup_wait_s, 3),
                   "requested_to_done_s": time.time() - mig.t_start}
         self.finished.append(result)
         ctx.events.emit("migration_done", **result)

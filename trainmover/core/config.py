@@ -118,11 +118,18 @@ class TrainConfig:
 class DataConfig:
     """``source``: ``builtin`` (byte-level tokens of the Python standard library's sources,
     present on every Python install), or a path. ``format``: ``text`` (bytes as tokens, vocab
-    256) or ``uint16`` (a flat little-endian token file)."""
+    256) or ``uint16`` (a flat little-endian token file).
+
+    ``rehearse``: in a script's job that no standby checks (``checks_data_by_standby``),
+    step 1 runs twice, the first attempt not committed, and the first stage's batches of
+    the two attempts must be equal: a script whose data is an iterator's position (which a
+    redo or a joiner would not see again) is stopped there, before any fault, naming the
+    cause. It costs one step per job."""
 
     source: str = "builtin"
     format: str = "text"
     builtin_max_bytes: int = 4_000_000
+    rehearse: bool = True
 
     def validate(self) -> None:
         if self.format not in ("text", "uint16"):
@@ -310,9 +317,17 @@ class StandbyConfig:
     # that dies at every start must not become a crash loop).
     replenish: bool = False
     replenish_max: int = 16
+    # A planned migration whose joiner is still starting or warming up (compiling) waits
+    # this long for it to finish before ordering it in anyway (reported): ordered at once, it
+    # would drop its warm-up and compile inside the switch, every stayer waiting. 0: never
+    # waits. Recovery never waits (a replacement is needed now).
+    join_wait_s: float = 120.0
 
     def validate(self) -> None:
         _non_negative("standby", count=self.count, replenish_max=self.replenish_max)
+        if not isinstance(self.join_wait_s, (int, float)) or isinstance(self.join_wait_s, bool) \
+                or self.join_wait_s < 0:
+            raise ValueError(f"standby.join_wait_s must be >= 0, got {self.join_wait_s!r}")
         _positive("standby", warmup_iterations=self.warmup_iterations)
         _seconds("standby", record_max_mb=self.record_max_mb)   # (a positive number)
         _seconds("standby", recording_poll_s=self.recording_poll_s,
@@ -660,6 +675,15 @@ class JobConfig:
         if self.comm.torch_groups == "auto":
             return not self.process.builtin
         return self.comm.torch_groups == "on"
+
+    def checks_data_by_standby(self) -> bool:
+        """Whether standbys check the job's batches in their warm-up (``StandbyConfig``)."""
+        return self.standby.count > 0 and self.standby.record and self.standby.warmup
+
+    def rehearses_data(self) -> bool:
+        """Whether step 1 is rehearsed to check the script's data (``DataConfig``)."""
+        return self.data.rehearse and not self.process.builtin and \
+            not self.checks_data_by_standby()
 
     def takes_snapshots(self) -> bool:
         """Whether workers send peer snapshots (``SnapshotConfig``): only roles without a

@@ -54,6 +54,16 @@ def derive_run_key(secret: bytes, run_id: str) -> bytes:
     return hmac.new(secret, b"run:" + run_id.encode(), hashlib.sha256).hexdigest().encode()
 
 
+def python_hash_seed(secret: bytes) -> str:
+    """The job's ``PYTHONHASHSEED``, the same in all its processes and across its resumes
+    (derived from the secret, from which it reveals nothing): a script that seeds with
+    Python's salted ``hash()`` of a string gets the same numbers in a joiner, a replacement
+    and a resumed run as in the process it replaces. 1 .. 2**32-1 (0 would turn hash
+    randomization off)."""
+    digest = hmac.new(secret, b"python-hash-seed", hashlib.sha256).digest()
+    return str(int.from_bytes(digest[:4], "big") % (2**32 - 1) + 1)
+
+
 def start_run(run_dir: str, secret: bytes) -> bytes:
     """A new run of the job (written before any of its processes starts): its key."""
     run_id = secrets.token_hex(16)

@@ -26,7 +26,7 @@ from trainmover.train.state import state_digest
 from trainmover.worker import migration as M
 from trainmover.worker import recover as R
 from trainmover.worker.context import Start
-from trainmover.worker.errors import UsageError
+from trainmover.worker.errors import DataNotDeterministic, UsageError
 from trainmover.worker.liveness import AbortWatcher, CommitVote
 from trainmover.worker.perf import StepMeter
 from trainmover.worker.recording import StepRecorder
@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     import torch
 
     from trainmover.worker.runtime import Runtime
+
+# The step a job without a standby's data check runs twice (``DataConfig.rehearse``): the
+# first step a joiner can start at, and the first after torch's first-step set-up.
+REHEARSAL_STEP = 1
 
 # How often a replica, done with its steps, looks whether the final state is assembled or it
 # must write its share (a wait of about the final assembly, once per job).
@@ -59,6 +63,8 @@ class StepInFlight:
     # batch would put a host copy and a hash on every step's path), and its digest
     fingerprinted: bool = False
     batch_digest: str | None = None     # the step's data, as the script first fed it
+    # the first attempt of the rehearsed step (``DataConfig.rehearse``): never committed
+    rehearsal: bool = False
 
 
 def _forget_attempt(scaler) -> None:
@@ -96,6 +102,21 @@ def guard_optimizer(rt: Runtime, optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_step_pre_hook(before_step)
 
 
+def parameter_count(model: torch.nn.Module, layout) -> tuple[int, str]:
+    """The registered model's parameters as this process sees them, and what they are of: a
+    DTensor counts whole (its numel is the global tensor's), a plain tensor as held."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    count = sum(p.numel() for p in params)
+    if layout.pp > 1:
+        return count, "the last pipeline stage"
+    if (layout.tp > 1 or layout.dp_sharded) and not all(isinstance(p, DTensor)
+                                                          for p in params):
+        return count, "one shard"
+    return count, "the model"
+
+
 def _scale_of(scaler) -> tuple:
     """A GradScaler's scale and growth tracker, copied (None before its first ``scale()``)."""
     return tuple(None if t is None else t.clone()
@@ -131,6 +152,11 @@ class StepLoop:
         self.meter: StepMeter | None = None   # set when the training loop starts
         # (step, generators and GradScaler scales at its start)
         self._rng_start: tuple[int, tuple, list] | None = None
+        # the rehearsal (``DataConfig.rehearse``): whether it is to come, and once its
+        # first attempt ran, that attempt's batch digest (None: no batch was fingerprinted)
+        self._rehearse = cfg.rehearses_data() and self.total > REHEARSAL_STEP
+        self._rehearsed: tuple[str | None] | None = None
+        self._params_shown = False
 
     def _new_checkpointer(self) -> AsyncCheckpointer:
         rt = self.rt
@@ -235,20 +261,22 @@ class StepLoop:
     def _steps(self, step: int, start_step: int, record_key: str | None,
                tolerant: bool) -> Iterator[int]:
         rt, ctx, cfg = self.rt, self.ctx, self.cfg
+        again = False     # the rehearsed step's second attempt: no boundary in between
         while step < self.total:
             ctx.progress.tick()
-            outcome = self.migrations.at_boundary(step)
+            outcome = self.migrations.at_boundary(step) if not again else None
             if outcome == M.LEAVE:
                 ctx.events.emit("worker_left", step=step)
                 raise Departed()
             if outcome == M.STOP:
                 self._stop(step)
-            if step == cfg.baseline.restart_at_step and step != start_step:
+            if step == cfg.baseline.restart_at_step and step != start_step and not again:
                 if self.checkpointer is not None:
                     self.checkpointer.wait()  # the checkpoint the restart loads
                 ctx.events.emit("worker_stopped_for_restart", step=step)
                 rt.comm_groups.shutdown()
                 raise Departed()
+            rehearsal = self._rehearsal_due(step)
             self.meter.begin(step, rt.comm_groups)
             self._rng_at_start(step)
             if rt.data is not None:
@@ -256,7 +284,8 @@ class StepLoop:
             recorder = self.recorder.begin(step) if self.recorder is not None else None
             cur = rt.current = StepInFlight(
                 step, time.perf_counter(),
-                fingerprinted=self.structure is not None and step in P.FINGERPRINT_STEPS)
+                fingerprinted=(self.structure is not None and step in P.FINGERPRINT_STEPS)
+                or rehearsal or again, rehearsal=rehearsal)
             rt.fault_point("forward", step)
             ctx.abort.in_step = tolerant
             try:
@@ -266,6 +295,9 @@ class StepLoop:
                 rt.current = None
                 if recorder is not None:
                     recorder.__exit__(None, None, None)
+            if again:
+                again = False
+                self._check_rehearsal(cur)
             if cur.commit is None:
                 if rt.state is None or rt.state.optimizer is None:
                     raise UsageError(
@@ -278,6 +310,10 @@ class StepLoop:
                 cur.commit = self.vote_on(cur)
             step_time = time.perf_counter() - cur.t_start
             if not cur.commit:
+                if cur.rehearsal and not ctx.abort.is_set():
+                    self._rehearsed = (cur.batch_digest,)
+                    again = True
+                    continue
                 step = self._recover(step)
                 continue
             if rt.data is not None:
@@ -306,6 +342,33 @@ class StepLoop:
                 self._post_digest(step + 1)
             step += 1
 
+    def _rehearsal_due(self, step: int) -> bool:
+        """Whether this attempt of ``step`` is the rehearsal's first: the same answer on every
+        process of the job (joiners included), as its collectives must be: the first attempt
+        of ``REHEARSAL_STEP`` in the job's first epoch (a recovery before it starts another
+        epoch, where none is rehearsed)."""
+        return (self._rehearse and step == REHEARSAL_STEP and self.ctx.epoch == 0 and
+                self._rehearsed is None)
+
+    def _check_rehearsal(self, cur: StepInFlight) -> None:
+        """The rehearsed step's second attempt fed the model what its first did, or the
+        script's data is not a function of the step (``DataConfig.rehearse``)."""
+        (first,), second = self._rehearsed, cur.batch_digest
+        if first is None or second is None:
+            return     # not the first stage, or its data does not reach a hooked forward
+        self.ctx.events.emit("data_rehearsed", step=cur.index, equal=first == second,
+                             digests=[first, second])
+        if first != second:
+            raise DataNotDeterministic(
+                f"step {cur.index}'s batch on role {self.rt.role} differs between two "
+                f"attempts of the step in the same process (digests {first} and {second}; "
+                f"trainmover runs step {REHEARSAL_STEP} twice to check this): the script's "
+                f"data must be a pure function of the step, or a redone step and a joiner "
+                f"would train on other samples. Likely cause: batches taken from an "
+                f"iterator's position (next(it), `for batch in loader`): register the "
+                f"loader (batches = rt.register(..., data=loader)) or draw sample positions "
+                f"from a generator seeded by the step")
+
     def _rng_at_start(self, step: int) -> None:
         """A step redone after a failure starts from the generators its first attempt
         started from (``train/rng.py``). After a rollback the state loaded brought its own.
@@ -316,11 +379,23 @@ class StepLoop:
         saved = self._rng_start
         if saved is not None and saved[0] == step:
             rng.restore(saved[1])
+            self._drop_gradients()
             for scaler, scale in zip(self.rt.scalers, saved[2]):
                 _forget_attempt(scaler)
                 scaler._scale, scaler._growth_tracker = scale
         else:
             self._rng_start = (step, rng.snapshot(), [_scale_of(s) for s in self.rt.scalers])
+
+    def _drop_gradients(self) -> None:
+        """A redone step starts without gradients, as every step does: its first attempt's
+        are stale (a script that zeroes them only after a committed ``optimizer.step()``
+        would otherwise accumulate them into the redo)."""
+        state = self.rt.state
+        if state.optimizer is not None:
+            state.optimizer.zero_grad(set_to_none=True)
+        elif state.model is not None:
+            for p in state.model.parameters():
+                p.grad = None
 
     def _stand_by_for_final(self) -> None:
         """A replica waits until the job's final state is assembled: if the holder of its
@@ -349,6 +424,8 @@ class StepLoop:
 
     def vote_on(self, cur: StepInFlight) -> bool:
         """The commit point's decision for the step in flight (see ``Runtime.commit``)."""
+        if cur.rehearsal:
+            return False    # not committed anywhere: the step runs again (no vote needed)
         if self.meter is not None:
             self.meter.before_vote(cur.index, cur.t_start, self.rt.comm_groups)
         if self.vote is None:
@@ -365,6 +442,12 @@ class StepLoop:
 
     def _write_metrics(self, step: int, step_time: float, metrics: dict) -> None:
         record = {"step": step, **metrics, "step_time_s": round(step_time, 6)}
+        if not self._params_shown and not self.cfg.process.builtin and \
+                isinstance(self.ctx.launch, Start) and self.rt.state.model is not None:
+            # what the launch banner cannot know: the script's model (the controller shows it)
+            self._params_shown = True
+            record["model_params"], record["model_params_of"] = parameter_count(
+                self.rt.state.model, self.rt.layout)
         if self.rt.tokens_per_step:
             record["tokens_per_s"] = round(self.rt.tokens_per_step / step_time, 1)
         record["worker"] = self.rt.name

@@ -53,15 +53,10 @@ from trainmover.worker import context as context_mod
 from trainmover.worker import migration as M
 from trainmover.worker import recover as R
 from trainmover.worker.context import Join, Shadow, Start, WorkerContext
-from trainmover.worker.errors import UsageError
+from trainmover.worker.errors import DataNotDeterministic, UsageError
 from trainmover.worker.handles import GroupView
 from trainmover.worker.loop import StepInFlight, StepLoop, guard_optimizer
 from trainmover.worker.recording import stage_initialisations
-
-
-class DataNotDeterministic(UsageError):
-    """A step's batch differs from the batch recorded for that step: the script's data is not
-    a pure function of the step, so a joiner would train on other samples."""
 
 
 class ShadowDone(BaseException):
@@ -298,6 +293,13 @@ class Runtime:
                     buckets = w.buckets
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             _fix_ddp_buckets(model)
+        wrapped = any(model is w or model is w.module for w in self._wrappers)
+        if isinstance(model, torch.nn.Module) and self.is_first_stage and not wrapped:
+            # the step's data, as the first stage's model gets it (a data_parallel wrapper
+            # fingerprints its own input): for the checks of ``fingerprint``
+            model.register_forward_pre_hook(
+                lambda module, args, kwargs: self.fingerprint((args, kwargs)),
+                with_kwargs=True)
         self.state = TrainState(model, optimizer, extra, buckets, axes_of=self._mesh_axes)
         self.scalers = [v for v in (extra or {}).values() if isinstance(v, torch.amp.GradScaler)]
         if optimizer is not None:
@@ -309,8 +311,10 @@ class Runtime:
                 f"{next(iter(sharded))!r}: FSDP2 or ZeRO), so the dp roles are not replicas "
                 f"of each other: launch with --dp-sharded (layout.dp_sharded)")
         launch = self.ctx.launch
-        if isinstance(launch, Join) and self.torch_groups is not None:
-            self.torch_groups.rebind_meshes()    # before the switch: off the downtime
+        if isinstance(launch, (Join, Shadow)) and self.torch_groups is not None:
+            # before the switch: off the downtime; and in a standby's later warm-up runs,
+            # whose cached sharding decisions would hold an earlier run's destroyed groups
+            self.torch_groups.rebind_meshes()
         if isinstance(launch, Join) and isinstance(launch.command, P.AssignMigration):
             M.joiner_ready(self.ctx.store, self.ctx.events, self.name,
                            launch.command.migration_id, self.joining.build_s,
