@@ -8,6 +8,8 @@ import pytest
 
 from test_examples import events, launch
 
+from trainmover.core.events import read_jsonl
+
 DROPOUT = textwrap.dedent("""
     import json
     import sys
@@ -353,6 +355,9 @@ def test_every_process_of_a_job_hashes_strings_alike(tmp_path):
     assert summary["recoveries"][0]["status"] == "done"
     seen = {p.name: p.read_text() for p in marks.iterdir()}
     assert len(seen) == 3 and len(set(seen.values())) == 1, seen   # w0, w1 and w1's joiner
+    # the registered model's size, as the controller shows it (a script's first record)
+    sized = [r for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if "model_params" in r]
+    assert sized and sized[0]["model_params"] == 17 and sized[0]["model_params_of"] == "the model"
 
 
 # --- a migration waits for a joiner still warming up (standby.join_wait_s) -------------------

@@ -75,3 +75,21 @@ def test_a_bench_elsewhere_prints_only_its_results(capsys):
     line.finish("cell a: 1.0 s")
     line.close()
     assert capsys.readouterr().out == "cell a: 1.0 s\n"
+
+
+def test_a_scripts_model_size_is_shown_once_as_registered(tmp_path, capsys):
+    """The launch banner cannot know a script's model: its first record carries the
+    registered model's parameter count (worker/loop.py), shown once."""
+    from trainmover.control.context import count_text
+
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "w") as f:
+        for s in range(3):
+            f.write(json.dumps({"step": s, "loss": 1.0, "step_time_s": 0.1, "worker": "w0",
+                                **({"model_params": 25_165_824, "model_params_of": "the model"}
+                                   if s < 2 else {})}) + "\n")
+    Progress(str(path), total_steps=3).poll()
+    out = capsys.readouterr().out
+    assert out.count("parameters") == 1 and "the model: 25.17M parameters" in out, out
+    assert [count_text(n) for n in (17, 4_096, 870_000, 1_300_000_000)] == \
+        ["17", "4.1K", "0.87M", "1.30B"]

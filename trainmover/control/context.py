@@ -68,6 +68,15 @@ class LiveLine:
         self.live.stop()
 
 
+def count_text(n: int) -> str:
+    """A parameter count as people write it: 17, 12.3K, 0.87M, 1.30B."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e5:
+        return f"{n / 1e6:.2f}M"
+    return f"{n / 1e3:.1f}K" if n >= 1e3 else str(n)
+
+
 @dataclass
 class Progress:
     """Tails metrics.jsonl and keeps the newest records; shows each committed step: a live
@@ -111,7 +120,7 @@ class Progress:
             if isinstance(rec.get("model_params"), int) and not self._params_said:
                 self._params_said = True       # (a script's first record)
                 self.say(f"{rec.get('model_params_of', 'the model')}: "
-                         f"{rec['model_params'] / 1e6:.2f}M parameters (as registered)")
+                         f"{count_text(rec['model_params'])} parameters (as registered)")
             if len(self.records) > 2 * RECORDS_KEPT:
                 del self.records[:-RECORDS_KEPT]
             if self.enabled and self._display() is None:

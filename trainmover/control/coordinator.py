@@ -37,8 +37,8 @@ from dataclasses import asdict
 from datetime import timedelta
 
 from trainmover.control.baseline import Restarts
-from trainmover.control.context import (JobContext, Progress, restore_into, snapshot_of,
-                                        worker_names)
+from trainmover.control.context import (JobContext, Progress, count_text, restore_into,
+                                        snapshot_of, worker_names)
 from trainmover.control.errors import JobFailed, Superseded
 from trainmover.control.health import Health
 from trainmover.control.migrations import MigrationRequest, Migrations
@@ -424,7 +424,7 @@ class Coordinator:
             ctx.progress.say(f"job {cfg.name!r} {cfg.layout} on "
                              f"{len(ctx.membership.workers)} workers + "
                              f"{len(ctx.membership.standbys)} standby, "
-                             + (f"{cfg.model.num_params() / 1e6:.2f}M parameters, "
+                             + (f"{count_text(cfg.model.num_params())} parameters, "
                                 if cfg.process.builtin else "") + f"run dir "
                              f"{self.run_dir}" + ("" if self.resume_from is None else
                                                   f", resumed at step {self.resume_from}"))
