@@ -389,12 +389,19 @@ class StepLoop:
     def _drop_gradients(self) -> None:
         """A redone step starts without gradients, as every step does: its first attempt's
         are stale (a script that zeroes them only after a committed ``optimizer.step()``
-        would otherwise accumulate them into the redo)."""
+        would otherwise accumulate them into the redo). A gradient that is a view into
+        gradient buckets (the built-in trainer's, ``train/buckets.py``) is zeroed in place
+        instead: the buckets' all-reduce reads that memory, not a new tensor."""
         state = self.rt.state
+        params = list(state.model.parameters()) if state.model is not None else []
         if state.optimizer is not None:
-            state.optimizer.zero_grad(set_to_none=True)
-        elif state.model is not None:
-            for p in state.model.parameters():
+            params += [p for group in state.optimizer.param_groups for p in group["params"]]
+        in_buckets = set()
+        if state.buckets is not None:
+            in_buckets = {id(p) for p, _ in state.buckets.views}
+            state.buckets.zero()
+        for p in params:
+            if id(p) not in in_buckets:
                 p.grad = None
 
     def _stand_by_for_final(self) -> None:
