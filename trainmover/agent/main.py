@@ -36,26 +36,27 @@ import sys
 import time
 from dataclasses import dataclass
 
+from trainmover.agent import forkserver
 from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import jobfile, rundir
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
-from trainmover.core.proc import pid_alive
+from trainmover.core.proc import PR_SET_PDEATHSIG, pid_alive, prctl
 from trainmover.core.queues import SlotReader
+
+
+# How often the agent reaps exited orphans re-parented to it (a dead worker's data loader
+# processes): a zombie costs only a process-table entry until then.
+ORPHAN_REAP_S = 1.0
 
 
 def _die_with_parent() -> None:
     """In each child, before exec: ask Linux to SIGKILL it if the agent dies, so an agent
     killed without warning never leaves workers behind."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the workers' own store-liveness checks still end them
+    # not Linux: the workers' own store-liveness checks still end them
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 
@@ -82,7 +83,7 @@ class _NeverStarted:
 class Child:
     name: str
     incarnation: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | forkserver.ForkedProcess
     kill_at: float | None = None     # TERM was sent: KILL at this time if still alive
     reported: bool = False
     pidfd: int | None = None         # readable once the process exited (Linux >= 5.3)
@@ -120,6 +121,9 @@ class Agent:
         self._beat_at = 0.0
         self.snapshots: SnapshotServer | None = None   # the peer-snapshot holder, if used
         self.hash_seed = jobfile.python_hash_seed(load_secret(run_dir))
+        self.forks: forkserver.ForkServer | None = None   # agent.fork_server, once started
+        self._subreaper = False      # orphans of its descendants are its children to reap
+        self._reap_at = 0.0
 
     # --- processes ---------------------------------------------------------------------------
     def spawn(self, req: P.AgentSpawn) -> None:
@@ -129,15 +133,18 @@ class Agent:
             return  # a request replayed by a resumed controller: already done
         if old is not None and old.proc.poll() is None:
             self._kill(old)  # never two incarnations of one name
-        argv = [sys.executable, "-m", "trainmover.worker", "--run-dir", self.run_dir,
-                "--name", name, "--store", f"{self.host}:{self.port}", *req.worker_args()]
+        args = ["--run-dir", self.run_dir, "--name", name, "--store",
+                f"{self.host}:{self.port}", *req.worker_args()]
         try:
             env = self._env(req)
             log_fd = rundir.open_file(os.path.join(self.run_dir, "logs", f"{name}.log"),
                                       os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             with os.fdopen(log_fd, "ab") as log:
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                        env=env, preexec_fn=_die_with_parent)
+                proc = self._forked(args, env, log.fileno(), name)
+                if proc is None:
+                    proc = subprocess.Popen([sys.executable, "-m", "trainmover.worker", *args],
+                                            stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            preexec_fn=_die_with_parent)
         except (OSError, ValueError) as exc:       # ValueError: a log path refused
             # the controller sees an incarnation that exited at once (code 127, as a shell
             # reports a command it cannot run) and handles it like any other exit
@@ -150,16 +157,52 @@ class Agent:
             self.store.set(P.agent_proc_key(name),
                            P.write_message(P.ProcRecord(proc.pid, incarnation)))
         self.events.emit("process_started", name=name, pid=proc.pid, incarnation=incarnation,
-                         standby=req.standby)
+                         standby=req.standby,
+                         forked=isinstance(proc, forkserver.ForkedProcess))
 
-    def _env(self, req: P.AgentSpawn) -> dict:
-        cfg = self.cfg
+    def _forked(self, args: list[str], env: dict, log_fd: int, name: str):
+        """The worker, forked by the fork server (``agent.fork_server``), or None: off, or
+        the server failed (reported once; every later process starts anew)."""
+        if self.forks is None:
+            return None
+        try:
+            return self.forks.spawn(args, env, log_fd, name)
+        except forkserver.ForkServerError as exc:
+            self.forks = None
+            self.events.emit("fork_server_failed", error=str(exc)[:2000], level="warning")
+            return None
+
+    def _start_fork_server(self) -> None:
+        if not self.cfg.agent.fork_server:
+            return
+        self._subreaper = forkserver.become_subreaper()
+        if not self._subreaper:
+            self.events.emit("fork_server_failed", error="no PR_SET_CHILD_SUBREAPER here",
+                             level="warning")
+            return
+        try:
+            self.forks = forkserver.ForkServer(
+                self._base_env(), os.path.join(self.run_dir, "logs", "forkserver.log"),
+                self.cfg.agent.fork_server_timeout_s, preexec_fn=_die_with_parent)
+        except OSError as exc:
+            self.events.emit("fork_server_failed", error=str(exc), level="warning")
+            return
+        self.events.emit("fork_server_started", pid=self.forks.proc.pid)
+
+    def _base_env(self) -> dict:
+        """What every process of this host gets (the fork server too: the hash seed is an
+        interpreter's from its start)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINMOVER_GLOO_HOST=self.address,
                    TRAINMOVER_NODE=str(self.node),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
-                                                  str(cfg.threads_per_worker())))
+                                                  str(self.cfg.threads_per_worker())))
         if "PYTHONHASHSEED" not in os.environ:     # a user's own choice stands
             env["PYTHONHASHSEED"] = self.hash_seed
+        return env
+
+    def _env(self, req: P.AgentSpawn) -> dict:
+        cfg = self.cfg
+        env = self._base_env()
         if req.gpu is not None:
             env["LOCAL_RANK"] = str(req.gpu)
             if cfg.process.deterministic:
@@ -284,8 +327,12 @@ class Agent:
 
     # --- the loop ----------------------------------------------------------------------------
     def serve(self, initial: list[P.AgentSpawn]) -> int:
-        for req in initial:          # before importing torch: workers start at once
-            self.spawn(req)
+        self._start_fork_server()
+        if self.forks is None:
+            for req in initial:      # before importing torch: workers start at once
+                self.spawn(req)
+            initial = []
+        # (else they are forked once the store is up: the fork server imports meanwhile)
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -307,6 +354,8 @@ class Agent:
                 continue
             self.store.set(P.agent_proc_key(c.name),
                            P.write_message(P.ProcRecord(c.proc.pid, c.incarnation)))
+        for req in initial:
+            self.spawn(req)
         if self.cfg.takes_snapshots():
             self.snapshots = SnapshotServer(
                 self.address, jobfile.run_key(self.run_dir), self.cfg.snapshot.keep,
@@ -356,6 +405,9 @@ class Agent:
                 if c.kill_at is not None and now > c.kill_at and c.proc.poll() is None:
                     c.proc.kill()
                 self._reap(c)
+            if self._subreaper and now >= self._reap_at:
+                self._reap_at = now + ORPHAN_REAP_S
+                forkserver.reap_orphans(self._own_pids())
             why = self._watch(time.time())
             if why == "fenced":
                 # declared lost (its link was down, say): its processes hold stale state and
@@ -366,6 +418,14 @@ class Agent:
             if why is not None:
                 return self._shutdown(self.cfg.controller.stop_grace_s, why)
             self._wait(self.cfg.agent.poll_s)
+
+    def _own_pids(self) -> set[int]:
+        """The processes whose exit codes this agent reads (the rest are orphans to reap)."""
+        pids = {c.proc.pid for c in self.children.values() if c.proc.pid is not None}
+        pids.update(p.pid for p in self.controllers)
+        if self.forks is not None:
+            pids.add(self.forks.proc.pid)
+        return pids
 
     def _wait(self, timeout_s: float) -> None:
         """Sleep until ``timeout_s`` passed or a child exited, whichever comes first."""
@@ -380,6 +440,9 @@ class Agent:
 
     def _shutdown(self, grace_s: float, why: str) -> int:
         self.stop_all(grace_s)
+        if self.forks is not None:
+            self.forks.close()
+            self.forks = None
         self.events.emit("agent_stopped", node=self.node, reason=why)
         self.store.set(P.agent_key(self.node, "done"), why)
         if self.listen_fd is None:

@@ -86,6 +86,7 @@ def _repeat(recipe: str, minutes: float, every: float, standbys: int, replenish:
     restart = _job(recipe, 40)
     restart.checkpoint.every = 1
     restart.baseline.restart_at_step = 20
+    restart.agent.fork_server = False     # a restart starts new processes
     r = _run(restart, timeout_s)[0]["restarts"][0]["downtime_s"]
     clean_s, moving_s = _span(clean), _span(records)
     (clean_eff, clean_step), (moving_eff, moving_step) = _efficiency(clean), _efficiency(records)

@@ -21,7 +21,7 @@ steps, checkpoints every ``C`` steps and the restart's downtime ``R``:
 - defer: ``(k - onset)(t_s - t) + R``, ``k`` the first checkpoint step after the detection;
 each over the clean span. Composed, not run, because the slow worker here is a process,
 not a machine: restarted fresh processes would not be slow (or, keyed by name, would be);
-the README says so beside the figures.
+docs/benchmarks.md says so beside the figures.
 """
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ def _repeat(recipe, steps, onset, factor, every, timeout_s) -> dict:
     # composed figures add the lost work themselves)
     restart = _job(recipe, onset + 20, 1)
     restart.baseline.restart_at_step = onset
+    restart.agent.fork_server = False     # a restart starts new processes
     restart_summary, _, _ = _run(restart, timeout_s)
     r = restart_summary["restarts"][0]["downtime_s"]
     lost = (onset + d) % every        # steps since the newest checkpoint at the detection

@@ -3,6 +3,27 @@ from __future__ import annotations
 
 import os
 
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
+
+# One fork-server request or reply (agent <-> ``worker/forkserver.py``): JSON, a few KB (a
+# worker's environment); bounded so that a broken peer cannot make the other side allocate
+# without limit.
+FORK_MESSAGE_MAX = 1 << 20
+
+
+def prctl(option: int, arg) -> bool:
+    """Linux's ``prctl(option, arg)``; False where it fails or does not exist."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, dead but not yet reaped by its parent, is dead)."""
     try:

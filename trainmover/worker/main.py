@@ -161,7 +161,9 @@ def _stays_cold(ctx: WorkerContext, key: str, reason: str) -> None:
           file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, t_start: float | None = None) -> int:
+    """``t_start``: when this process started (``perf_counter``), for one forked by the
+    agent's fork server (``agent/forkserver.py``); by default, this module's import."""
     p = argparse.ArgumentParser(prog="trainmover.worker")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--name", required=True)
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generation", type=int, default=0)
     p.add_argument("--epoch", type=int, default=0)
     args = p.parse_args(argv)
-    ctx = WorkerContext(args.run_dir, args.name, args.store, args.standby, args.epoch, T_START)
+    ctx = WorkerContext(args.run_dir, args.name, args.store, args.standby, args.epoch,
+                        T_START if t_start is None else t_start)
     context_mod.install(ctx)
     try:
         job = identity.read_identity(args.run_dir, load_secret(args.run_dir))
