@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow test-gpu bench-step benchmarks soak vendor clean
+.PHONY: install demo test test-slow test-gpu bench-step bench-quick benchmarks soak vendor docs clean
 
 install: $(VENV)/.installed
 
@@ -34,16 +34,31 @@ test-gpu:
 bench-step: install
 	$(BIN)/trainmover bench step
 
+# The headline cells in minutes on 2 cores: a planned migration, a crash recovery and a
+# stop-and-restart from a checkpoint (4 workers, eager, 3 repeats; median, min, max) into
+# benchmarks/results/quick.md and quick.json, then the cluster-scale projection from them
+# (projection-quick.md: the same `trainmover project` as `make benchmarks` runs).
+bench-quick: install
+	$(BIN)/trainmover bench quick
+	$(BIN)/trainmover project --bench benchmarks/results/quick.json --name projection-quick
+
 # Every result the README quotes, regenerated from the code as it is into benchmarks/results
-# (each file names the machine, the commit and its settings). Hours on 2 cores; not in CI.
-# `bench hosts` needs root (network namespaces); the soak is `make soak`.
-benchmarks: install
+# (each file names the machine, the commit, the command and its settings). Hours on 2 cores;
+# not in CI. `bench hosts` needs root (network namespaces); the soak is `make soak`. The
+# downtime files: eager (4, 8 and 16 workers) and compiled (4 and 8); the projection reads
+# the eager pair (every strategy, the naive migration's cold join included). bench-quick first.
+benchmarks: install bench-quick
 	$(BIN)/trainmover bench step
-	$(BIN)/trainmover bench downtime --workers 4,8,16 --scenarios planned
+	$(BIN)/trainmover bench downtime --workers 4,8,16 --scenarios planned --no-compile \
+		--name downtime-eager
+	$(BIN)/trainmover bench downtime --workers 4,8 --scenarios crash,hang --no-compile \
+		--name downtime-failures-eager
+	$(BIN)/trainmover bench downtime --workers 4,8 --scenarios planned \
+		--name downtime-compiled
 	$(BIN)/trainmover bench downtime --workers 4,8 --scenarios crash,hang \
-		--name downtime-failures
-	$(BIN)/trainmover project --bench benchmarks/results/downtime.json \
-		--bench benchmarks/results/downtime-failures.json
+		--name downtime-failures-compiled
+	$(BIN)/trainmover project --bench benchmarks/results/downtime-eager.json \
+		--bench benchmarks/results/downtime-failures-eager.json
 	$(BIN)/trainmover bench checkpoint
 	$(BIN)/trainmover bench sources
 	$(BIN)/trainmover bench straggler --json benchmarks/results/straggler_results.json
@@ -75,5 +90,10 @@ vendor:
 	cp .vendor/package/LICENSE trainmover/view/static/vendor/uPlot.LICENSE
 	rm -rf .vendor
 
+# The documentation site (mkdocs.yml) into site/; the reference pages are generated from the
+# code as it builds. NO_MKDOCS_2_WARNING: mkdocs-material's banner about MkDocs 2.0.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

@@ -138,6 +138,30 @@ def test_every_route_but_static_files_needs_the_token(tmp_path):
         board.stop()
 
 
+@pytest.mark.timeout(60)
+def test_the_page_gets_each_downtime_worded_as_everywhere_else(tmp_path):
+    """The interruption panel shows the server's words (core/accounting.py, as status,
+    report and demo): a migration inside the step noise is no measurable stall, with the
+    noise beside it, never a negative number."""
+    run = recorded_copy(tmp_path)
+    events = os.path.join(run, "events.jsonl")
+    with open(events) as f:
+        records = [json.loads(ln) for ln in f]
+    (done,) = [e for e in records if e["event"] == "migration_done"]
+    done.update(downtime_s=-0.004, downtime_noise_s=0.009)
+    with open(events, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in records)
+    board = start_dashboard(run, DashboardConfig(port=0))
+    try:
+        status, text = fetch(board.url + "api/state", board.token)
+        assert status == 200, text
+        shown = {i["title"]: i["downtime_text"] for i in json.loads(text)["interruptions"]}
+    finally:
+        board.stop()
+    assert shown["migration 1"] == "no measurable stall (within step noise, ±9.0 ms)"
+    assert shown["recovery 1"] == "downtime 212.4 ms"      # its recorded 0.21238 s
+
+
 def _page_ready(driver):
     return driver.execute_script("return document.body.dataset.loaded") == "1"
 

@@ -4,6 +4,7 @@ interruptions with the downtimes summary.json recorded, and nothing in it points
 the file; a run without interruptions and bench result files are handled, an unknown bench
 file is refused by name."""
 import base64
+import html
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import struct
 
 import pytest
 
+from trainmover.core.accounting import downtime_value
 from trainmover.view.report import write_report
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "recorded_run")
@@ -72,13 +74,14 @@ def test_report_of_recorded_run(run_dir):
                  f"{summary['wall_s']:.3f}", "DP2 x PP2 x TP1"):
         assert text in page
 
-    # one row per interruption, with the downtime summary.json recorded (3 decimals, as
-    # the demo prints it)
+    # one row per interruption, with the downtime summary.json recorded, worded as the demo,
+    # status and dashboard word it (core/accounting.py)
     rows = rows_of(page)
     for title, record in (("migration 1", summary["migrations"][0]),
                           ("recovery 1", summary["recoveries"][0])):
         (row,) = [r for r in rows if f"<td>{title}</td>" in r]
-        assert f"<td>{record['downtime_s']:.3f}</td>" in row
+        text = downtime_value(record["downtime_s"], record.get("downtime_noise_s"))
+        assert f"<td>{html.escape(text)}</td>" in row and text.endswith(" ms"), row
         for seconds in record["phases"].values():
             if seconds >= 0.001 and f"{seconds:.3f}" in row:
                 break
@@ -88,6 +91,24 @@ def test_report_of_recorded_run(run_dir):
     assert "planned" in mig and "state transfer" in mig
     (rec,) = [r for r in rows if "<td>recovery 1</td>" in r]
     assert "crash" in rec and "detection" in rec
+
+
+@pytest.mark.timeout(60)
+def test_a_downtime_inside_the_step_noise_reads_as_such_never_as_a_negative_number(run_dir):
+    # a planned migration measured 4 ms below normal steps that varied by 9 ms: the row
+    # says so, with the noise beside it
+    events = os.path.join(run_dir, "events.jsonl")
+    with open(events) as f:
+        records = [json.loads(ln) for ln in f]
+    (done,) = [e for e in records if e["event"] == "migration_done"]
+    done.update(downtime_s=-0.004, downtime_noise_s=0.009)
+    with open(events, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in records)
+    with open(write_report(run_dir)["html"]) as f:
+        page = f.read()
+    (row,) = [r for r in rows_of(page) if "<td>migration 1</td>" in r]
+    assert "<td>no measurable stall (within step noise, ±9.0 ms)</td>" in row, row
+    assert "-0.004" not in row and "-4.0" not in row
 
 
 def test_no_interruptions_still_gives_both_images(run_dir, tmp_path):

@@ -180,9 +180,9 @@ def test_an_ended_job_is_shown_with_the_event_that_ended_it(tmp_path):
                              ("script_error", "ModuleNotFoundError: w2")):
             f.write(json.dumps({"event": event, "level": "error", "error": error}) + "\n")
     outcome = ended(run_dir, fresh_s=0.0)
-    assert outcome["state"] == "ended" and outcome["last_error"]["event"] == "job_failed"
-    assert "last error: job_failed: JobFailed" in render_ended(run_dir, outcome)
+    assert outcome["state"] == "failed" and outcome["ended_by"]["event"] == "job_failed"
+    assert "ended by job_failed: JobFailed" in render_ended(run_dir, outcome)
     # without a job_failed event, the newest error
     with open(os.path.join(run_dir, "events.jsonl"), "w") as f:
         f.write(json.dumps({"event": "worker_crash", "level": "error", "error": "x"}) + "\n")
-    assert ended(run_dir, fresh_s=0.0)["last_error"]["event"] == "worker_crash"
+    assert ended(run_dir, fresh_s=0.0)["ended_by"]["event"] == "worker_crash"

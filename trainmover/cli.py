@@ -7,7 +7,9 @@ import os
 import sys
 import time
 
+from trainmover.config_command import add_config_flag, add_config_parser
 from trainmover.core.config import JobConfig
+from trainmover.core.config_file import apply_job_file, apply_overrides, split_overrides
 from trainmover.recipes import RECIPES, get_recipe
 from trainmover.core.topology import Layout
 
@@ -31,12 +33,16 @@ def apply_runtime_args(cfg: JobConfig, args: argparse.Namespace) -> None:
 
 
 def build_config(args: argparse.Namespace) -> JobConfig:
-    """Recipe + command-line overrides, fully validated (raises ValueError naming the value)."""
+    """Recipe < job file (--config) < flags < --section.field overrides, fully validated
+    (raises ValueError naming the value)."""
     cfg = get_recipe(args.recipe)
+    if getattr(args, "config", None):
+        apply_job_file(cfg, args.config)
     if any(v is not None for v in (args.dp, args.pp, args.tp)):
         cfg.layout = Layout(args.dp if args.dp is not None else cfg.layout.dp,
                             args.pp if args.pp is not None else cfg.layout.pp,
-                            args.tp if args.tp is not None else cfg.layout.tp)
+                            args.tp if args.tp is not None else cfg.layout.tp,
+                            dp_sharded=cfg.layout.dp_sharded)
     if args.steps is not None:
         cfg.train.steps = args.steps
     if args.seed is not None:
@@ -48,6 +54,7 @@ def build_config(args: argparse.Namespace) -> JobConfig:
     if args.data_format is not None:
         cfg.data.format = args.data_format
     apply_runtime_args(cfg, args)
+    apply_overrides(cfg, getattr(args, "overrides", []))
     cfg.validate()
     if args.workers is not None and args.workers != cfg.layout.num_roles:
         raise ValueError(f"--workers={args.workers} does not match layout {cfg.layout} "
@@ -81,15 +88,26 @@ def apply_worker_faults(cfg: JobConfig, injects: list) -> list:
 def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
     p.add_argument("--recipe", default=default_recipe,
                    help=f"named recipe ({', '.join(sorted(RECIPES))})")
-    p.add_argument("--dp", type=int)
-    p.add_argument("--pp", type=int)
-    p.add_argument("--tp", type=int)
+    p.add_argument("--dp", type=int,
+                   help="data-parallel degree: replicas of the model, each training on its "
+                        "share of the batch (default: the recipe's, or the --config file's)")
+    p.add_argument("--pp", type=int,
+                   help="pipeline-parallel degree: stages the model's blocks are split over "
+                        "(default: the recipe's)")
+    p.add_argument("--tp", type=int,
+                   help="tensor-parallel degree: ranks that split each layer's weights "
+                        "(default: the recipe's)")
     p.add_argument("--workers", type=int, help="expected worker count (checked against dp*pp*tp)")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--steps", type=int,
+                   help="training steps (train.steps; default: the recipe's)")
+    p.add_argument("--seed", type=int,
+                   help="seed of the initial weights, the batches sampled and dropout "
+                        "(train.seed; default: the recipe's)")
     p.add_argument("--compile", action="store_true", help="torch.compile each stage module")
     p.add_argument("--data", help="text file (bytes as tokens) or uint16 token file")
-    p.add_argument("--data-format", choices=["text", "uint16"])
+    p.add_argument("--data-format", choices=["text", "uint16"],
+                   help="how --data is read: text (each byte a token) or uint16 (a flat "
+                        "little-endian token file) (data.format; default text)")
     _runtime_args(p)
     p.add_argument("--run-dir", help="output directory (default: runs/<recipe>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR",
@@ -98,7 +116,9 @@ def _job_args(p: argparse.ArgumentParser, default_recipe: str) -> None:
 
 
 def _runtime_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="where the processes compute: cpu, or cuda, each process on its "
+                        "slot's GPU (process.device; default cpu)")
     p.add_argument("--standbys", type=int, help="standby processes started with the job")
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="asynchronous checkpoint every N steps (default 50; 0: off): the "
@@ -145,7 +165,10 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
                    help="let the store (--store-host) or the dashboard (--dashboard-host) "
                         "listen on an address other than loopback: a private cluster "
                         "network only (docs/security.md)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true",
+                   help="print no progress (step lines, the controller's messages); the "
+                        "summary is still printed, and the run dir's events.jsonl and "
+                        "metrics.jsonl have everything")
 
 
 def python_command(command: list[str]) -> list[str]:
@@ -172,18 +195,24 @@ def python_command(command: list[str]) -> list[str]:
 def build_launch_config(args: argparse.Namespace, command: list[str]) -> JobConfig:
     cfg = JobConfig(name=os.path.splitext(os.path.basename(
         command[1] if command[0] == "-m" else command[0]))[0].split(".")[-1])
+    cfg.train.steps = 0     # the script's step count: unknown unless told
+    if getattr(args, "config", None):
+        apply_job_file(cfg, args.config)
     if args.nproc is not None and any(v is not None for v in (args.dp, args.pp, args.tp)):
         raise ValueError("give either --nproc N (data parallel) or --dp/--pp/--tp, not both")
-    sharded = bool(getattr(args, "dp_sharded", False))
+    sharded = bool(getattr(args, "dp_sharded", False)) or cfg.layout.dp_sharded
     if args.nproc is not None:
         cfg.layout = Layout(args.nproc, 1, 1, dp_sharded=sharded)
     else:
-        cfg.layout = Layout(args.dp or 1, args.pp or 1, args.tp or 1, dp_sharded=sharded)
+        cfg.layout = Layout(args.dp or cfg.layout.dp, args.pp or cfg.layout.pp,
+                            args.tp or cfg.layout.tp, dp_sharded=sharded)
     cfg.process.command = command
-    cfg.train.steps = args.steps or 0
+    if args.steps is not None:
+        cfg.train.steps = args.steps
     if args.threads is not None:
         cfg.train.threads_per_worker = args.threads
     apply_runtime_args(cfg, args)
+    apply_overrides(cfg, getattr(args, "overrides", []))
     return cfg.validate()
 
 
@@ -193,7 +222,7 @@ def _default_run_dir(name: str) -> str:
 
 # the flags that define a job: with --resume, the job's own settings (job.json) apply
 JOB_FLAGS = ("dp", "pp", "tp", "nproc", "workers", "steps", "seed", "compile", "data",
-             "data_format", "threads", "inject", "run_dir", *RUNTIME_FLAGS)
+             "data_format", "threads", "inject", "run_dir", "config", *RUNTIME_FLAGS)
 
 
 def _resume_coordinator(args: argparse.Namespace):
@@ -202,6 +231,7 @@ def _resume_coordinator(args: argparse.Namespace):
     given = [f for f in JOB_FLAGS if getattr(args, f, None) not in (None, False, [])]
     if getattr(args, "recipe", None) not in (None, "demo"):
         given.append("recipe")
+    given += [key for key, _ in getattr(args, "overrides", [])]   # --section.field
     if given:
         raise ValueError(f"--resume continues the job with its own settings (job.json): "
                          f"drop {', '.join('--' + f.replace('_', '-') for f in given)}")
@@ -364,8 +394,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             from trainmover.control.client import connect
             store = store or connect(args.run_dir)
             st = read_status(args.run_dir, store)
-        if args.json:
-            print(json.dumps(dataclasses.asdict(st), indent=2))
+        if args.json:   # "state" as for an ended job's outcome, for scripts
+            print(json.dumps({"state": "running", **dataclasses.asdict(st)}, indent=2))
         else:
             page = render(st)
             print(("\x1b[H\x1b[2J" if args.watch and sys.stdout.isatty() else "") + page,
@@ -474,9 +504,14 @@ def _bench_parser(bsub, name: str, help: str, recipe: str = "demo",
     """A ``trainmover bench`` subcommand with the flags every bench has."""
     p = bsub.add_parser(name, help=help)
     if repeats:
-        p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--recipe", default=recipe)
-    p.add_argument("--out", default="benchmarks/results")
+        p.add_argument("--repeats", type=int, default=3,
+                       help="rounds of the benchmark's runs, interleaved (figures: median, "
+                            "min and max over the rounds)")
+    p.add_argument("--recipe", default=recipe,
+                   help="recipe of the measured jobs' model and training (the benchmark sets "
+                        "their layout)")
+    p.add_argument("--out", default="benchmarks/results",
+                   help="directory of the result (a .json file and its .md report)")
     p.set_defaults(fn=cmd_bench)
     return p
 
@@ -489,7 +524,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)
                          if getattr(args, f.name) is not None})
     cluster.validate()
-    write_projection(cluster, costs_from_bench(args.bench), args.out)
+    write_projection(cluster, costs_from_bench(args.bench), args.out, args.name)
     return 0
 
 
@@ -501,9 +536,13 @@ def _project_parser(sub) -> None:
     p = sub.add_parser("project", help="ETTR and GPU-hours lost per week at 1K-128K GPUs, "
                                        "from measured per-event costs (a model)")
     p.add_argument("--bench", action="append", required=True, metavar="FILE",
-                   help="a `trainmover bench downtime` result (planned and failure "
-                        "scenarios; give several files to combine them)")
-    p.add_argument("--out", default="benchmarks/results")
+                   help="a `trainmover bench downtime` or `bench quick` result (a planned "
+                        "migration and a crash recovery at least; give several files to "
+                        "combine them)")
+    p.add_argument("--out", default="benchmarks/results",
+                   help="directory the projection is written to (see --name)")
+    p.add_argument("--name", default="projection",
+                   help="result file name under --out (NAME.json, .md, .png)")
     defaults = Cluster()
     for f in fields(Cluster):
         flag = "--" + f.name.replace("_", "-")
@@ -525,15 +564,22 @@ def make_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a local job")
     _job_args(run, "demo")
+    add_config_flag(run, "the recipe")
     run.set_defaults(fn=cmd_run)
     launch = sub.add_parser(
         "launch", help="run your own training script under trainmover",
         usage="trainmover launch [--dp N --pp N --tp N | --nproc N] [OPTIONS] -- "
               "python SCRIPT [ARGS]")
     launch.add_argument("--nproc", type=int, help="workers, data parallel (dp = N)")
-    launch.add_argument("--dp", type=int)
-    launch.add_argument("--pp", type=int)
-    launch.add_argument("--tp", type=int)
+    launch.add_argument("--dp", type=int,
+                        help="data-parallel degree: replicas (with --dp-sharded, shards) of "
+                             "the script's model (default 1, or the --config file's)")
+    launch.add_argument("--pp", type=int,
+                        help="pipeline-parallel degree: the script's pipeline stages "
+                             "(default 1, or the --config file's)")
+    launch.add_argument("--tp", type=int,
+                        help="tensor-parallel degree: ranks that split each layer "
+                             "(default 1, or the --config file's)")
     launch.add_argument("--dp-sharded", action="store_true",
                         help="the data-parallel roles hold shards of the state, not replicas "
                              "(FSDP2 or ZeRO over the dp axis): recovered from a snapshot or "
@@ -547,7 +593,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="continue a stopped job from its newest intact checkpoint, with "
                              "its own settings and command")
     _runtime_args(launch)
+    add_config_flag(launch, "the defaults")
     launch.set_defaults(fn=cmd_launch, command=[])
+    add_config_parser(sub)
     demo = sub.add_parser("demo", help="a small multi-worker job on the built-in corpus")
     _job_args(demo, "demo")
     demo.set_defaults(fn=cmd_demo)
@@ -556,14 +604,19 @@ def make_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--resume", required=True, metavar="RUN_DIR", help="the job's run dir")
     ctl.add_argument("--force", action="store_true",
                      help="take over even if the current controller is alive (it steps down)")
-    ctl.add_argument("--quiet", action="store_true")
+    ctl.add_argument("--quiet", action="store_true",
+                     help="print no progress (step lines, messages); the summary is still "
+                          "printed at the end")
     ctl.set_defaults(fn=cmd_controller)
     mig = _job_command(sub, "migrate", "hand running workers' roles to standbys")
     mig.add_argument("--worker", action="append", required=True,
                      help="worker to migrate (repeat for several at once)")
     mig.add_argument("--to", action="append", help="standby to migrate to (one per --worker)")
     mig.add_argument("--no-wait", action="store_true", help="return once the request is queued")
-    mig.add_argument("--timeout", type=float, default=600.0)
+    mig.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds to wait for the controller's answer (the migration done, "
+                          "refused or aborted; with --no-wait, its first status) before "
+                          "reporting status timeout; the request stays queued")
     mig.set_defaults(fn=cmd_migrate)
     stat = _job_command(sub, "status", "a running job: roles, standbys, steps, what is "
                                        "in flight, per-worker step times")
@@ -588,7 +641,8 @@ def make_parser() -> argparse.ArgumentParser:
     dash.set_defaults(fn=cmd_dashboard)
     rep = sub.add_parser("report", help="PNG plots and one self-contained HTML page of a run "
                                         "(into RUN_DIR/report/)")
-    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.add_argument("run_dir", metavar="RUN_DIR",
+                     help="the job's run directory (running or finished: its events.jsonl)")
     rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
     rep.add_argument("--bench", action="append", metavar="FILE",
                      help="a bench result (benchmarks/results/*.json) to plot beside it")
@@ -598,7 +652,9 @@ def make_parser() -> argparse.ArgumentParser:
                                      "every process exits); continue it with --resume")
     stop.add_argument("--reason", default="trainmover stop", help="recorded in the events")
     stop.add_argument("--no-wait", action="store_true", help="return once the request is sent")
-    stop.add_argument("--timeout", type=float, default=600.0)
+    stop.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds to wait for every process of the job to exit before "
+                           "reporting status timeout (the stop goes on)")
     stop.set_defaults(fn=cmd_stop)
     agent = sub.add_parser(
         "agent", help="serve one more host of a job (its workers and standbys)",
@@ -623,11 +679,18 @@ def make_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (results under benchmarks/results/)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     step = bsub.add_parser("step", help="engine step time vs DistributedDataParallel (DP only)")
-    step.add_argument("--recipe", default="bench_step")
-    step.add_argument("--dp", type=int, default=2)
-    step.add_argument("--steps", type=int, default=30)
-    step.add_argument("--repeats", type=int, default=3)
-    step.add_argument("--out", default="benchmarks/results")
+    step.add_argument("--recipe", default="bench_step",
+                      help="recipe of the model and training measured (its layout is "
+                           "replaced by --dp)")
+    step.add_argument("--dp", type=int, default=2,
+                      help="data-parallel processes (the layout is dp x 1 x 1)")
+    step.add_argument("--steps", type=int, default=30,
+                      help="steps per run (more than 7: the first 5 are warm-up, left out)")
+    step.add_argument("--repeats", type=int, default=3,
+                      help="rounds, each running every strategy once in a rotating order "
+                           "(figures: the median over the rounds)")
+    step.add_argument("--out", default="benchmarks/results",
+                      help="directory of the result (step.json and step.md)")
     step.set_defaults(fn=cmd_bench)
     ex = bsub.add_parser("example", help="examples/ddp_gpt.py (or --script torch_ddp) under "
                                          "trainmover vs the plain DDP script under torchrun "
@@ -640,49 +703,80 @@ def make_parser() -> argparse.ArgumentParser:
                          "torch_fsdp: FSDP2 on them (--dp-sharded); torch_fsdp_tp: FSDP2 + "
                          "tensor parallel (--dp 2 --tp 2); torch_pipeline: pipelining + "
                          "FSDP2 (--dp 2 --pp 2)")
-    ex.add_argument("--nproc", type=int, default=2)
-    ex.add_argument("--steps", type=int, default=40)
-    ex.add_argument("--repeats", type=int, default=3)
-    ex.add_argument("--out", default="benchmarks/results")
+    ex.add_argument("--nproc", type=int, default=2,
+                    help="data-parallel processes (torch_fsdp_tp and torch_pipeline ignore "
+                         "it: their layout has 4)")
+    ex.add_argument("--steps", type=int, default=40,
+                    help="steps per run (more than 10: the first 5 are warm-up, left out)")
+    ex.add_argument("--repeats", type=int, default=3,
+                    help="runs of each side, alternating (figures: median, min and max of "
+                         "the runs' median step times)")
+    ex.add_argument("--out", default="benchmarks/results",
+                    help="directory of the result (example_overhead[_SCRIPT].json and .md)")
     ex.set_defaults(fn=cmd_bench)
     exd = bsub.add_parser("example-downtime",
                           help="a planned migration's and a crash's downtime for the FSDP2 + "
                                "TP example against the built-in trainer's, same layout and "
                                "model (run from the repo root)")
-    exd.add_argument("--repeats", type=int, default=3)
-    exd.add_argument("--steps", type=int, default=40)
-    exd.add_argument("--event-step", type=int, default=20)
-    exd.add_argument("--checkpoint-every", type=int, default=5)
-    exd.add_argument("--out", default="benchmarks/results")
+    exd.add_argument("--repeats", type=int, default=3,
+                     help="runs of each cell (planned, crash x script, built-in), the two "
+                          "trainers interleaved")
+    exd.add_argument("--steps", type=int, default=40, help="steps of each job")
+    exd.add_argument("--event-step", type=int, default=20,
+                     help="the step at which w1 is migrated or crashed (at least 6 steps "
+                          "before the job's end)")
+    exd.add_argument("--checkpoint-every", type=int, default=5,
+                     help="the FSDP2 script's checkpoint interval (steps): a crash rolls "
+                          "every role back to the newest checkpoint")
+    exd.add_argument("--out", default="benchmarks/results",
+                     help="directory of the result (example_downtime_torch_fsdp_tp.json "
+                          "and .md)")
     exd.set_defaults(fn=cmd_bench)
     ck = bsub.add_parser("checkpoint", help="periodic checkpoints' cost to the step, per "
                                             "interval, against checkpoints off")
     ck.add_argument("--intervals", default="10,50", help="comma list of checkpoint intervals")
-    ck.add_argument("--steps", type=int, default=130)
-    ck.add_argument("--repeats", type=int, default=3)
-    ck.add_argument("--recipe", default="demo")
-    ck.add_argument("--out", default="benchmarks/results")
+    ck.add_argument("--steps", type=int, default=130,
+                    help="steps per run (more than 5 warm-up steps + twice the largest "
+                         "interval)")
+    ck.add_argument("--repeats", type=int, default=3,
+                    help="rounds, each running checkpoints off and every interval once, in "
+                         "a rotating order")
+    ck.add_argument("--recipe", default="demo",
+                    help="recipe of the measured job (run as DP2 x PP2, no standbys)")
+    ck.add_argument("--out", default="benchmarks/results",
+                    help="directory of the result (checkpoint_cost.json and .md)")
     ck.set_defaults(fn=cmd_bench)
     src = bsub.add_parser("sources", help="a crash recovered from a replica, an in-memory "
                                           "snapshot and a disk checkpoint, side by side")
-    src.add_argument("--repeats", type=int, default=3)
-    src.add_argument("--steps", type=int, default=60)
+    src.add_argument("--repeats", type=int, default=3,
+                     help="rounds, each running the replica, snapshot and checkpoint cells "
+                          "once, in a rotating order")
+    src.add_argument("--steps", type=int, default=60, help="steps of each job")
     src.add_argument("--every", type=int, default=10,
                      help="snapshot / checkpoint interval (steps)")
-    src.add_argument("--crash-step", type=int, default=27)
-    src.add_argument("--recipe", default="demo")
-    src.add_argument("--out", default="benchmarks/results")
+    src.add_argument("--crash-step", type=int, default=27,
+                     help="the step at whose start the first stage's dp0 worker is killed "
+                          "(1 to --steps minus 6)")
+    src.add_argument("--recipe", default="demo",
+                     help="recipe of the jobs (run as DP2 x PP2 for the replica cell, DP1 x "
+                          "PP2 for the others)")
+    src.add_argument("--out", default="benchmarks/results",
+                     help="directory of the result (recovery_sources.json and .md)")
     src.set_defaults(fn=cmd_bench)
     fp = _bench_parser(bsub, "false-positives", "the straggler detector on healthy jobs "
                                                 "(plain, all slowed, a heavier last stage)",
                        recipe="tiny", repeats=False)
-    fp.add_argument("--runs", type=int, default=21)
-    fp.add_argument("--steps", type=int, default=200)
+    fp.add_argument("--runs", type=int, default=21,
+                    help="jobs run, cycling over the three cases, each with its own seed "
+                         "(at least 3)")
+    fp.add_argument("--steps", type=int, default=200, help="steps of each job")
     et = _bench_parser(bsub, "ettr", "effective training time ratio with a worker moved to a "
                                      "standby every --every seconds, beside restart")
     et.add_argument("--minutes", type=float, default=10.0, help="length of each run")
     et.add_argument("--every", type=float, default=60.0, help="seconds between moves")
-    et.add_argument("--standbys", type=int, default=1)
+    et.add_argument("--standbys", type=int, default=1,
+                    help="standbys started with the job (with --no-replenish: at least one "
+                         "per move of the run)")
     et.add_argument("--no-replenish", action="store_true",
                     help="no new standby per move: start --standbys before the run instead "
                          "(on a small machine a standby's start-up shares the job's cores)")
@@ -691,26 +785,36 @@ def make_parser() -> argparse.ArgumentParser:
     sg = _bench_parser(bsub, "straggler", "one worker slowed from a step on: detection "
                                           "latency and efficiency loss, trainmover vs "
                                           "restart-immediately vs defer")
-    sg.add_argument("--steps", type=int, default=400)
+    sg.add_argument("--steps", type=int, default=400,
+                    help="steps per run (more than --onset + 100)")
     sg.add_argument("--onset", type=int, default=60, help="the step the slowdown starts")
     sg.add_argument("--factor", type=float, default=1.2, help="compute slowdown (1.2: 20%%)")
     sg.add_argument("--every", type=int, default=50, help="checkpoint interval (steps)")
     sg.add_argument("--json", metavar="FILE", help="also write {\"results\": [...]} here")
     vw = _bench_parser(bsub, "view", "what the dashboard and metrics cost the step, and how "
                                      "fast a running job's status answers")
-    vw.add_argument("--steps", type=int, default=300)
+    vw.add_argument("--steps", type=int, default=300,
+                    help="steps per run (more than 25: the first 5 are warm-up, left out)")
     soak = bsub.add_parser("soak", help="a long job disrupted every ~20 s (crash, hang, "
                                         "migration, controller and standby kills), checked "
                                         "against the same job without events")
-    soak.add_argument("--minutes", type=float, default=30.0)
+    soak.add_argument("--minutes", type=float, default=30.0,
+                      help="about how long the job trains without events (its steps are "
+                           "sized by a calibration run; at least 200 steps)")
     soak.add_argument("--interval", type=float, default=20.0, help="seconds between events")
-    soak.add_argument("--seed", type=int, default=1)
-    soak.add_argument("--out", default="benchmarks/results")
+    soak.add_argument("--seed", type=int, default=1,
+                      help="seed of the driver's random choices: each event's kind, victim "
+                           "and moment")
+    soak.add_argument("--out", default="benchmarks/results",
+                      help="directory of the result (soak.json and its report soak.md)")
     soak.set_defaults(fn=cmd_bench)
     hosts = bsub.add_parser("hosts", help="planned migration across hosts vs within a host "
                                           "(network namespaces: needs root)")
-    hosts.add_argument("--repeats", type=int, default=3)
-    hosts.add_argument("--out", default="benchmarks/results")
+    hosts.add_argument("--repeats", type=int, default=3,
+                       help="jobs run, each measuring a migration within a host and one "
+                            "across hosts")
+    hosts.add_argument("--out", default="benchmarks/results",
+                       help="directory of the result (hosts.json and .md)")
     hosts.set_defaults(fn=cmd_bench)
     tft = _bench_parser(bsub, "torchft", "trainmover and torchft side by side: one "
                                          "data-parallel replica killed (needs torchft)")
@@ -721,30 +825,57 @@ def make_parser() -> argparse.ArgumentParser:
                      help="steps at full width after the kill before a run ends")
     down = bsub.add_parser("downtime", help="planned migration vs naive migration vs restart")
     down.add_argument("--workers", default="4,8", help="comma list from 4, 8, 16")
-    down.add_argument("--strategies", default="trainmover,trainmover_cold,naive,restart")
+    down.add_argument("--strategies", default="trainmover,trainmover_cold,naive,restart",
+                      help="comma list of strategies from trainmover, trainmover_cold, naive, "
+                           "restart (crash and hang run only trainmover and restart)")
     down.add_argument("--scenarios", default="planned,crash,hang",
                       help="planned (all strategies); crash, hang (trainmover, restart)")
     down.add_argument("--name", default="downtime", help="result file name under --out")
     down.add_argument("--no-compile", action="store_true", help="eager mode (faster, less real)")
-    down.add_argument("--event-step", type=int, default=8)
+    down.add_argument("--event-step", type=int, default=8,
+                      help="the step at which the event is delivered (for trainmover, also "
+                           "once its standby is warm)")
     down.add_argument("--repeats", type=int, default=3, help="runs per cell (median, min, max)")
     down.add_argument("--compile-up-to", type=int, default=8,
                       help="larger jobs run eager (16 compiled processes do not fit 2 cores)")
     down.add_argument("--json", help="also write the results JSON here")
-    down.add_argument("--out", default="benchmarks/results")
+    down.add_argument("--out", default="benchmarks/results",
+                      help="directory of the result (NAME.json and NAME.md)")
     down.set_defaults(fn=cmd_bench)
+    quick = bsub.add_parser("quick", help="the headline cells in minutes (make bench-quick): "
+                                          "a planned migration, a crash recovery and a stop-"
+                                          "and-restart from a checkpoint, eager, median of "
+                                          "--repeats (bench downtime's jobs and files)")
+    quick.add_argument("--workers", type=int, default=4, help="job size: 4, 8 or 16")
+    quick.add_argument("--repeats", type=int, default=3, help="runs per cell (median, min, max)")
+    quick.add_argument("--event-step", type=int, default=8,
+                       help="the step at which each event is delivered (for the trainmover "
+                            "cells, also once the standby is warm)")
+    quick.add_argument("--name", default="quick", help="result file name under --out")
+    quick.add_argument("--out", default="benchmarks/results",
+                       help="directory of the result (NAME.json and NAME.md)")
+    quick.set_defaults(fn=cmd_bench)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """A launch's training command (after '--') and the --section.field[=value] settings of
+    run, launch and config (``args.overrides``) apart, the rest by the parser."""
     command: list[str] = []
     if argv[:1] == ["launch"] and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
+    argv, overrides = split_overrides(argv) if argv[:1] in (["run"], ["launch"], ["config"]) \
+        else (argv, [])
     args = make_parser().parse_args(argv)
+    args.overrides = overrides
     if command:
         args.command = command
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_command_line(list(sys.argv[1:] if argv is None else argv))
     try:
         return args.fn(args)
     except ValueError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from trainmover.core.accounting import downtime_value, within_noise
 from trainmover.core.config import JobConfig
 from trainmover.core.events import read_jsonl
 from trainmover.core.faults import Inject
@@ -49,12 +50,10 @@ def print_demo_summary(cfg: JobConfig, run_dir: str, summary: dict) -> None:
         pairs = ", ".join(f"{p['leaver']} -> {p['joiner']} ({p['role']})" for p in m["pairs"])
         ph = m["phases"]
         print(f"  planned migration   {pairs} at step {m['switch_step']}")
+        # worded as everywhere else (core/accounting.py): inside the step noise, no number
         noise = m.get("downtime_noise_s")
-        stall = m["downtime_s"] > (noise or 0.0)
-        print(f"    downtime          {m['downtime_s']:.3f} s" + (
-            "" if stall else " (no measurable stall" + (
-                f": within the {noise:.3f} s that normal steps vary by)" if noise is not None
-                else ")")))
+        stall = m["downtime_s"] is not None and not within_noise(m["downtime_s"], noise)
+        print(f"    downtime          {downtime_value(m['downtime_s'], noise)}")
         print(f"      state transfer  {ph['transfer_s']:.3f} s ({m['transfer_bytes'] / 1e6:.1f} MB)")
         print(f"      group switch    {ph['group_switch_s']:.3f} s "
               f"({m['groups_rebuilt']}/{m['groups_total']} groups rebuilt, prepared while "
@@ -73,11 +72,13 @@ def print_demo_summary(cfg: JobConfig, run_dir: str, summary: dict) -> None:
         pairs = ", ".join(f"{p['joiner']} took {p['role']}" for p in r["pairs"])
         print(f"  unexpected failure  {failed}: {pairs}")
         print(f"    detection         {max(r['detection_latency_s'].values()):.3f} s")
-        print(f"    downtime          {r['downtime_s']:.3f} s (fault to first committed step; "
-              f"step {r['resume_step']} redone, {r['lost_steps']} committed steps lost)")
+        print(f"    downtime          {downtime_value(r['downtime_s'], None)} (fault to first "
+              f"committed step; step {r['resume_step']} redone, {r['lost_steps']} committed "
+              f"steps lost)")
         print(f"    state from        {', '.join(sorted(set(r['sources'].values())))}; "
               f"{r['groups_rebuilt']}/{r['groups_total']} groups rebuilt")
-        if restart is not None and r["downtime_s"]:
+        if restart is not None and r["downtime_s"] is not None and \
+                not within_noise(r["downtime_s"], None):
             print(f"    a restart         about {restart:.2f} s (estimated, as above): "
                   f"{restart / r['downtime_s']:.0f}x this recovery")
     print(f"  weights sha256      {summary['weights_sha256']}")

@@ -28,6 +28,7 @@ import time
 from trainmover.bench.children import collect
 from trainmover.bench.report import (BenchLine, fmt_spread, git_commit, machine_description,
                                      spread, write_result)
+from trainmover.core.accounting import downtime_phrase, downtime_value, within_noise
 from trainmover.core.config import JobConfig
 from trainmover.core.events import read_jsonl
 from trainmover.core.topology import Layout
@@ -45,6 +46,10 @@ CACHES = {
     "naive": "joiner: none (started cold on a new machine); stayers: their own",
     "restart": "every restarted process: its own caches from the first start (same machines)",
 }
+# The baselines whose processes start on new machines or anew: each imports torch itself, as
+# a restarted job's do, not forked from the agent's fork server (agent.fork_server), which
+# would give them the imports of the first start for free.
+ANEW = ("trainmover_cold", "naive", "restart")
 
 
 def wait_for(cond, job, what: str, timeout_s: float = 1800) -> None:
@@ -63,9 +68,19 @@ def _reach_event(job, event_step: int, warm_standby: bool) -> None:
 
     coord = job.coordinator
     if warm_standby:
-        wait_for(lambda: all(st is C.StandbyState.WARM
-                             for st in coord.membership.standbys.values()),
-                 job, "a warm standby")
+        warming = []
+
+        def warm() -> bool:
+            states = list(coord.membership.standbys.values())
+            warming.extend(st for st in states if st is C.StandbyState.WARMING)
+            # back to cold after warming: its warm-up was skipped (a recording made by other
+            # sources: the package was edited during the run), and it stays cold; fail this
+            # run now rather than wait out the timeout
+            if warming and any(st is C.StandbyState.COLD for st in states):
+                raise RuntimeError("the standby's warm-up was skipped and it stays cold (see "
+                                   "warmup_skipped in the run's events.jsonl)")
+            return all(st is C.StandbyState.WARM for st in states)
+        wait_for(warm, job, "a warm standby")
     wait_for(lambda: coord.progress.last_step >= event_step - 1, job, f"step {event_step}")
 
 
@@ -91,6 +106,7 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
     elif strategy == "restart":
         cfg.checkpoint.every = 1
         cfg.baseline.restart_on_failure = True
+        cfg.agent.fork_server = False      # a restart starts new processes (see ANEW)
     else:
         raise ValueError(f"strategy {strategy!r} has no {scenario} scenario")
     job = Job(cfg, run_dir, timeout_s=3600).start()
@@ -140,6 +156,8 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
     if strategy == "restart":
         cfg.checkpoint.every = 1
         cfg.baseline.restart_at_step = event_step
+    if strategy in ANEW:
+        cfg.agent.fork_server = False
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}")
     job = Job(cfg, run_dir, timeout_s=3600).start()
@@ -236,11 +254,15 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
                    json_path: str | None = None, strategies=STRATEGIES,
                    scratch: str | None = None, scenarios=SCENARIOS,
                    name: str = "downtime", repeats: int = 3,
-                   compile_up_to: int | None = 8) -> dict:
+                   compile_up_to: int | None = 8, cells: list | None = None,
+                   table=None, command: str | None = None) -> dict:
     """Every (workers, scenario, strategy) cell ``repeats`` times; the repeats are the outer
     loop, so each round measures every strategy side by side. Jobs of more than
     ``compile_up_to`` workers run eager (that many compiled processes do not fit in this
-    machine's memory and time); the table says which."""
+    machine's memory and time); the table says which. ``cells``: the (scenario, strategy)
+    pairs to run (default: each of ``strategies`` in each of ``scenarios`` it has);
+    ``table``: the result's Markdown (default ``downtime_table``); ``command``: the command
+    line, recorded in the result."""
     import tempfile
 
     for n in workers:
@@ -248,14 +270,19 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
             raise ValueError(f"--workers {n}: choose from {sorted(LAYOUTS_BY_WORKERS)}")
     if repeats < 1:
         raise ValueError(f"--repeats {repeats}: must be >= 1")
+    cells = list(cells or ((sc, st) for sc in scenarios for st in strategies
+                           if sc == "planned" or st in FAILURE_STRATEGIES))
+    for sc, st in cells:
+        if sc not in SCENARIOS or st not in (STRATEGIES if sc == "planned"
+                                             else FAILURE_STRATEGIES):
+            raise ValueError(f"no {sc!r} scenario for strategy {st!r}")
     rows = []
     scratch = scratch or tempfile.mkdtemp(prefix="tm-bench-downtime-")
     settings = {"event_step": event_step, "repeats": repeats, "compile": compile,
-                "compile_up_to": compile_up_to}
+                "compile_up_to": compile_up_to, "command": command}
+    table = table or downtime_table
     result = None
-    line = BenchLine("bench downtime", repeats * sum(
-        1 for _ in workers for sc in scenarios for st in strategies
-        if sc == "planned" or st in FAILURE_STRATEGIES))
+    line = BenchLine(f"bench {name}", repeats * len(workers) * len(cells))
     for rep in range(repeats):
         for n in workers:
             cfg = get_recipe("bench_downtime")
@@ -266,34 +293,30 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
             cfg.controller.restart, cfg.controller.grace_s = "manual", 30.0
             cfg.validate()
             leaver = "w1"
-            for scenario in scenarios:
-                for strategy in strategies:
-                    if scenario != "planned" and strategy not in FAILURE_STRATEGIES:
-                        continue
-                    line.start(f"{scenario}, {strategy}, {n} workers, round {rep + 1}")
-                    t0 = time.perf_counter()
-                    run_dir = os.path.join(scratch, f"{scenario}-{strategy}-{n}-r{rep}")
-                    try:
-                        res = _downtime_run(strategy, cfg, event_step, leaver, run_dir) \
-                            if scenario == "planned" else \
-                            _failure_run(strategy, scenario, cfg, event_step, leaver, run_dir)
-                    except RuntimeError as exc:
-                        # one failed run is a result too (reported as such), not the end of
-                        # the others
-                        res = {"downtime_s": None, "error": str(exc)[:500]}
-                    rows.append({"scenario": scenario, "strategy": strategy, "workers": n,
-                                 "repeat": rep, "layout": cfg.layout.as_dict(),
-                                 "compile": cfg.train.compile,
-                                 "caches_at_start": CACHES[strategy],
-                                 "bench_wall_s": time.perf_counter() - t0, **res})
-                    line.finish(f"  round {rep + 1}/{repeats} {n:>2} workers {scenario:>7} "
-                                f"{strategy:>15}: " +
-                                (f"downtime {res['downtime_s']:.3f} s"
-                                 if res["downtime_s"] is not None
-                                 else f"FAILED: {res['error']}"))
-                    # written after every run: a long benchmark keeps what it measured so far
-                    result = downtime_result(rows, settings, scratch, {})
-                    write_result(out_dir, name, result, downtime_table(result), json_path)
+            for scenario, strategy in cells:
+                line.start(f"{scenario}, {strategy}, {n} workers, round {rep + 1}")
+                t0 = time.perf_counter()
+                run_dir = os.path.join(scratch, f"{scenario}-{strategy}-{n}-r{rep}")
+                try:
+                    res = _downtime_run(strategy, cfg, event_step, leaver, run_dir) \
+                        if scenario == "planned" else \
+                        _failure_run(strategy, scenario, cfg, event_step, leaver, run_dir)
+                except RuntimeError as exc:
+                    # one failed run is a result too (reported as such), not the end of
+                    # the others
+                    res = {"downtime_s": None, "error": str(exc)[:500]}
+                rows.append({"scenario": scenario, "strategy": strategy, "workers": n,
+                             "repeat": rep, "layout": cfg.layout.as_dict(),
+                             "compile": cfg.train.compile,
+                             "caches_at_start": CACHES[strategy],
+                             "bench_wall_s": time.perf_counter() - t0, **res})
+                line.finish(f"  round {rep + 1}/{repeats} {n:>2} workers {scenario:>7} "
+                            f"{strategy:>15}: " + (
+                                f"FAILED: {res['error']}" if "error" in res else
+                                downtime_phrase(res["downtime_s"], res["downtime_noise_s"])))
+                # written after every run: a long benchmark keeps what it measured so far
+                result = downtime_result(rows, settings, scratch, {})
+                write_result(out_dir, name, result, table(result), json_path)
     line.close()
     limits = {}
     for n in workers:
@@ -304,7 +327,7 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
             nbytes = int(statistics.median(sizes))
             limits[n] = {"bytes": nbytes, "seconds": p2p_seconds(nbytes)}
     result = downtime_result(rows, settings, scratch, limits)
-    write_result(out_dir, name, result, downtime_table(result), json_path)
+    write_result(out_dir, name, result, table(result), json_path)
     return result
 
 
@@ -336,8 +359,9 @@ def downtime_result(rows: list[dict], settings: dict, scratch: str, limits: dict
                             if r.get("normal_step_s"))
             cell["downtime_steps"] = spread(steps) if steps else None
             noise = cell["downtime_noise_s"]
-            cell["within_noise"] = noise is not None and \
-                cell["downtime_s"]["median"] <= noise["median"]
+            # the rule every place a downtime is read uses (core/accounting.py)
+            cell["within_noise"] = within_noise(cell["downtime_s"]["median"],
+                                                noise["median"] if noise else None)
             limit = limits.get(n)
             if limit and strategy == "trainmover" and scenario == "planned":
                 cell["limit_s"] = limit["seconds"]
@@ -424,18 +448,21 @@ def downtime_table(r: dict) -> str:
             lines.append(f"| {c['scenario']} | {c['workers']} | {c['compile']} | "
                          f"{c['strategy']} | all {c['runs']} runs failed | | | | | | |")
             continue
-        note = []
-        if c["within_noise"]:
-            note.append("within step noise: no measurable stall")
-        if c["spread_exceeds_value"]:
+        note, noise = [], c["downtime_noise_s"]
+        # inside the noise no figure is shown (a negative one would mean nothing): the words,
+        # with the noise beside them; the measured values stay in the JSON
+        down = downtime_value(c["downtime_s"]["median"], noise and noise["median"]) \
+            if c["within_noise"] else _fmt(c["downtime_s"])
+        if c["spread_exceeds_value"] and not c["within_noise"]:   # (no value shown there)
             note.append("spread exceeds the value")
         if c["failed"]:
             note.append(f"{c['failed']} of {c['runs']} runs failed")
         lines.append(
             f"| {c['scenario']} | {c['workers']} | {'yes' if c['compile'] else 'no'} | "
-            f"{c['strategy']} | {_fmt(c['downtime_s'])}"
+            f"{c['strategy']} | {down}"
             + (f" ({'; '.join(note)})" if note else "") +
-            f" | {_fmt(c['downtime_steps'], 2)} | {_fmt(c['downtime_noise_s'])} | "
+            f" | {'-' if c['within_noise'] else _fmt(c['downtime_steps'], 2)} | "
+            f"{_fmt(c['downtime_noise_s'])} | "
             f"{_fmt(c['detection_latency_s'])} | {_fmt(c['first_step_ratio'], 2)} | "
             + (f"{_fmt(c.get('downtime_over_limit'), 1)}" if c.get("downtime_over_limit")
                else f"no ratio (limit {c['limit_s'] * 1e3:.1f} ms)" if c.get("limit_s")

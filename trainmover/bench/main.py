@@ -343,8 +343,29 @@ def main(args) -> int:
             if s not in SCENARIOS:
                 raise ValueError(f"--scenarios: unknown scenario {s!r} "
                                  f"(known: {', '.join(SCENARIOS)})")
+        command = (f"trainmover bench downtime --workers {args.workers} --strategies "
+                   f"{args.strategies} --scenarios {args.scenarios} --name {args.name}"
+                   + (" --no-compile" if args.no_compile else "") +
+                   f" --event-step {args.event_step} --repeats {args.repeats} "
+                   f"--compile-up-to {args.compile_up_to} --out {args.out}")
         bench_downtime(workers, not args.no_compile, args.event_step, args.out, args.json,
                        strategies, scenarios=scenarios, name=args.name, repeats=args.repeats,
-                       compile_up_to=args.compile_up_to)
+                       compile_up_to=args.compile_up_to, command=command)
+        return 0
+    if args.bench == "quick":
+        from trainmover.bench.downtime import LAYOUTS_BY_WORKERS
+        from trainmover.bench.quick import bench_quick
+
+        if args.workers not in LAYOUTS_BY_WORKERS:
+            raise ValueError(f"--workers {args.workers}: choose from "
+                             f"{sorted(LAYOUTS_BY_WORKERS)}")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats {args.repeats}: must be >= 1")
+        # the command as given, every setting spelled out (the file says how to redo it)
+        command = (f"trainmover bench quick --workers {args.workers} --repeats "
+                   f"{args.repeats} --event-step {args.event_step} --name {args.name} "
+                   f"--out {args.out}")
+        bench_quick(args.workers, args.repeats, args.event_step, args.out, args.name,
+                    command)
         return 0
     raise ValueError(f"unknown benchmark {args.bench!r}")

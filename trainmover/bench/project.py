@@ -37,6 +37,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from trainmover.bench.report import git_commit
+from trainmover.core.accounting import downtime_value, fmt_seconds, within_noise
 
 HOURS_PER_WEEK = 168.0
 
@@ -93,10 +94,15 @@ class EventCosts:
     """trainmover's per-event costs in seconds, from ``bench downtime`` results."""
     detect_s: float            # failure to detection (the heartbeat-bound path: a hang)
     switch_s: float            # collect + rebuild the groups + first step, after detection
-    planned_s: float           # a planned migration's downtime
+    planned_s: float           # a planned migration's downtime (never below 0: see below)
     cold_join_s: float         # a joiner started cold (no standby ready): naive migration
     restart_here_s: float | None = None     # a restart of the bench job on this machine
     source: dict = field(default_factory=dict)
+    # the planned migrations' step noise, where measured: a median downtime inside it is no
+    # measurable stall (core/accounting.py), and the noise stands in as its cost (an upper
+    # bound), never the measured number (which may be below zero)
+    planned_noise_s: float | None = None
+    planned_measured_s: float | None = None
 
 
 def restart_ettr(hosts: int, failures_per_host_h: float, u0_h: float, dt_h: float,
@@ -175,9 +181,12 @@ def project(cluster: Cluster, costs: EventCosts) -> list[Projection]:
 
 
 def costs_from_bench(paths: list[str]) -> EventCosts:
-    """Medians over the rows of ``bench downtime`` results (planned and failure scenarios),
-    at the largest worker count each was measured with. Raises ``ValueError`` naming what a
-    file lacks."""
+    """Medians over the rows of ``bench downtime`` results (planned and failure scenarios;
+    ``bench quick`` writes one too), at the largest worker count each was measured with.
+    Needed: a planned migration and a crash recovery (trainmover). A cold join is the naive
+    migration's downtime; a file without one (``bench quick``, the compiled results) uses a
+    restart of the whole job here instead: an upper bound, said so in the projection.
+    Raises ``ValueError`` naming what the files lack."""
     rows = []
     for path in paths:
         try:
@@ -196,31 +205,41 @@ def costs_from_bench(paths: list[str]) -> EventCosts:
         most = max(r["workers"] for r in mine)
         return [r for r in mine if r["workers"] == most]
 
-    def need(scenario: str, strategy: str) -> list[dict]:
-        got = pick(scenario, strategy)
-        if not got:
-            raise ValueError(f"--bench {', '.join(paths)}: no {scenario} result for "
-                             f"{strategy} (run `trainmover bench downtime` with it)")
-        return got
+    def need(scenario: str, strategy: str, *instead: tuple[str, str]) -> list[dict]:
+        for sc, st in ((scenario, strategy), *instead):
+            if got := pick(sc, st):
+                return got
+        raise ValueError(f"--bench {', '.join(paths)}: no {scenario} result for {strategy}"
+                         + "".join(f" nor {sc} for {st}" for sc, st in instead) +
+                         " (run `trainmover bench downtime` or `bench quick` with it)")
 
     def median(rs: list[dict], fn) -> float:
         return statistics.median(fn(r) for r in rs)
 
     hang, crash = pick("hang", "trainmover"), need("crash", "trainmover")
+    planned_rows = need("planned", "trainmover")
+    measured = median(planned_rows, lambda r: r["downtime_s"])
+    noises = [r["downtime_noise_s"] for r in planned_rows
+              if isinstance(r.get("downtime_noise_s"), (int, float))]
+    noise = statistics.median(noises) if noises else None
+    planned_s = (noise or 0.0) if within_noise(measured, noise) else measured
     detect_rows = hang or crash
-    planned, naive = need("planned", "trainmover"), need("planned", "naive")
-    restart = pick("crash", "restart")
+    planned = planned_rows
+    naive = need("planned", "naive", ("planned", "restart"), ("crash", "restart"))
+    restart = pick("crash", "restart") or pick("planned", "restart")
     return EventCosts(
         detect_s=median(detect_rows, lambda r: r["phases"]["detect_s"]),
         switch_s=median(crash, lambda r: r["phases"]["collect_s"] +
                         r["phases"]["rebuild_and_first_step_s"]),
-        planned_s=median(planned, lambda r: r["downtime_s"]),
+        planned_s=planned_s, planned_noise_s=noise, planned_measured_s=measured,
         cold_join_s=median(naive, lambda r: r["downtime_s"]),
         restart_here_s=median(restart, lambda r: r["downtime_s"]) if restart else None,
         source={"files": list(paths), "workers": {
             "detect": detect_rows[0]["workers"], "switch": crash[0]["workers"],
             "planned": planned[0]["workers"], "cold_join": naive[0]["workers"]},
             "detect_from": "hang" if hang else "crash",
+            "cold_join_from": f"{naive[0]['scenario']} {naive[0]['strategy']}",
+            "restart_from": f"{restart[0]['scenario']} restart" if restart else None,
             "repeats": {"detect": len(detect_rows), "switch": len(crash),
                         "planned": len(planned), "cold_join": len(naive)}})
 
@@ -252,8 +271,8 @@ def _table(r: dict) -> str:
         f"Per-event costs measured here (`trainmover bench downtime`, medians, "
         f"files {', '.join(k['source'].get('files', []))}): detection {k['detect_s']:.2f} s "
         f"({k['source'].get('detect_from', '?')} path), group switch and first step "
-        f"{k['switch_s']:.2f} s, planned migration {k['planned_s']:.3f} s, cold join "
-        f"{k['cold_join_s']:.1f} s" +
+        f"{k['switch_s']:.2f} s, planned migration {_planned(k)}, cold join "
+        f"{k['cold_join_s']:.1f} s" + _cold_join_note(k["source"]) +
         (f"; a restart of the same job here {k['restart_here_s']:.1f} s" if k["restart_here_s"]
          else "") + ".",
         f"Cluster: {c['gpus_per_host']} GPUs per host, {c['failures_per_1000_node_days']} "
@@ -283,6 +302,24 @@ def _table(r: dict) -> str:
               "the whole of the time (the job would not make progress), shown as 0. The idle "
               "standby GPUs are capacity held back, not counted in the loss."]
     return "\n".join(lines) + "\n"
+
+
+def _planned(k: dict) -> str:
+    """The planned migration's cost as every place words a downtime (core/accounting.py)."""
+    measured = k.get("planned_measured_s")
+    if measured is None or not within_noise(measured, k.get("planned_noise_s")):
+        return fmt_seconds(k["planned_s"])
+    words = downtime_value(measured, k.get("planned_noise_s"))     # "...(within ...)"
+    return words[:-1] + f"; counted as {fmt_seconds(k['planned_s'])}, an upper bound)"
+
+
+def _cold_join_note(source: dict) -> str:
+    """Where the cold join's cost came from, when it is not a naive migration's."""
+    came = source.get("cold_join_from", "planned naive")
+    if came == "planned naive":
+        return ""
+    return (f" (no naive migration in the files: the {came} of the whole job stands in, an "
+            f"upper bound, so the \"no free standby\" column is pessimistic)")
 
 
 def _plot(r: dict, path: str) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainmover.control.client import connect, request_migration
 from trainmover.control.status import read_status
+from trainmover.core.accounting import downtime_phrase
 
 
 def drain(run_dir: str, workers: list[str] | None = None, host: int | None = None,
@@ -44,5 +45,6 @@ def drain(run_dir: str, workers: list[str] | None = None, host: int | None = Non
             return {"status": result.get("status", "failed"), "reason": result.get("reason"),
                     "moved": moved, "batches": batches}
         moved += batch
-        say(f"free: {', '.join(batch)} (downtime {result.get('downtime_s')} s)")
+        say(f"free: {', '.join(batch)} ("   # worded as everywhere (core/accounting.py)
+            f"{downtime_phrase(result.get('downtime_s'), result.get('downtime_noise_s'))})")
     return {"status": "done", "moved": moved, "batches": batches}

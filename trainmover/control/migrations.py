@@ -20,8 +20,8 @@ from trainmover.control.context import JobContext
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
-from trainmover.core.accounting import (downtime_from_metrics, phase_one_extra,
-                                         slowest_stayer, stayer_downtime)
+from trainmover.core.accounting import (downtime_from_metrics, downtime_phrase,
+                                         phase_one_extra, slowest_stayer, stayer_downtime)
 
 
 @dataclass
@@ -495,9 +495,9 @@ class Migrations:
                                               old["stayers"] + leavers + joiners, leavers)
         if downtime is not None:
             step_s = phases["normal_train_step_s"]
-            ctx.progress.say(
-                f"migration {mid} done at step {mig.switch_step}: downtime {downtime:.3f} s "
-                + (f"(steps vary by {noise:.3f} s) " if noise is not None else "") +
+            ctx.progress.say(   # the downtime worded as everywhere (core/accounting.py)
+                f"migration {mid} done at step {mig.switch_step}: "
+                f"{downtime_phrase(downtime, noise)} "
                 f"(transfer {phases['transfer_s']:.3f} s, group switch "
                 f"{phases['group_switch_s']:.3f} s, joiner's first step "
                 f"{phases['first_step_s']:.3f} s"

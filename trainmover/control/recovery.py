@@ -25,6 +25,7 @@ from trainmover.control.migrations import Migrations
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
+from trainmover.core.accounting import downtime_phrase
 from trainmover.core.events import JsonlWriter
 from trainmover.core.files import usable_checkpoints
 from trainmover.core.snapshots import SnapshotClient, SnapshotUnavailable, usable_snapshot
@@ -455,8 +456,9 @@ class Recovery:
             src = ", ".join(sorted(set(rec.plan.sources.values())))
             ctx.progress.say(
                 f"recovered from {', '.join(f'{w} {f.kind}' for w, f in rec.failures.items())}:"
-                f" detection {max(detection.values()):.3f} s, downtime {result['downtime_s']:.3f}"
-                f" s (fault to first committed step), state from {src}")
+                f" detection {max(detection.values()):.3f} s, "   # worded as everywhere:
+                f"{downtime_phrase(result['downtime_s'], None)} "  # core/accounting.py
+                f"(fault to first committed step), state from {src}")
         return result
 
 

@@ -75,3 +75,41 @@ def slowest_stayer(accounts: dict[str, tuple[float, float, float]]
         return None
     name = max(accounts, key=lambda w: accounts[w][0])
     return (name, *accounts[name])
+
+
+# --- how a downtime reads -----------------------------------------------------------------
+# One rule for every place a person reads a downtime (the dashboard, `trainmover status`,
+# `trainmover report`, the demo's summary, the controller's progress line, the bench
+# tables): a downtime at or below zero, or inside the spread of the normal steps it was
+# measured against, is no measurable stall. Saying so, with that spread beside it, is the
+# honest reading; a number there (negative ones included) would only be noise.
+
+def within_noise(downtime_s: float | None, noise_s: float | None) -> bool:
+    """True where a measured downtime is no measurable stall: at or below zero, or at most
+    the step noise (``noise_s``: the spread of the normal steps, ``stayer_downtime``)."""
+    if downtime_s is None:
+        return False
+    return downtime_s <= 0 or (noise_s is not None and downtime_s <= noise_s)
+
+
+def fmt_seconds(seconds: float) -> str:
+    """A duration as a person reads it: milliseconds below a second, else seconds."""
+    return f"{seconds * 1000:.1f} ms" if abs(seconds) < 1 else f"{seconds:.2f} s"
+
+
+def downtime_value(downtime_s: float | None, noise_s: float | None) -> str:
+    """What a downtime was, with its noise beside it: "40.4 ms (step noise ±3.1 ms)",
+    "no measurable stall (within step noise, ±8.0 ms)", "not measured"."""
+    if downtime_s is None:
+        return "not measured"
+    noise = None if noise_s is None else fmt_seconds(noise_s)
+    if within_noise(downtime_s, noise_s):
+        return "no measurable stall (within step noise" + (f", ±{noise})" if noise else ")")
+    return fmt_seconds(downtime_s) + (f" (step noise ±{noise})" if noise else "")
+
+
+def downtime_phrase(downtime_s: float | None, noise_s: float | None) -> str:
+    """``downtime_value`` as a phrase of its own: "downtime 40.4 ms (step noise ±3.1 ms)",
+    "no measurable stall (within step noise, ±8.0 ms)", "downtime not measured"."""
+    value = downtime_value(downtime_s, noise_s)
+    return value if within_noise(downtime_s, noise_s) else f"downtime {value}"

@@ -21,7 +21,7 @@ is checked against signed ballots and queues skip holes (``core/queues.py``), an
 store's availability (anyone who reaches the port can delete or flood keys). The
 communication backends' rendezvous keys are torch's own. So the store and the
 gloo/NCCL ports must stay on a private network: loopback by default; across hosts a cluster
-network no outsider reaches (see the README).
+network no outsider reaches (see docs/security.md).
 """
 from __future__ import annotations
 

@@ -31,12 +31,24 @@ def _non_negative(owner: str, **values) -> None:
 class ModelConfig:
     """A decoder-only GPT (pre-norm blocks, learned positions, untied head)."""
 
+    # Token ids 0..vocab_size-1: the embedding's rows and the head's outputs (at least 256
+    # for text data, whose tokens are bytes; divisible by tp, which splits the head).
     vocab_size: int = 256
+    # Transformer blocks, split over the pipeline stages in contiguous runs (at least one
+    # per stage; earlier stages take the remainder).
     n_layers: int = 4
+    # Width of the residual stream: embeddings, attention and block outputs.
     d_model: int = 128
+    # Attention heads per block, each d_model / n_heads wide; divisible by tp (each
+    # tensor-parallel rank computes n_heads / tp of them).
     n_heads: int = 4
+    # Tokens per training sequence, and the learned positions: the model's longest context.
     seq_len: int = 64
+    # Dropout probability in [0, 1) on the embeddings, attention weights and residual
+    # branches (0: none); its random stream comes from train.seed, the step and the
+    # micro-batch, so a redone step drops the same units.
     dropout: float = 0.0
+    # The MLP's hidden width as a multiple of d_model (d_model x mlp_ratio, divisible by tp).
     mlp_ratio: int = 4
 
     def validate(self) -> None:
@@ -72,19 +84,43 @@ class TrainConfig:
     each replica's share into ``num_microbatches`` micro-batches, so any two layouts train on
     exactly the same tokens."""
 
+    # Optimizer steps of the job (the learning-rate schedule ends at the last one); for a
+    # script's job, its step count if the launcher was told it (--steps), else 0: unknown.
     steps: int = 20
+    # Sequences (of seq_len tokens) per optimizer step over the whole job, whatever the
+    # layout: divisible by dp x num_microbatches; each data-parallel rank takes
+    # global_batch / dp of them.
     global_batch: int = 16
+    # Micro-batches each data-parallel rank's share of a step is split into: gradients
+    # accumulate over them, and the pipeline's 1F1B schedule overlaps its stages across
+    # them (more: smaller micro-batches, a pipeline kept busier).
     num_microbatches: int = 2
+    # AdamW's peak learning rate, reached at the end of the warm-up.
     lr: float = 3e-3
+    # The learning rate the cosine decay after the warm-up falls to by the end of steps.
     min_lr: float = 3e-4
+    # Steps of linear warm-up, from lr / warmup_steps at step 0 to lr (0: none).
     warmup_steps: int = 5
+    # AdamW's decoupled weight decay, on parameters of 2 or more dimensions (weight
+    # matrices, embeddings); none on biases and norms.
     weight_decay: float = 0.1
+    # AdamW's beta1: decay rate of its running mean of the gradient.
     beta1: float = 0.9
+    # AdamW's beta2: decay rate of its running mean of the squared gradient.
     beta2: float = 0.95
+    # AdamW's epsilon, added to the denominator for numerical stability.
     eps: float = 1e-8
+    # The gradients' global L2 norm (over every stage and tensor-parallel shard) is clipped
+    # to this; 0: no clipping.
     grad_clip: float = 1.0
+    # Seed of the initial weights, of the data windows each step samples and of dropout:
+    # with the same seed and settings, any layout trains on the same tokens.
     seed: int = 1234
+    # torch.compile each stage's module (each process compiles at its start; a standby in
+    # its warm-up). As --compile.
     compile: bool = False
+    # Size (MiB) of the gradient buckets of the data-parallel all-reduce: each is sent as
+    # soon as the step's last backward has filled it, overlapping the rest of the backward.
     bucket_mb: float = 25.0
     threads_per_worker: int = 0  # 0: cores // workers, at least 1
 
@@ -128,6 +164,8 @@ class DataConfig:
 
     source: str = "builtin"
     format: str = "text"
+    # With source "builtin": the corpus is the first this many bytes of the standard
+    # library's sources (files in a fixed order).
     builtin_max_bytes: int = 4_000_000
     rehearse: bool = True
 
@@ -158,6 +196,8 @@ class ProcessConfig:
     uses the runtime's API, as ``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]`` (what
     follows ``python`` on its command line). The default is the built-in GPT trainer."""
 
+    # The training program, as what follows `python`: [SCRIPT, ARGS...] or ["-m", MODULE,
+    # ARGS...] (`trainmover launch` sets it from its command after `--`).
     command: list = field(default_factory=lambda: list(BUILTIN_TRAINER))
     device: str = "cpu"                # "cpu" or "cuda" (each process on its slot's GPU)
     # On CUDA, run torch's deterministic kernels only (``torch.use_deterministic_algorithms``:
@@ -228,6 +268,8 @@ class HostsConfig:
     a host when ``nproc_per_node`` is a multiple of the layout's ``tp``); standby ``s<i>``
     on host ``i % nnodes``, so standbys spread over every host, spare hosts included."""
 
+    # Hosts of the job: host 0 runs the controller (and its agent), each other one runs
+    # `trainmover agent`; more than 1 needs a process.store_host the others can reach.
     nnodes: int = 1
     nproc_per_node: int | None = None  # worker slots per host; default: as few hosts as fit
 
@@ -297,8 +339,15 @@ class StandbyConfig:
     shadow steps per stage structure."""
 
     count: int = 0                     # standby processes started with the job
+    # In a job with standbys that starts at step 0, the representative worker of each stage
+    # structure records its step 0's communication: what the standbys' warm-up replays.
     record: bool = True
+    # Standbys warm up before they are needed: shadow steps of each stage structure, from
+    # the recordings (``record``), compile and fill caches and check the job's data. Off:
+    # standbys wait cold, and a joiner compiles inside its switch.
     warmup: bool = True
+    # Shadow steps (steps 1, 2, ...) a standby runs per stage structure in its warm-up; an
+    # assignment that arrives ends the warm-up early.
     warmup_iterations: int = 2
     recording_dir: str | None = None   # default: <run dir>/recordings
     # A script's torch operations are recorded with their outputs, except an output larger
@@ -316,6 +365,7 @@ class StandbyConfig:
     # agent starts it in the freed slot), at most ``replenish_max`` over the job (a standby
     # that dies at every start must not become a crash loop).
     replenish: bool = False
+    # The most standbys started over the whole job to refill the pool (0: none).
     replenish_max: int = 16
     # A planned migration whose joiner is still starting or warming up (compiling) waits
     # this long for it to finish before ordering it in anyway (reported): ordered at once, it
@@ -342,7 +392,12 @@ class HealthConfig:
     # Failure handling on: heartbeats, the commit vote, abortable waits, detection and
     # recovery. Off: any worker failure ends the job.
     recover: bool = True
+    # How often (seconds) each worker, and each agent of a host other than 0, bumps its
+    # heartbeat counter in the store; below heartbeat_timeout_s.
     heartbeat_interval_s: float = 0.25
+    # A worker whose heartbeat has not moved for this long (seconds) is hung and fenced (an
+    # agent's: its host is lost), once the job committed a step since it last started or
+    # changed; before that, startup_timeout_s applies.
     heartbeat_timeout_s: float = 3.0
     # Until the job commits its first step after a start, restart, promotion or switch, a
     # heartbeat may pause this long (many processes compiling at once starve each other of
@@ -352,8 +407,14 @@ class HealthConfig:
     # recent step time), a worker whose heartbeat is silent (``silence_s``) while the others
     # beat is the hung one, fenced without waiting for heartbeat_timeout_s.
     stall_factor: float = 3.0
+    # The step watchdog's stall limit is never below this many seconds (with short steps, a
+    # pause of a few is scheduling noise, not a stall).
     stall_floor_s: float = 0.5
+    # The watchdog calls a worker's heartbeat silent after this many heartbeat intervals
+    # without a beat (silence_s = max(silence_floor_s, silence_beats x heartbeat_interval_s)).
     silence_beats: int = 4
+    # The least time (seconds) before the watchdog calls a heartbeat silent, whatever
+    # silence_beats gives (one late beat is scheduling noise).
     silence_floor_s: float = 1.0
     # How often the controller reads heartbeats and failure reports from the store (process
     # exits are seen every supervision round): detection latency against store load.
@@ -428,6 +489,9 @@ class CheckpointConfig:
     On by default: a role without a live data-parallel replica is recovered from the newest
     one (``trainmover bench checkpoint`` measures the cost of an interval)."""
 
+    # Steps between periodic checkpoints (one after every N-th committed step; 0: none):
+    # the newest is what a role with no live data-parallel replica and no snapshot is
+    # recovered from, and where `run --resume` continues. As --checkpoint-every.
     every: int = 50
     keep: int = 2      # complete checkpoints kept on disk (older ones are deleted)
     # At the end, the holder of role dp0.pp0.tp0 waits this long for every other
@@ -449,11 +513,16 @@ class SnapshotConfig:
     at most ``every`` steps, from memory; disk checkpoints are the fallback when the holder
     is gone. A job with replicas recovers from them and takes none."""
 
+    # Steps between peer snapshots (one after every N-th committed step) in a job with dp
+    # 1: a failure replays at most this many steps; 0: none (recovery then falls back to
+    # checkpoints). As --snapshot-every.
     every: int = 10
     keep: int = 2      # snapshot steps each holder keeps per role (older ones are dropped)
-    # Reaching a holder, and one transfer to or from it; the controller lists the holders
+    # Reaching a holder gives up after this (seconds); the controller lists the holders
     # when it plans a recovery (a holder that does not answer in time is passed over).
     connect_timeout_s: float = 2.0
+    # Each socket read or write of a snapshot transfer to or from a holder (on either end)
+    # gives up after this (seconds).
     io_timeout_s: float = 60.0
 
     def validate(self) -> None:
@@ -476,8 +545,15 @@ class StragglerConfig:
     of this job's migrations; the slow process leaves the job)."""
 
     policy: str = "alert"
+    # Steps per measurement window: each worker publishes the median compute time of each
+    # window (longer: steadier medians, a later verdict).
     window: int = 8
+    # How much slower counts: a straggler's compute is at least 1 + min_shift times its
+    # reference (its peers' median, else its own baseline); it stays one until the ratio
+    # falls below 1 + min_shift / 2.
     min_shift: float = 0.15
+    # The verdict is on the median of a worker's last min_windows windows (more: one noisy
+    # window weighs less, a straggler is found later).
     min_windows: int = 5
     settle_windows: int = 2        # a worker's first windows in a role are not judged
     baseline_windows: int = 3      # without peers: the windows that make the own baseline
@@ -513,6 +589,8 @@ class MaintenanceConfig:
     """Rolling maintenance: every ``rebalance_every_s`` seconds (0: never) the next worker in
     a rotation over the roles is moved onto a warm standby (``control/rebalance.py``)."""
 
+    # Seconds between two rolling-maintenance moves (counted from the last one; a move waits
+    # for a warm standby and for no migration in flight); 0: never. As --rebalance-every.
     rebalance_every_s: float = 0.0
 
     def validate(self) -> None:
@@ -554,7 +632,12 @@ class ControllerConfig:
     # fix); "manual": the agent waits ``grace_s`` for `trainmover controller --resume`, then
     # stops the job.
     restart: str = "auto"
+    # After the controller dies, how long (seconds) the agent waits for a new one to take
+    # over (the one it started, with "auto"; `trainmover controller --resume`, with
+    # "manual") before it stops the job.
     grace_s: float = 300.0
+    # With "auto": the most controllers the agent starts for the job; the controller's death
+    # after that many stops the job (0: its first death does).
     max_restarts: int = 3
     # The supervision round: steps and exits are seen within this.
     poll_s: float = 0.02
@@ -618,10 +701,21 @@ class AgentConfig:
     # After stopping every process, how long it keeps the store up for the controller to
     # read that it did (then it exits regardless).
     shutdown_ack_s: float = 5.0
+    # Start workers and standbys by forking them from a process that has imported torch
+    # once (``agent/forkserver.py``): a start in milliseconds instead of seconds of imports
+    # per process. Off, or where Linux's subreaper is not available, each is a new process.
+    fork_server: bool = True
+    # How long a spawn waits for the fork server (its first one: the server's own imports)
+    # before the agent gives it up and starts that process, and every later one, anew.
+    fork_server_timeout_s: float = 120.0
 
     def validate(self) -> None:
         _seconds("agent", poll_s=self.poll_s, controller_check_s=self.controller_check_s,
-                 shutdown_ack_s=self.shutdown_ack_s)
+                 shutdown_ack_s=self.shutdown_ack_s,
+                 fork_server_timeout_s=self.fork_server_timeout_s)
+        if not isinstance(self.fork_server, bool):
+            raise ValueError(f"agent.fork_server must be true or false, got "
+                             f"{self.fork_server!r}")
 
 
 @dataclass
@@ -649,6 +743,8 @@ class JobConfig:
     (they cost only milliseconds of latency when a wait is cut short) and the re-arm period
     of idle store waits (not timeouts: those waits loop)."""
 
+    # The job's name: its default run dir is runs/<name>-<time>; named in its progress
+    # lines and summary (`trainmover launch`: the script's name).
     name: str = "job"
     layout: Layout = field(default_factory=Layout)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -81,9 +81,9 @@ class Layout:
     dp axis), not replicas. Nothing is then recovered from another dp role, replicas are
     not compared, and every role's share makes up the final state."""
 
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
+    dp: int = 1     # data-parallel degree: replicas (or, with dp_sharded, shards) of the model
+    pp: int = 1     # pipeline-parallel degree: the number of pipeline stages
+    tp: int = 1     # tensor-parallel degree: ranks that split each layer's weights
     dp_sharded: bool = False
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import statistics
 
 from matplotlib.figure import Figure
 
+from trainmover.core.accounting import downtime_phrase, downtime_value
 from trainmover.view.runlog import MIGRATION_PHASES, RECOVERY_PHASES, Interruption, RunLog
 
 # Fixed pixel size (WIDTH x HEIGHT at DPI), so every image lays out the same in the HTML
@@ -103,8 +104,7 @@ def interruptions_image(log: RunLog, path: str) -> str:
             labelled.add(ph.name)
             ax.barh(row, ph.seconds, left=left, height=0.6, label=label, **style)
             left += ph.seconds
-        note = ("no downtime" if it.downtime_s is None else
-                f"downtime {_secs(it.downtime_s)} s") + \
+        note = ("no downtime" if it.downtime_s is None else _downtime(it, phrase=True)) + \
             ("" if it.status == "done" else f" ({it.status})")
         ax.text(left, row, "  " + note, va="center", fontsize="small")
     ax.set_yticks(range(len(its)), [f"{it.title} ({it.kind})" for it in its])
@@ -233,10 +233,18 @@ def _data_uri(path: str) -> str:
         return "data:image/png;base64," + base64.b64encode(f.read()).decode("ascii")
 
 
+def _downtime(it: Interruption, phrase: bool = False) -> str:
+    """The interruption's downtime as every other place reads it (``core/accounting.py``):
+    one inside the step noise says so, with the noise beside it."""
+    noise = it.record.get("downtime_noise_s")
+    return (downtime_phrase if phrase else downtime_value)(it.downtime_s, noise)
+
+
 def _interruption_row(it: Interruption) -> list[str]:
     phases = "; ".join(f"{p.label} {_secs(p.seconds)}" for p in it.phases) or "-"
     return [it.title, it.kind, it.status, "-" if it.step is None else str(it.step),
-            _secs(it.downtime_s), ", ".join(w for w in it.workers if w) or "-", phases]
+            "-" if it.downtime_s is None else _downtime(it),
+            ", ".join(w for w in it.workers if w) or "-", phases]
 
 
 def write_report(run_dir: str, out_dir: str | None = None,
@@ -281,7 +289,7 @@ def write_report(run_dir: str, out_dir: str | None = None,
         f"</style></head><body><h1>{title}</h1>"
         + _table(None, header)
         + "<h2>Interruptions</h2>"
-        + (_table(["what", "kind", "status", "step", "downtime (s)", "workers",
+        + (_table(["what", "kind", "status", "step", "downtime", "workers",
                    "phases (s)"], [_interruption_row(i) for i in log.interruptions])
            if log.interruptions else "<p>none</p>")
         + "<h2>Stragglers</h2>"

@@ -37,6 +37,7 @@ from starlette.staticfiles import StaticFiles
 from trainmover.control import client, maintenance
 from trainmover.control.status import (JobStatus, fresh_limit_s, read_status,
                                        read_status_file)
+from trainmover.core.accounting import downtime_phrase
 from trainmover.core.auth import load_secret
 from trainmover.core.config import DashboardConfig
 from trainmover.view import metrics
@@ -118,6 +119,9 @@ class View:
                 "status": i.status, "t": i.time - t0, "step": i.step,
                 "downtime_s": i.downtime_s, "workers": i.workers,
                 "downtime_noise_s": i.record.get("downtime_noise_s"),
+                # as every other place reads it (core/accounting.py): the page shows this
+                "downtime_text": downtime_phrase(i.downtime_s,
+                                                 i.record.get("downtime_noise_s")),
                 "phases": [asdict(p) for p in i.phases],
                 "reason": i.record.get("reason")} for i in log.interruptions],
             "stragglers": log.stragglers[-20:],

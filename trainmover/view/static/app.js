@@ -21,13 +21,10 @@ function el(tag, attrs, ...children) {
 const ms = (s) => s == null ? "-" : (s * 1000).toFixed(1);
 const secs = (s) => s == null ? "-" : (s < 1 ? (s * 1000).toFixed(0) + " ms" : s.toFixed(2) + " s");
 // A planned migration's downtime is measured against the spread of normal steps: one inside
-// that spread (or below zero) is no measurable stall, and a number would mean nothing.
+// that spread (or below zero) is no measurable stall, and a number would mean nothing. The
+// server words it (downtime_text, core/accounting.py), as status, report and demo do.
 function downtime(it) {
-  const d = it.downtime_s, noise = it.downtime_noise_s;
-  if (d == null) return "downtime not measured";
-  if (d <= 0 || (noise != null && d <= noise))
-    return `no measurable stall (within step noise${noise != null ? ", ±" + secs(noise) : ""})`;
-  return `downtime ${secs(d)}`;
+  return it.downtime_text || "downtime not measured";
 }
 
 function markInterruptions(u) {
