@@ -128,6 +128,7 @@ class ForkServer:
 
     def __init__(self, env: dict, log_path: str, timeout_s: float, preexec_fn=None):
         self.timeout_s = timeout_s
+        self.import_s: float | None = None    # the server's imports, once it has forked
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -148,6 +149,8 @@ class ForkServer:
             if not isinstance(reply, dict) or not isinstance(reply.get("pid"), int):
                 raise ForkServerError(f"fork server: {reply!r}")
             proc = ForkedProcess(reply["pid"])
+            if self.import_s is None and isinstance(reply.get("import_s"), (int, float)):
+                self.import_s = float(reply["import_s"])
             self._sock.sendall(json.dumps({"op": "go", "pid": proc.pid}).encode())
             return proc
         except (OSError, ValueError) as exc:       # socket.timeout is an OSError

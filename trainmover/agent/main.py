@@ -166,7 +166,13 @@ class Agent:
         if self.forks is None:
             return None
         try:
-            return self.forks.spawn(args, env, log_fd, name)
+            first = self.forks.import_s is None
+            proc = self.forks.spawn(args, env, log_fd, name)
+            if first:
+                # what a worker started anew pays before it runs (a restart's estimate)
+                self.events.emit("fork_server_ready", pid=self.forks.proc.pid,
+                                 import_s=self.forks.import_s)
+            return proc
         except forkserver.ForkServerError as exc:
             self.forks = None
             self.events.emit("fork_server_failed", error=str(exc)[:2000], level="warning")

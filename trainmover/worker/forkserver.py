@@ -106,6 +106,7 @@ def serve(fd: int, agent_pid: int) -> int:
     if os.getppid() != agent_pid:
         return 1
     sock = socket.socket(fileno=fd)
+    t0 = time.perf_counter()
     # what every worker imports: paid once, here (see the module doc)
     import threading
 
@@ -114,6 +115,8 @@ def serve(fd: int, agent_pid: int) -> int:
 
     import trainmover.worker.main  # noqa: F401
 
+    # what each worker started anew would pay (a restart's processes do): in every reply
+    import_s = round(time.perf_counter() - t0, 4)
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     refusal = None
     if threading.active_count() > 1:
@@ -141,7 +144,7 @@ def serve(fd: int, agent_pid: int) -> int:
         finally:
             if log_fd is not None:
                 os.close(log_fd)
-        sock.sendall(json.dumps({"pid": pid}).encode())
+        sock.sendall(json.dumps({"pid": pid, "import_s": import_s}).encode())
         try:
             ack = json.loads(sock.recv(FORK_MESSAGE_MAX) or b"null")
         except (OSError, ValueError):
