@@ -14,6 +14,7 @@ from trainmover.core.topology import GroupSpec, Layout, Role
 from trainmover.train.buckets import GradBuckets
 from trainmover.train.ddp import DataParallel
 from trainmover.train.state import StateError, TrainState, assemble
+from trainmover.train.transfer import recv_state, send_state
 
 
 class Net(nn.Module):
@@ -105,10 +106,10 @@ def _transfer(rank, address, use_buckets):
     state = TrainState(net, opt, extra=extra, buckets=buckets)
     torch.manual_seed(100 + rank)
     if rank == 0:
-        info = state.send(channel, 1, resume_step=17)
+        info = send_state(state, channel, 1, resume_step=17)
         out = None
     else:
-        out, info = state.recv(channel, 0)
+        out, info = recv_state(state, channel, 0)
     tensors, _ = state.entries()
     # plain lists: tensors sent through the result queue would outlive their process
     digest = {k: v.reshape(-1).tolist() for k, v in tensors.items()}

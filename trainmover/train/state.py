@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-import time
 
 import torch
 
@@ -311,126 +310,6 @@ class TrainState:
         _set_rng_states({k: v for k, v in tensors.items() if k.startswith("rng/")})
 
     # --- live transfer ---------------------------------------------------------------------
-    def send(self, group, peer: int, resume_step: int) -> dict:
-        """Leaver (or replica) side: the whole state and the step to resume at. Parameters and
-        moments go through the gradient buckets when there are any (at an iteration
-        boundary the gradients are zero: the buckets are zeroed again after use), so the
-        sender needs no extra memory; otherwise each tensor is sent in place. Small entries
-        travel packed."""
-        t0 = time.perf_counter()
-        meta = self.meta()
-        meta["resume_step"] = resume_step
-        rng = _rng_states()
-        meta["rng"] = {k: v.numel() for k, v in rng.items()}
-        blob = _json_tensor(meta).to(group.device)
-        head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
-        group.send(head, peer, tag=0).wait()
-        group.send(blob, peer, tag=1).wait()
-        tensors, _ = self.entries()
-        nbytes = self._move(group, peer, tensors, rng, sending=True)
-        return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
-
-    def recv(self, group, peer: int) -> tuple[int, dict]:
-        """Joiner side: overwrites the whole state. Returns the step to resume at."""
-        t0 = time.perf_counter()
-        head = torch.zeros(1, dtype=torch.int64, device=group.device)
-        group.recv(head, peer, tag=0).wait()
-        blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
-        group.recv(blob, peer, tag=1).wait()
-        meta = _from_json_tensor(blob)
-        self._apply_meta(meta)
-        rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
-        tensors, _ = self.entries()
-        nbytes = self._move(group, peer, tensors, rng, sending=False)
-        _set_rng_states(rng)
-        return int(meta["resume_step"]), {"bytes": nbytes, "seconds": time.perf_counter() - t0}
-
-    def _move(self, group, peer: int, tensors: dict[str, torch.Tensor],
-              rng: dict[str, torch.Tensor], sending: bool) -> int:
-        """Both sides walk the same entries in the same order (names sorted; the receiver
-        allocated what it lacked from the sender's layout first)."""
-        tag, nbytes = 2, 0
-        by_param = {id(p): n for n, p in canonical_params(self.model)} \
-            if self.model is not None else {}
-        bucketed: set[str] = set()
-        with torch.no_grad():
-            if self.buckets is not None:
-                # kinds of per-parameter tensors: the parameter itself and each moment
-                kinds = ["model"] + sorted({k.split("/")[1] for k in tensors
-                                            if k.startswith("optim/")})
-                for kind in kinds:
-                    for buf, parts in self._bucket_parts(kind, tensors, by_param):
-                        if parts is None:
-                            continue
-                        if sending:
-                            offset = 0
-                            for name, t in parts:
-                                buf[offset:offset + t.numel()].copy_(t.reshape(-1))
-                                offset += t.numel()
-                            group.send(buf, peer, tag=tag).wait()
-                        else:
-                            group.recv(buf, peer, tag=tag).wait()
-                            offset = 0
-                            for name, t in parts:
-                                t.copy_(buf[offset:offset + t.numel()].view_as(t))
-                                offset += t.numel()
-                        tag += 1
-                        nbytes += buf.numel() * buf.element_size()
-                        bucketed.update(name for name, _ in parts)
-                for buf in self.buckets.buffers:
-                    # the gradients are zero at a step boundary (the step that follows
-                    # accumulates into them, with or without a zero_grad that sets them to None)
-                    buf.zero_()
-            small = [(n, t) for n, t in tensors.items()
-                     if n not in bucketed and t.numel() < _SMALL] + sorted(rng.items())
-            for name, t in tensors.items():
-                if name in bucketed or t.numel() < _SMALL:
-                    continue
-                # a tensor travels on the group's device (NCCL takes no CPU tensor; a user's
-                # extra state may live on the CPU)
-                if sending:
-                    group.send(t.contiguous().to(group.device), peer, tag=tag).wait()
-                else:
-                    direct = t.is_contiguous() and t.device == group.device
-                    staged = t if direct else torch.empty(t.shape, dtype=t.dtype,
-                                                          device=group.device)
-                    group.recv(staged, peer, tag=tag).wait()
-                    if staged is not t:
-                        t.copy_(staged)
-                tag += 1
-                nbytes += t.numel() * t.element_size()
-            if small:
-                sizes = [t.numel() * t.element_size() for _, t in small]
-                packed = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
-                if sending:
-                    offset = 0
-                    for (_, t), n in zip(small, sizes):
-                        packed[offset:offset + n].copy_(_as_bytes(t).to(group.device))
-                        offset += n
-                    group.send(packed, peer, tag=tag).wait()
-                else:
-                    group.recv(packed, peer, tag=tag).wait()
-                    offset = 0
-                    for (_, t), n in zip(small, sizes):
-                        _as_bytes(t).copy_(packed[offset:offset + n])
-                        offset += n
-                nbytes += packed.numel()
-        return nbytes
-
-    def _bucket_parts(self, kind: str, tensors: dict[str, torch.Tensor], by_param: dict):
-        """Per gradient bucket: the buffer and the (name, tensor) of ``kind`` of each of its
-        parameters, in bucket order; None where some parameter has no such tensor."""
-        for bucket, buf in zip(self.buckets.buckets, self.buckets.buffers):
-            parts = []
-            for p in bucket:
-                pname = by_param.get(id(p))
-                name = f"model/{pname}" if kind == "model" else f"optim/{kind}/{pname}"
-                t = tensors.get(name)
-                if pname is None or t is None or t.numel() != p.numel() or t.dtype != buf.dtype:
-                    parts = None
-                    break
-                parts.append((name, t))
-            yield buf, parts
 
 
 def _jsonable(v) -> bool:

@@ -22,6 +22,7 @@ from trainmover.core.queues import SlotReader
 from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
 from trainmover.core.topology import GroupSpec, Layout, Role
+from trainmover.train.transfer import recv_state, send_state
 
 # How often the command reader looks again while a forged value sits at its head.
 FORGED_HEAD_POLL_S = 0.05
@@ -288,7 +289,7 @@ class Migrations:
                 spec, gen, role = self._specs(part)[0]
                 part.built[spec.name] = self._build_one(spec, role, gen, part)
             channel = part.built[cmd.transfer_group]
-            sent = self.state.send(channel, 1, step)
+            sent = send_state(self.state, channel, 1, step)
             report.update(transfer_s=sent["seconds"], transfer_bytes=sent["bytes"])
             channel.shutdown()
             self.groups.shutdown()
@@ -378,7 +379,7 @@ def joiner_ready(store, events: EventLog, name: str, migration_id: int, build_s:
 def joiner_receive(state, channel: Group) -> tuple[int, dict]:
     """Phase 2: the leaver sends its state at the switch boundary; that step is ours next."""
     t0 = time.perf_counter()
-    start_step, got = state.recv(channel, 0)
+    start_step, got = recv_state(state, channel, 0)
     channel.shutdown()
     return start_step, {"recv_s": time.perf_counter() - t0, "transfer_s": got["seconds"],
                         "transfer_bytes": got["bytes"]}

@@ -26,6 +26,7 @@ from trainmover.core.snapshots import SnapshotUnavailable
 from trainmover.core.topology import Role
 from trainmover.train.checkpoint import CheckpointCorrupt, load_local
 from trainmover.train.snapshot import fetch_snapshot
+from trainmover.train.transfer import recv_state, send_state
 from trainmover.worker.liveness import AbortWatcher, is_step_failure
 from trainmover.worker.migration import transfer_spec
 
@@ -102,7 +103,7 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
                 s = cmd.send_state
                 channel = abortably(ctx.abort, lambda: ctx.builder.build_ranked(
                     transfer_spec(s.transfer_group, role), 0, s.transfer_generation))
-                sent = state.send(channel, 1, cmd.resume_step)
+                sent = send_state(state, channel, 1, cmd.resume_step)
                 channel.shutdown()
         except Exception as err:  # noqa: BLE001 - sorted by is_step_failure
             # a corrupt checkpoint file is marked so, a snapshot that cannot be had is
@@ -162,7 +163,7 @@ def joiner_restore(ctx, role: Role, command: P.AssignRecovery, state, channel: G
     the step to resume at, checked against the plan's."""
     source = command.source
     if channel is not None:
-        start_step, _ = state.recv(channel, 0)
+        start_step, _ = recv_state(state, channel, 0)
         channel.shutdown()
     else:
         start_step = source.step

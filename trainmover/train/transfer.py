@@ -1,0 +1,201 @@
+"""The state's wire transfer: a leaver (or a replica) sends a ``TrainState`` to a joiner over
+a point-to-point group, for a planned migration and a recovery from a replica.
+
+The sender needs no extra memory for parameters and moments: they travel through the
+gradient buckets when there are any (the gradients are zero at a step boundary), otherwise
+each tensor in place. Entries travel in flight together within ``TRANSFER_WINDOW_BYTES``,
+so the link does not wait for a round trip per entry and packing overlaps sending. Small
+entries (and the generators' states) travel packed in one message.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from trainmover.train.state import (_SMALL, TrainState, _as_bytes, _from_json_tensor,
+                                    _json_tensor, _rng_states, _set_rng_states,
+                                    canonical_params)
+
+
+def send_state(state: TrainState, group, peer: int, resume_step: int) -> dict:
+    """Leaver (or replica) side: the whole state and the step to resume at. Parameters and
+    moments go through the gradient buckets when there are any (at an iteration
+    boundary the gradients are zero: the buckets are zeroed again after use), so the
+    sender needs no extra memory; otherwise each tensor is sent in place. Small entries
+    travel packed."""
+    t0 = time.perf_counter()
+    meta = state.meta()
+    meta["resume_step"] = resume_step
+    rng = _rng_states()
+    meta["rng"] = {k: v.numel() for k, v in rng.items()}
+    blob = _json_tensor(meta).to(group.device)
+    head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
+    group.send(head, peer, tag=0).wait()
+    group.send(blob, peer, tag=1).wait()
+    tensors, _ = state.entries()
+    nbytes = _move(state, group, peer, tensors, rng, sending=True)
+    return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def recv_state(state: TrainState, group, peer: int) -> tuple[int, dict]:
+    """Joiner side: overwrites the whole state. Returns the step to resume at."""
+    t0 = time.perf_counter()
+    head = torch.zeros(1, dtype=torch.int64, device=group.device)
+    group.recv(head, peer, tag=0).wait()
+    blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
+    group.recv(blob, peer, tag=1).wait()
+    meta = _from_json_tensor(blob)
+    state._apply_meta(meta)
+    rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
+    tensors, _ = state.entries()
+    nbytes = _move(state, group, peer, tensors, rng, sending=False)
+    _set_rng_states(rng)
+    return int(meta["resume_step"]), {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
+          rng: dict[str, torch.Tensor], sending: bool) -> int:
+    """Both sides walk the same entries in the same order (names sorted; the receiver
+    allocated what it lacked from the sender's layout first), each entry with its own
+    tag, several in flight at once (``_pipelined``): packing the next bucket overlaps
+    sending the last, and the link never waits for a round trip between entries."""
+    tag, nbytes = 2, 0
+    by_param = {id(p): n for n, p in canonical_params(state.model)} \
+        if state.model is not None else {}
+    bucketed: set[str] = set()
+    with torch.no_grad():
+        if state.buckets is not None:
+            # kinds of per-parameter tensors: the parameter itself and each moment
+            kinds = ["model"] + sorted({k.split("/")[1] for k in tensors
+                                        if k.startswith("optim/")})
+            for kind in kinds:
+                # each bucket has its own buffer: a kind's buckets travel together, and
+                # the next kind reuses the buffers once they are done
+                items = [(buf.numel() * buf.element_size(), buf, parts) for buf, parts
+                         in _bucket_parts(state, kind, tensors, by_param) if parts is not None]
+                tags = range(tag, tag + len(items))
+                tag += len(items)
+                _pipelined(list(zip(tags, items)), group, peer, sending,
+                           pack=_pack_bucket, unpack=_unpack_bucket)
+                for size, _, parts in items:
+                    nbytes += size
+                    bucketed.update(name for name, _ in parts)
+            for buf in state.buckets.buffers:
+                # the gradients are zero at a step boundary (the step that follows
+                # accumulates into them, with or without a zero_grad that sets them to None)
+                buf.zero_()
+        small = [(n, t) for n, t in tensors.items()
+                 if n not in bucketed and t.numel() < _SMALL] + sorted(rng.items())
+        # a tensor travels on the group's device (NCCL takes no CPU tensor; a user's
+        # extra state may live on the CPU), in place where it can
+        large = [(t.numel() * t.element_size(), t, None) for n, t in tensors.items()
+                 if n not in bucketed and t.numel() >= _SMALL]
+        _pipelined(list(zip(range(tag, tag + len(large)), large)), group, peer, sending,
+                   pack=_pack_tensor, unpack=_unpack_tensor)
+        tag += len(large)
+        nbytes += sum(size for size, _, _ in large)
+        if small:
+            sizes = [t.numel() * t.element_size() for _, t in small]
+            packed = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+            if sending:
+                offset = 0
+                for (_, t), n in zip(small, sizes):
+                    packed[offset:offset + n].copy_(_as_bytes(t).to(group.device))
+                    offset += n
+                group.send(packed, peer, tag=tag).wait()
+            else:
+                group.recv(packed, peer, tag=tag).wait()
+                offset = 0
+                for (_, t), n in zip(small, sizes):
+                    _as_bytes(t).copy_(packed[offset:offset + n])
+                    offset += n
+            nbytes += packed.numel()
+    return nbytes
+
+
+def _bucket_parts(state: TrainState, kind: str, tensors: dict[str, torch.Tensor],
+                  by_param: dict):
+    """Per gradient bucket: the buffer and the (name, tensor) of ``kind`` of each of its
+    parameters, in bucket order; None where some parameter has no such tensor."""
+    for bucket, buf in zip(state.buckets.buckets, state.buckets.buffers):
+        parts = []
+        for p in bucket:
+            pname = by_param.get(id(p))
+            name = f"model/{pname}" if kind == "model" else f"optim/{kind}/{pname}"
+            t = tensors.get(name)
+            if pname is None or t is None or t.numel() != p.numel() or t.dtype != buf.dtype:
+                parts = None
+                break
+            parts.append((name, t))
+        yield buf, parts
+
+
+# How many bytes of a state transfer may be in flight at once: enough to keep the link busy
+# while the next entry is packed (a few gradient buckets), and a bound on the staging
+# memory a transfer may add (a GPU tensor over gloo is copied to the host while in flight).
+TRANSFER_WINDOW_BYTES = 64 << 20
+
+
+def _pipelined(items: list, group, peer: int, sending: bool, pack, unpack) -> None:
+    """Send (or receive) ``items`` = [(tag, (nbytes, tensor, parts))] in order, several in
+    flight: at most ``TRANSFER_WINDOW_BYTES`` (always at least one), the oldest finished
+    first. ``pack(tensor, parts, device)`` gives what to send; ``unpack(tensor, parts,
+    received)`` puts a received one in place, given what ``pack``'s receive twin gave."""
+    flight: deque = deque()
+    held = 0
+
+    def finish_oldest() -> None:
+        nonlocal held
+        work, size, tensor, parts, wire = flight.popleft()
+        work.wait()
+        if not sending:
+            unpack(tensor, parts, wire)
+        held -= size
+
+    for tag, (size, tensor, parts) in items:
+        while flight and held + size > TRANSFER_WINDOW_BYTES:
+            finish_oldest()
+        if sending:
+            wire = pack(tensor, parts, group.device)
+            work = group.send(wire, peer, tag=tag)
+        else:
+            wire = _receive_buffer(tensor, parts, group.device)
+            work = group.recv(wire, peer, tag=tag)
+        flight.append((work, size, tensor, parts, wire))
+        held += size
+    while flight:
+        finish_oldest()
+
+
+def _receive_buffer(tensor: torch.Tensor, parts, device) -> torch.Tensor:
+    """Where an entry is received: a bucket's own buffer, or the tensor itself when it is
+    contiguous on the group's device, else a staging tensor."""
+    if parts is not None or (tensor.is_contiguous() and tensor.device == device):
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+
+
+def _pack_bucket(buf: torch.Tensor, parts, device) -> torch.Tensor:
+    offset = 0
+    for _, t in parts:
+        buf[offset:offset + t.numel()].copy_(t.reshape(-1))
+        offset += t.numel()
+    return buf
+
+
+def _unpack_bucket(buf: torch.Tensor, parts, received: torch.Tensor) -> None:
+    offset = 0
+    for _, t in parts:
+        t.copy_(buf[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _pack_tensor(t: torch.Tensor, parts, device) -> torch.Tensor:
+    return t.contiguous().to(device)
+
+
+def _unpack_tensor(t: torch.Tensor, parts, received: torch.Tensor) -> None:
+    if received is not t:
+        t.copy_(received)
