@@ -64,3 +64,18 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def set_migration_downtime(run_dir: str, downtime_s: float, noise_s: float) -> None:
+    """Rewrite the one ``migration_done`` of a recorded run dir's events: what the views
+    must word (a downtime inside the step noise, say)."""
+    import json
+    import os
+
+    events = os.path.join(run_dir, "events.jsonl")
+    with open(events) as f:
+        records = [json.loads(ln) for ln in f]
+    (done,) = [e for e in records if e["event"] == "migration_done"]
+    done.update(downtime_s=downtime_s, downtime_noise_s=noise_s)
+    with open(events, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in records)

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import browser
-from mp_harness import wait_for
+from mp_harness import set_migration_downtime, wait_for
 from test_failures import job, with_faults
 from trainmover.api import Job
 from trainmover.core.config import DashboardConfig
@@ -144,13 +144,7 @@ def test_the_page_gets_each_downtime_worded_as_everywhere_else(tmp_path):
     report and demo): a migration inside the step noise is no measurable stall, with the
     noise beside it, never a negative number."""
     run = recorded_copy(tmp_path)
-    events = os.path.join(run, "events.jsonl")
-    with open(events) as f:
-        records = [json.loads(ln) for ln in f]
-    (done,) = [e for e in records if e["event"] == "migration_done"]
-    done.update(downtime_s=-0.004, downtime_noise_s=0.009)
-    with open(events, "w") as f:
-        f.writelines(json.dumps(e) + "\n" for e in records)
+    set_migration_downtime(run, -0.004, 0.009)
     board = start_dashboard(run, DashboardConfig(port=0))
     try:
         status, text = fetch(board.url + "api/state", board.token)

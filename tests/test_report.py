@@ -16,6 +16,8 @@ import pytest
 from trainmover.core.accounting import downtime_value
 from trainmover.view.report import write_report
 
+from mp_harness import set_migration_downtime
+
 DATA = os.path.join(os.path.dirname(__file__), "data", "recorded_run")
 # copies of two bench results (benchmarks/results/ at 44cf456): fixtures, so a new bench
 # run does not change what these tests read
@@ -97,13 +99,7 @@ def test_report_of_recorded_run(run_dir):
 def test_a_downtime_inside_the_step_noise_reads_as_such_never_as_a_negative_number(run_dir):
     # a planned migration measured 4 ms below normal steps that varied by 9 ms: the row
     # says so, with the noise beside it
-    events = os.path.join(run_dir, "events.jsonl")
-    with open(events) as f:
-        records = [json.loads(ln) for ln in f]
-    (done,) = [e for e in records if e["event"] == "migration_done"]
-    done.update(downtime_s=-0.004, downtime_noise_s=0.009)
-    with open(events, "w") as f:
-        f.writelines(json.dumps(e) + "\n" for e in records)
+    set_migration_downtime(run_dir, -0.004, 0.009)
     with open(write_report(run_dir)["html"]) as f:
         page = f.read()
     (row,) = [r for r in rows_of(page) if "<td>migration 1</td>" in r]
