@@ -5,7 +5,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow test-gpu bench-step bench-quick benchmarks soak vendor docs clean
+.PHONY: install demo test test-slow test-gpu bench-step bench-quick bench-state-size benchmarks soak \
+	vendor docs clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +42,14 @@ bench-step: install
 bench-quick: install
 	$(BIN)/trainmover bench quick
 	$(BIN)/trainmover project --bench benchmarks/results/quick.json --name projection-quick
+
+# Downtime against the state a worker holds: a planned migration and a crash recovered from
+# a data-parallel replica at about 10 MB, 100 MB, 500 MB and 2 GB of parameters and AdamW
+# moments per worker (DP2 + one standby, 3 repeats) into benchmarks/results/state_size.md
+# and state_size.json. The 2 GB size needs about 15 GiB of free memory (a size that does not
+# fit is reported as such, not run); an hour or more on 2 cores.
+bench-state-size: install
+	$(BIN)/trainmover bench state-size
 
 # Every result the README quotes, regenerated from the code as it is into benchmarks/results
 # (each file names the machine, the commit, the command and its settings). Hours on 2 cores;

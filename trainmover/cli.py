@@ -855,6 +855,23 @@ def make_parser() -> argparse.ArgumentParser:
     quick.add_argument("--out", default="benchmarks/results",
                        help="directory of the result (NAME.json and NAME.md)")
     quick.set_defaults(fn=cmd_bench)
+    ss = bsub.add_parser("state-size", help="planned migration and crash recovery from a "
+                                            "data-parallel replica against the state a "
+                                            "worker holds (DP2 + one standby, built-in "
+                                            "trainer sized per --sizes): downtime, bytes, "
+                                            "point-to-point bandwidth, peak RSS")
+    ss.add_argument("--sizes", default="10,100,500,2000",
+                    help="comma list of state sizes per worker in MB (10^6 bytes of fp32 "
+                         "parameters and AdamW's two moments: 12 bytes a parameter)")
+    ss.add_argument("--repeats", type=int, default=3,
+                    help="runs of each scenario per size (median, min, max)")
+    ss.add_argument("--scenarios", default="planned,crash",
+                    help="comma list from planned (a migration to the warm standby), crash "
+                         "(SIGKILL, recovered from the data-parallel replica)")
+    ss.add_argument("--name", default="state_size", help="result file name under --out")
+    ss.add_argument("--out", default="benchmarks/results",
+                    help="directory of the result (NAME.json and NAME.md)")
+    ss.set_defaults(fn=cmd_bench)
     return p
 
 

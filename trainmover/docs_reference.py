@@ -311,7 +311,7 @@ BENCH_GROUPS = [
     ("Downtime: planned migration, crash, hang", [
         "quick", "downtime-eager", "downtime-failures-eager", "downtime-compiled",
         "downtime-failures-compiled", "downtime", "downtime-failures",
-        "downtime-before-after", "downtime-crash-before-after"]),
+        "downtime-before-after", "downtime-crash-before-after", "state_size"]),
     ("Against torchft", ["torchft"]),
     ("Recovery sources and checkpoint cost", ["recovery_sources", "checkpoint_cost"]),
     ("Cost per step", [
@@ -345,6 +345,8 @@ def _bench_renderer(stem: str, r: dict):
         return "trainmover bench example", lambda r: mod("example")._table(r)
     if kind == "example_downtime":
         return "trainmover bench example-downtime", lambda r: mod("example_downtime")._table(r)
+    if kind == "state_size":
+        return "trainmover bench state-size", lambda r: mod("state_size").state_size_table(r)
     if kind == "projection":
         return "trainmover project", lambda r: mod("project")._table(r)
     if list(r) == ["results"]:

@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
+import tempfile
 import time
 
 from trainmover.bench.children import collect
@@ -93,14 +94,14 @@ def normal_gap_before(run_dir: str, t: float, steps: int = 5) -> float | None:
 
 
 def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, victim: str,
-                 run_dir: str, steps_after: int = 6) -> dict:
+                 run_dir: str, steps_after: int = 6, steps: int | None = None) -> dict:
     """One job under one strategy with one unexpected failure of ``victim``, delivered from
     outside the process (SIGKILL for a crash, SIGSTOP for a hang) once the job reached
-    ``event_step`` (and, for trainmover, once its standby is warm)."""
+    ``event_step`` (for trainmover, also once its standby is warm); ``steps``: as below."""
     from trainmover.api import Job
 
     cfg = JobConfig.from_dict(cfg.to_dict())
-    cfg.train.steps = 100_000
+    cfg.train.steps = steps or 100_000
     if strategy == "trainmover":
         cfg.standby.count = 1
     elif strategy == "restart":
@@ -110,7 +111,7 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
     else:
         raise ValueError(f"strategy {strategy!r} has no {scenario} scenario")
     job = Job(cfg, run_dir, timeout_s=3600).start()
-    coord = job.coordinator
+    coord, measured = job.coordinator, False
     try:
         _reach_event(job, event_step, warm_standby=strategy == "trainmover")
         pid = coord.procs.pid(victim)
@@ -123,10 +124,12 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
         else:
             wait_for(lambda: coord.restarts, job, "the restart")
             resume = coord.restarts[0]["step"]
-        wait_for(lambda: coord.progress.last_step >= resume + steps_after, job, "steps after")
+        wait_for(lambda: steps or coord.progress.last_step >= resume + steps_after, job, "after")
+        measured = True
     finally:
-        coord.stop()
-    summary = job.wait(600)
+        if steps is None or not measured:
+            coord.stop()
+    summary = job.wait(600 if steps is None else 3600)
     if strategy == "trainmover":
         (event,) = summary["recoveries"]
         detection = max(event["detection_latency_s"].values())
@@ -138,18 +141,20 @@ def _failure_run(strategy: str, scenario: str, cfg: JobConfig, event_step: int, 
             "detection_latency_s": detection, "state_source": event.get("sources"),
             "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
             "first_step_ratio": None, "stayer_peak_rss_growth": None, "recording": None,
-            "standby_warmup_s": None, "transfer_bytes": None}
+            "standby_warmup_s": None, "transfer_bytes": None,
+            "weights_sha256": summary.get("weights_sha256")}
 
 
 def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
-                  run_dir: str, steps_after: int = 6) -> dict:
+                  run_dir: str, steps_after: int = 6, steps: int | None = None) -> dict:
     """One job under one strategy with one planned event at ``event_step`` (for the
     trainmover strategy: at that step or once the standby is warm, whichever is later, since
-    a warm standby is the point). The job runs until the event is accounted for, then stops."""
+    a warm standby is the point). The job runs until the event is accounted for, then stops;
+    with ``steps``, it trains exactly that many and ends on its own (final weights_sha256)."""
     from trainmover.api import Job
 
     cfg = JobConfig.from_dict(cfg.to_dict())
-    cfg.train.steps = 100_000  # stopped once the event is measured
+    cfg.train.steps = steps or 100_000  # else stopped once the event is measured
     if strategy in ("trainmover", "trainmover_cold"):
         cfg.standby.count = 1
         cfg.standby.warmup = cfg.standby.record = strategy == "trainmover"
@@ -161,22 +166,24 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}")
     job = Job(cfg, run_dir, timeout_s=3600).start()
-    coord = job.coordinator
+    coord, measured = job.coordinator, False
     try:
         _reach_event(job, event_step, warm_standby=strategy == "trainmover")
         if strategy == "restart":
-            wait_for(lambda: coord.restarts and
-                     coord.progress.last_step >= event_step + steps_after, job, "the restart")
+            wait_for(lambda: coord.restarts and (steps or coord.progress.last_step >=
+                                                 event_step + steps_after), job, "the restart")
         else:
             result = coord.request_migration([leaver], naive=strategy == "naive",
                                              source="bench").result(timeout=1800)
             if result["status"] != "done":
                 raise RuntimeError(f"{strategy}: migration {result['status']}: {result}")
-            wait_for(lambda: coord.progress.last_step >= result["switch_step"] + steps_after,
-                     job, "steps after the switch")
+            wait_for(lambda: steps or coord.progress.last_step >= result["switch_step"] +
+                     steps_after, job, "steps after the switch")   # (steps: to its end)
+        measured = True
     finally:
-        coord.stop()
-    summary = job.wait(600)
+        if steps is None or not measured:
+            coord.stop()
+    summary = job.wait(600 if steps is None else 3600)
     if strategy == "restart":
         (event,) = summary["restarts"]
     else:
@@ -186,9 +193,8 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     recorded = [e for e in events if e["event"] == "recorded"]
     warmed = [e for e in events if e["event"] == "warmed"]
-    return {"downtime_s": event["downtime_s"], "phases": phases,
-            "normal_step_s": phases["normal_step_s"],
-            "downtime_noise_s": event.get("downtime_noise_s"),
+    return {"downtime_s": event["downtime_s"], "phases": phases, "normal_step_s":
+            phases["normal_step_s"], "downtime_noise_s": event.get("downtime_noise_s"),
             "downtime_reporter_s": event.get("downtime_reporter_s"),
             "event_step": event.get("switch_step", event.get("step")),
             "recording": {"files": len(recorded), "bytes": sum(e["bytes"] for e in recorded),
@@ -199,7 +205,8 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
             "first_step_ratio": phases["first_step_s"] / normal_train if normal_train else None,
             "transfer_bytes": event.get("transfer_bytes"),
             "groups_rebuilt": event.get("groups_rebuilt"), "groups_total": event.get("groups_total"),
-            "stayer_peak_rss_growth": event.get("stayer_peak_rss_growth")}
+            "stayer_peak_rss_growth": event.get("stayer_peak_rss_growth"),
+            "weights_sha256": summary.get("weights_sha256")}
 
 
 # --- the point-to-point bandwidth of this machine -----------------------------------------------
@@ -263,8 +270,6 @@ def bench_downtime(workers: list[int], compile: bool = True, event_step: int = 8
     pairs to run (default: each of ``strategies`` in each of ``scenarios`` it has);
     ``table``: the result's Markdown (default ``downtime_table``); ``command``: the command
     line, recorded in the result."""
-    import tempfile
-
     for n in workers:
         if n not in LAYOUTS_BY_WORKERS:
             raise ValueError(f"--workers {n}: choose from {sorted(LAYOUTS_BY_WORKERS)}")

@@ -368,4 +368,23 @@ def main(args) -> int:
         bench_quick(args.workers, args.repeats, args.event_step, args.out, args.name,
                     command)
         return 0
+    if args.bench == "state-size":
+        from trainmover.bench.state_size import SCENARIOS, bench_state_size
+
+        try:
+            sizes = [float(x) for x in args.sizes.split(",")]
+        except ValueError:
+            raise ValueError(f"--sizes {args.sizes!r}: a comma list of numbers (MB)") from None
+        scenarios = args.scenarios.split(",")
+        for s in scenarios:
+            if s not in SCENARIOS:
+                raise ValueError(f"--scenarios: unknown scenario {s!r} "
+                                 f"(known: {', '.join(SCENARIOS)})")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats {args.repeats}: must be >= 1")
+        command = (f"trainmover bench state-size --sizes {args.sizes} --repeats "
+                   f"{args.repeats} --scenarios {args.scenarios} --name {args.name} "
+                   f"--out {args.out}")
+        bench_state_size(sizes, args.repeats, scenarios, args.out, args.name, command)
+        return 0
     raise ValueError(f"unknown benchmark {args.bench!r}")
