@@ -186,3 +186,34 @@ def test_an_ended_job_is_shown_with_the_event_that_ended_it(tmp_path):
     with open(os.path.join(run_dir, "events.jsonl"), "w") as f:
         f.write(json.dumps({"event": "worker_crash", "level": "error", "error": "x"}) + "\n")
     assert ended(run_dir, fresh_s=0.0)["ended_by"]["event"] == "worker_crash"
+
+
+REWRITER = """
+import sys, time
+from trainmover.core import rundir
+run_dir, secret = sys.argv[1], bytes.fromhex(sys.argv[2])
+versions = [('{"version": %d, "pad": "%s"}' % (i, "x" * (i % 7))).encode() for i in range(50)]
+i = 0
+while True:                  # a rewrite every 5 ms: each opens a window of microseconds
+    i += 1
+    rundir.write_sealed(run_dir, "sealed.json", versions[i % len(versions)], secret)
+    time.sleep(0.005)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sealed_file_read_while_it_is_rewritten_is_read_whole(tmp_path):
+    """The controller rewrites identity.json (the data's digest) while standbys start and
+    read it: a reader between the MAC's rename and the file's must not take the pair for a
+    forgery (it refused a standby's start under load), and only pairs that check are used."""
+    run_dir, secret = _job(tmp_path)
+    versions = {('{"version": %d, "pad": "%s"}' % (i, "x" * (i % 7))).encode()
+                for i in range(50)}
+    rundir.write_sealed(run_dir, "sealed.json", sorted(versions)[0], secret)
+    writer = subprocess.Popen([sys.executable, "-c", REWRITER, run_dir, secret.hex()])
+    try:
+        seen = {rundir.read_sealed(run_dir, "sealed.json", secret) for _ in range(5000)}
+    finally:
+        writer.kill()
+        writer.wait()
+    assert seen <= versions and len(seen) > 1

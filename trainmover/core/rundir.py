@@ -24,8 +24,14 @@ import hmac
 import json
 import os
 import stat
+import time
 
 MAC_SUFFIX = ".mac"
+# A sealed file read while the controller rewrites it (identity.json gains the data's digest
+# once a worker declares it, while standbys start): how often, and how far apart, a MAC
+# mismatch is read again before it is refused.
+SEALED_READ_ATTEMPTS = 5
+SEALED_READ_RETRY_S = 0.02
 
 
 class UnsafeRunDir(ValueError):
@@ -138,18 +144,32 @@ def write_sealed(run_dir: str, name: str, data: bytes, secret: bytes) -> None:
 
 
 def read_sealed(run_dir: str, name: str, secret: bytes) -> bytes:
-    """The content of ``name`` in the run dir, once its MAC checks under the job's secret."""
+    """The content of ``name`` in the run dir, once its MAC checks under the job's secret.
+
+    A file and its MAC are replaced one after the other (``write_sealed``), so a reader
+    between the two renames sees a new MAC beside the old content: a mismatch is read again
+    a few times (``SEALED_READ_ATTEMPTS``, a rewrite takes microseconds) before it is taken
+    as tampering. Only a pair that checks is ever used."""
     path = os.path.join(run_dir, name)
-    data = read_bytes(path)
-    try:
-        mac = read_bytes(path + MAC_SUFFIX).decode().strip()
-    except FileNotFoundError:
-        raise UnsafeRunDir(f"{path!r} has no {MAC_SUFFIX} beside it: it was not written by "
-                           f"this job's controller") from None
-    if not hmac.compare_digest(mac, _file_mac(secret, name, data)):
-        raise UnsafeRunDir(f"{path!r} does not match its MAC under the job's secret: it was "
-                           f"altered or replaced; nothing it names is run")
-    return data
+
+    def read_mac() -> str:
+        try:
+            return read_bytes(path + MAC_SUFFIX).decode().strip()
+        except FileNotFoundError:
+            raise UnsafeRunDir(f"{path!r} has no {MAC_SUFFIX} beside it: it was not written "
+                               f"by this job's controller") from None
+
+    for _ in range(SEALED_READ_ATTEMPTS):
+        # the MAC before and after the content: the content is the old one (the MAC read
+        # before may be its) or the new one (the MAC read after is, unless rewritten again)
+        before = read_mac()
+        data = read_bytes(path)
+        expected = _file_mac(secret, name, data)
+        if hmac.compare_digest(before, expected) or hmac.compare_digest(read_mac(), expected):
+            return data
+        time.sleep(SEALED_READ_RETRY_S)
+    raise UnsafeRunDir(f"{path!r} does not match its MAC under the job's secret: it was "
+                       f"altered or replaced; nothing it names is run")
 
 
 def read_sealed_json(run_dir: str, name: str, secret: bytes):
