@@ -30,7 +30,7 @@ MAC_SUFFIX = ".mac"
 # A sealed file read while the controller rewrites it (identity.json gains the data's digest
 # once a worker declares it, while standbys start): how often, and how far apart, a MAC
 # mismatch is read again before it is refused.
-SEALED_READ_ATTEMPTS = 5
+SEALED_READ_ATTEMPTS = 10
 SEALED_READ_RETRY_S = 0.02
 
 
@@ -156,6 +156,7 @@ def read_sealed(run_dir: str, name: str, secret: bytes) -> bytes:
         try:
             return read_bytes(path + MAC_SUFFIX).decode().strip()
         except FileNotFoundError:
+            read_bytes(path)         # the file itself missing: FileNotFoundError, as such
             raise UnsafeRunDir(f"{path!r} has no {MAC_SUFFIX} beside it: it was not written "
                                f"by this job's controller") from None
 
