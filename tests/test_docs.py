@@ -54,7 +54,7 @@ def test_every_cli_argument_has_help():
                for cmd, flags, text in _parser_arguments(make_parser(), "trainmover", [])
                if not text]
     assert not missing, (f"{len(missing)} command line arguments have no help text (add "
-                         f"help= in trainmover/cli.py):\n  " + "\n  ".join(missing))
+                         f"help= in trainmover/cli/):\n  " + "\n  ".join(missing))
 
 
 def test_every_cli_argument_is_in_the_reference():

@@ -313,7 +313,7 @@ def test_launch_takes_a_job_file_and_overrides(tmp_path):
 
 
 def test_resume_refuses_a_job_file_and_overrides(tmp_path):
-    from trainmover.cli import _resume_coordinator
+    from trainmover.cli.jobs import _resume_coordinator
 
     args = parse_command_line(["run", "--resume", str(tmp_path), "--config", "j.toml",
                                "--train.lr=1"])
@@ -383,7 +383,7 @@ def test_the_job_file_carries_the_fields_docs():
 
 
 def test_job_files_need_no_torch():
-    code = ("import sys, trainmover.core.config_file, trainmover.config_command; "
+    code = ("import sys, trainmover.core.config_file, trainmover.cli.config; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -2,7 +2,7 @@
 drift from it: nothing generated is committed.
 
 - ``cli_markdown()``: every subcommand and argument of ``trainmover`` (the argparse parser of
-  ``trainmover/cli.py``, walked: name, flags, type or choices, default, help).
+  ``trainmover/cli/``, walked: name, flags, type or choices, default, help).
 - ``config_markdown()``: every setting of a ``JobConfig`` (section, name, type, default, and
   its doc as ``core/config_file.py``'s ``field_doc_sources`` finds it, the same as in a job
   file written by ``trainmover config``: the ``#`` comment above or beside the field, its
@@ -163,7 +163,7 @@ def _anchor(text: str) -> str:
 def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
     commands = cli_commands(parser)
     lines = ["# Command line reference", "",
-             "Generated from the parser in `trainmover/cli.py` when these pages are built: "
+             "Generated from the parser in `trainmover/cli/` when these pages are built: "
              "every command and every argument, with its default and help text. "
              "`trainmover launch` takes the training command after `--` "
              "(`python SCRIPT ARGS` or `python -m MODULE ARGS`).", ""]

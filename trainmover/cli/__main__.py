@@ -1,0 +1,5 @@
+import sys
+
+from trainmover.cli import main
+
+sys.exit(main())
