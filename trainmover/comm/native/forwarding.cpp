@@ -924,6 +924,10 @@ class __attribute__((visibility("hidden"))) ForwardingBackend : public Backend {
 
   template <typename Local>
   void replay(OpType op, std::vector<at::Tensor>& outputs, Local&& local) {
+    // a replayed answer is written as a backend writes its results: raw data, outside
+    // autograd (a pipeline stage receives into input buffers that require grad, where an
+    // in-place copy under autograd is refused)
+    at::NoGradGuard no_grad;
     TapeEntry entry;
     {
       std::lock_guard<std::mutex> lock(mutex_);
