@@ -547,14 +547,16 @@ class GroupBuilder:
     def build(self, spec: GroupSpec, role: Role, generation: int) -> Group:
         return self.build_ranked(spec, spec.rank_of(role), generation)
 
-    def build_ranked(self, spec: GroupSpec, rank: int, generation: int) -> Group:
+    def build_ranked(self, spec: GroupSpec, rank: int, generation: int,
+                     abortable: bool = True) -> Group:
         """Build with an explicit group rank (a transfer channel's two members hold the same
-        role, so the role cannot name the rank)."""
+        role, so the role cannot name the rank). A group that is not ``abortable`` ignores
+        the abort signal: its operations end by completing or by a failure of a member."""
         if spec.trivial:
             return Group(spec, generation, rank, None, self.device,
                          check_devices=self.check_devices)
         group = self._build_pg(spec, rank, generation)
-        group.abort_signal = self.abort_signal
+        group.abort_signal = self.abort_signal if abortable else None
         return group
 
     def _build_pg(self, spec: GroupSpec, rank: int, generation: int) -> Group:

@@ -253,14 +253,26 @@ class TrainState:
                 target.load_state_dict(saved["state_dict"])
             else:
                 self.extra[key] = saved["value"]
-        self._allocate_optim(meta.get("optim_state", {}))
+        self._match_optim(meta.get("optim_state"))
 
-    def _allocate_optim(self, layout: dict[str, dict[str, list]]) -> None:
-        """Create the optimizer state a sender has and this optimizer has not (a fresh
-        optimizer creates its state lazily, at its first step)."""
-        if self.optimizer is None:
+    def _match_optim(self, layout: dict[str, dict[str, list]] | None) -> None:
+        """Give the live optimizer the state entries of ``layout`` (the sender's, or the
+        checkpoint's): create those it lacks (a fresh optimizer creates its state lazily, at
+        its first step) and drop those the layout lacks (a rollback to a checkpoint taken
+        before the first step: the optimizer is fresh again, as it was then)."""
+        if self.optimizer is None or layout is None:
             return
         by_name = {n: p for n, p in canonical_params(self.model)}
+        for pname, p in by_name.items():
+            st = self.optimizer.state.get(p)
+            if st is None:
+                continue
+            if pname not in layout:
+                del self.optimizer.state[p]
+                continue
+            for key in [k for k, v in st.items()
+                        if isinstance(v, torch.Tensor) and k not in layout[pname]]:
+                del st[key]
         for pname, entries in layout.items():
             if pname not in by_name:
                 raise StateError(f"state has optimizer entries for {pname!r}, which is not a "

@@ -100,7 +100,12 @@ class CommandChannel:
 
 
 def transfer_spec(name: str, role: Role) -> GroupSpec:
-    """The leaver/joiner channel: both hold the same role; the leaver is rank 0."""
+    """The leaver/joiner channel: both hold the same role; the leaver is rank 0.
+
+    The channel is built not ``abortable``: once the leaver claimed the handover, the role
+    is the joiner's, and a failure elsewhere in the job (which aborts the epoch) must not
+    stop the state on its way, or the role would be lost with both of its holders alive.
+    A transfer ends by completing, or when the leaver or the joiner dies."""
     return GroupSpec(name, "xfer", (role, role))
 
 
@@ -233,7 +238,8 @@ class Migrations:
 
     def _build_one(self, spec: GroupSpec, role: Role, gen: int, part: Participation) -> Group:
         if spec.kind == "xfer":
-            return self.builder.build_ranked(spec, 0 if part.kind == "leaver" else 1, gen)
+            return self.builder.build_ranked(spec, 0 if part.kind == "leaver" else 1, gen,
+                                             abortable=False)   # see transfer_spec
         return self.builder.build(spec, role, gen)
 
     # --- progress of one migration ---------------------------------------------------------
@@ -358,7 +364,8 @@ def joiner_build(builder: GroupBuilder, layout: Layout, role: Role, command: P.A
                   [(command.transfer_group, transfer_spec(command.transfer_group, role))])
     for name, spec in todo:
         if spec.kind == "xfer":
-            built[name] = builder.build_ranked(spec, 1, command.transfer_generation)
+            built[name] = builder.build_ranked(spec, 1, command.transfer_generation,
+                                               abortable=False)
         else:
             built[name] = builder.build(spec, role, gens.get(name, 0))
     channel = built.pop(command.transfer_group)
