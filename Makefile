@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow test-gpu bench-step bench-quick bench-state-size benchmarks soak \
+.PHONY: install native demo test test-slow test-gpu bench-step bench-quick bench-state-size benchmarks soak \
 	vendor docs clean
 
 install: $(VENV)/.installed
@@ -18,13 +18,18 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
+# the forwarding backend torch process groups of user scripts run on: compiled once per
+# machine and source (about a minute on two cores); a launch builds it too if it is missing
+native: install
+	$(BIN)/python -m trainmover.comm.native
+
 demo: install
 	$(BIN)/trainmover demo
 
-test: install
+test: native
 	$(BIN)/python -m pytest -q
 
-test-slow: install
+test-slow: native
 	$(BIN)/python -m pytest -q -m slow
 
 # On a GPU machine whose python already has a CUDA build of torch (no venv, no network):

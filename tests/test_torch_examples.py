@@ -23,10 +23,13 @@ PAIR = ("--nproc", "2")
 GRID = ("--dp", "2", "--tp", "2")      # the 2-D example: w0 dp0.tp0 ... w3 dp1.tp1
 PIPE = ("--dp", "2", "--pp", "2")      # the pipeline: w0 dp0.pp0, w1 dp0.pp1, w2 dp1.pp0 ...
 ARGS = ("--steps", str(STEPS))
-# the default suite runs a middle role's migration and a first role's crash of each example;
-# `make test-slow` adds the other migration and the hang
-FAULTS = ["migrate@3:w1", pytest.param("migrate@5:w0", marks=pytest.mark.slow), "crash@9:w0",
-          pytest.param("hang@9:w1", marks=pytest.mark.slow)]
+# the default suite runs a middle role's migration and, in the same job, a first role's crash
+# of each example (one job instead of two: the suite's time is mostly jobs starting);
+# `make test-slow` runs each alone, the other migration and the hang
+# (the crash comes late: a crash while the migration is still under way aborts it)
+BOTH = "migrate@3:w1+crash@33:w0"
+FAULTS = [BOTH, *(pytest.param(f, marks=pytest.mark.slow)
+                  for f in ("migrate@3:w1", "migrate@5:w0", "crash@9:w0", "hang@9:w1"))]
 # FSDP2 shards the state over dp: a crash rolls every role back to the newest checkpoint
 FSDP_FLAGS = ["--dp-sharded", "--checkpoint-every", "5"]
 
@@ -45,22 +48,28 @@ def _base(tmp_path_factory, name, script, flags=(), layout=PAIR, save=False):
 
 
 def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
-    """The script launched with one standby and ``fault``; checks the event was handled and
-    the job ran to the end. Returns the run dir, summary, the event's kind and worker."""
+    """The script launched with ``fault`` (events joined by ``+``) and a standby for each;
+    checks every event was handled and the job ran to the end. Returns the run dir, the
+    summary and the kinds of the events ({kind: worker})."""
     run_dir = tmp_path / "run"
+    faults = fault.split("+")
     res, summary = launch(run_dir, list(layout), script, args,
-                          list(flags) + ["--standbys", "1", "--inject", fault])
+                          list(flags) + ["--standbys", str(len(faults))] +
+                          [a for f in faults for a in ("--inject", f)])
     assert res.returncode == 0, res.stderr[-3000:]
-    kind, worker = fault.split("@")[0], fault.split(":")[1]
-    if kind == "migrate":
+    kinds = {f.split("@")[0]: f.split(":")[1] for f in faults}
+    if "migrate" in kinds:
         (m,) = summary["migrations"]
-        assert m["status"] == "done" and m["pairs"][0]["leaver"] == worker, m
-    else:
+        assert m["status"] == "done" and m["pairs"][0]["leaver"] == kinds["migrate"], m
+    failures = {w: k for k, w in kinds.items() if k != "migrate"}
+    if failures:
         (r,) = summary["recoveries"]
-        assert r["failures"] == {worker: kind}, r
+        assert r["failures"] == failures, r
         # measured from the resume step's commit after the failure (a rollback's resume step
         # was committed once before it too)
         assert r["downtime_s"] is not None and r["downtime_s"] > 0, r
+    else:
+        assert not summary["recoveries"], summary["recoveries"]
     assert summary["steps"] == STEPS
     # the job recorded its torch operations for the standby, whose replay (as far as it got
     # before the event: a warm-up may be cut short) kept its place: an operation unlike the
@@ -68,7 +77,14 @@ def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
     recorded = events(run_dir, "recorded")
     assert recorded and all(e["torch_ops"] > 0 for e in recorded), recorded
     assert not events(run_dir, "replay_diverged") and not events(run_dir, "warmup_skipped")
-    return run_dir, summary, kind, worker
+    return run_dir, summary, kinds
+
+
+def newest_checkpoint_before(fault: str) -> int:
+    """The step a crash of ``fault`` rolls back to with ``FSDP_FLAGS`` (every 5 steps): the
+    newest checkpoint before the crashed step."""
+    (crash,) = [f for f in fault.split("+") if not f.startswith("migrate")]
+    return (int(crash.split("@")[1].split(":")[0]) - 1) // 5 * 5
 
 
 def _torchrun_weights(tmp_path, plain_script, nproc=2) -> str:
@@ -101,13 +117,13 @@ def torch_ddp_base(tmp_path_factory):
 @pytest.mark.parametrize("fault", FAULTS)
 def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
         tmp_path, torch_ddp_base, fault):
-    run_dir, summary, kind, _ = _with_fault(tmp_path, TORCH_DDP, (), fault)
-    if kind != "migrate":
-        (r,) = summary["recoveries"]
+    run_dir, summary, _ = _with_fault(tmp_path, TORCH_DDP, (), fault)
+    for r in summary["recoveries"]:
         assert r["lost_steps"] == 0, r
     # no step failed after the event was handled (a late end of an abandoned operation
     # must not doom a later step)
-    failed = [e for e in events(run_dir, "step_failed") if e["step"] > 9]
+    last_event = max(int(f.split("@")[1].split(":")[0]) for f in fault.split("+"))
+    failed = [e for e in events(run_dir, "step_failed") if e["step"] > last_event]
     assert not failed, failed
     assert summary["weights_sha256"] == torch_ddp_base["weights_sha256"]
 
@@ -136,15 +152,15 @@ def torch_fsdp_base(tmp_path_factory):
 @pytest.mark.parametrize("fault", FAULTS)
 def test_torch_fsdp_survives_migration_crash_and_hang_bit_identically(
         tmp_path, torch_fsdp_base, fault):
-    _, summary, kind, _ = _with_fault(tmp_path, TORCH_FSDP, FSDP_FLAGS, fault)
-    if kind == "migrate":
+    _, summary, kinds = _with_fault(tmp_path, TORCH_FSDP, FSDP_FLAGS, fault)
+    if "migrate" in kinds:
         # shard for shard: the leaver's share only (about half the state)
         assert 0 < summary["migrations"][0]["transfer_bytes"]
-    else:
-        (r,) = summary["recoveries"]
+    for r in summary["recoveries"]:
         # no dp role holds a copy of another's shard: everyone went back to the newest
         # checkpoint and redid the committed steps after it (and nothing else)
-        assert set(r["sources"].values()) == {"checkpoint"} and r["rollback_step"] == 5, r
+        assert set(r["sources"].values()) == {"checkpoint"} and \
+            r["rollback_step"] == newest_checkpoint_before(fault), r
         assert r["lost_steps"] == r["last_committed_step"] + 1 - r["rollback_step"], r
     assert summary["weights_sha256"] == torch_fsdp_base["weights_sha256"]
 
@@ -208,19 +224,19 @@ def test_torch_fsdp_tp_survives_migration_crash_and_hang_bit_identically(
     ends with a DCP checkpoint on the default group (composed from the dp and tp groups),
     which holds the uninterrupted run's tensors."""
     ckpt = tmp_path / "dcp"
-    run_dir, summary, kind, _ = _with_fault(tmp_path, TORCH_FSDP_TP, FSDP_FLAGS, fault, GRID,
-                                            ARGS + ("--save", str(ckpt)))
+    run_dir, summary, kinds = _with_fault(tmp_path, TORCH_FSDP_TP, FSDP_FLAGS, fault, GRID,
+                                          ARGS + ("--save", str(ckpt)))
     # the joiner took over its warm-up's sharding decisions, rebound to its own meshes (the
     # weights below are bit-identical only if every rebound mesh has the joiner's
     # coordinates and groups)
     (rebound,) = events(run_dir, "meshes_rebound")
     assert rebound["meshes"] > 0
-    if kind == "migrate":
+    if "migrate" in kinds:
         assert set(summary["migrations"][0]["affected_groups"]) == {"dp.pp0.tp1",
                                                                     "tp.dp0.pp0"}
-    else:
-        (r,) = summary["recoveries"]
-        assert set(r["sources"].values()) == {"checkpoint"} and r["rollback_step"] == 5, r
+    for r in summary["recoveries"]:
+        assert set(r["sources"].values()) == {"checkpoint"} and \
+            r["rollback_step"] == newest_checkpoint_before(fault), r
     assert summary["weights_sha256"] == torch_fsdp_tp_base["weights_sha256"]
     import torch
 
@@ -255,24 +271,26 @@ def torch_pipeline_base(tmp_path_factory):
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("fault", ["migrate@3:w1", "crash@9:w0",
-                                   pytest.param("migrate@5:w2", marks=pytest.mark.slow),
-                                   pytest.param("hang@9:w3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fault", [BOTH, *(pytest.param(f, marks=pytest.mark.slow) for f in
+                                           ("migrate@3:w1", "crash@9:w0", "migrate@5:w2",
+                                            "hang@9:w3"))])
 def test_torch_pipeline_survives_migration_crash_and_hang_bit_identically(
         tmp_path, torch_pipeline_base, fault):
     """torch.distributed.pipelining (a GPipe schedule, FSDP2 per stage): the joiner's new
     schedule initialises its stage from the recording (the stayers initialised theirs at
     step 0 and send activations): no stayer takes part, nothing differs."""
-    run_dir, summary, kind, _ = _with_fault(tmp_path, TORCH_PIPELINE, FSDP_FLAGS, fault, PIPE)
-    (replayed,) = events(run_dir, "stage_initialisation_replayed")
-    # the stage's vote and shape exchange on its pipeline group, the inference pass's FSDP
-    # all-gathers on its data-parallel group (the groups of the script's init_device_mesh:
-    # the second forwarder of each axis)
-    ops = replayed["operations"]
-    assert ops.get("pp.1", 0) > 0 and ops.get("dp.1", 0) > 0, replayed
-    if kind != "migrate":
-        (r,) = summary["recoveries"]
-        assert set(r["sources"].values()) == {"checkpoint"} and r["rollback_step"] == 5, r
+    run_dir, summary, kinds = _with_fault(tmp_path, TORCH_PIPELINE, FSDP_FLAGS, fault, PIPE)
+    replayed = events(run_dir, "stage_initialisation_replayed")
+    assert len(replayed) == len(kinds), replayed      # one per joiner
+    for rep in replayed:
+        # the stage's vote and shape exchange on its pipeline group, the inference pass's
+        # FSDP all-gathers on its data-parallel group (the groups of the script's
+        # init_device_mesh: the second forwarder of each axis)
+        ops = rep["operations"]
+        assert ops.get("pp.1", 0) > 0 and ops.get("dp.1", 0) > 0, rep
+    for r in summary["recoveries"]:
+        assert set(r["sources"].values()) == {"checkpoint"} and \
+            r["rollback_step"] == newest_checkpoint_before(fault), r
     assert summary["weights_sha256"] == torch_pipeline_base["weights_sha256"]
 
 
@@ -314,9 +332,8 @@ def test_nanogpt_survives_migration_crash_and_hang_bit_identically(tmp_path, nan
     """Its dropout draws from the global generator in every micro-step and its batches are
     the loader's position: a joiner continues both exactly where the leaver (or, after a
     failure, the step's first attempt) was."""
-    _, summary, kind, _ = _with_fault(tmp_path, NANOGPT, (), fault)
-    if kind != "migrate":
-        (r,) = summary["recoveries"]
+    _, summary, _ = _with_fault(tmp_path, NANOGPT, (), fault)
+    for r in summary["recoveries"]:
         assert r["lost_steps"] == 0, r
     assert summary["weights_sha256"] == nanogpt_base["weights_sha256"]
 

@@ -53,6 +53,7 @@ from trainmover.control.status import status_from_state, write_status_file
 from trainmover.control.stragglers import Stragglers
 from trainmover.control.supervision import ProcessWatch
 from trainmover.core import decisions as C
+from trainmover.core import native_cache
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, create_secret, load_secret
 from trainmover.core.config import JobConfig, is_loopback
@@ -147,6 +148,8 @@ class Coordinator:
         """The script's torch process groups need the forwarding backend (comm/native):
         built here, once per machine, before any process starts, by a child interpreter (the
         controller imports neither torch nor the communication layer)."""
+        if native_cache.looks_built():
+            return   # the child would import torch (seconds) only to find it built
         cmd = [sys.executable, "-m", "trainmover.comm.native"]
         why = None
         try:

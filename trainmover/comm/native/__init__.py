@@ -16,35 +16,15 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import hashlib
 import os
 import stat
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# the files the module is built from: translation units, then the headers they share
-UNITS = ("forwarding.cpp", "world.cpp")
-FILES = UNITS + ("world.h",)
-NAME = "trainmover_forwarding"
+from trainmover.core.native_cache import FILES, NAME, SOURCE_DIR as HERE, UNITS, cache_root
+from trainmover.core.native_cache import build_dir as _build_dir
 
 
 class NativeUnavailable(RuntimeError):
     """The forwarding backend cannot be built here (no C++ compiler, unsafe cache folder)."""
-
-
-def source_digest() -> str:
-    digest = hashlib.sha256()
-    for name in FILES:
-        with open(os.path.join(HERE, name), "rb") as f:
-            digest.update(name.encode() + b"\0" + f.read() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-def cache_root() -> str:
-    explicit = os.environ.get("TRAINMOVER_EXT_DIR")
-    if explicit:
-        return os.path.abspath(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(os.path.abspath(base), "trainmover", "ext")
 
 
 def _private_dir(path: str) -> None:
@@ -86,8 +66,7 @@ def _check_parents(path: str) -> None:
 def build_dir() -> str:
     import torch
 
-    version = torch.__version__.replace("+", "_")
-    return os.path.join(cache_root(), f"{NAME}-{version}-{source_digest()}")
+    return _build_dir(torch.__version__)
 
 
 @functools.lru_cache(maxsize=1)
