@@ -175,7 +175,9 @@ def pp_baseline(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("damage", ["failed-role-altered", "survivor-altered", "truncated"])
+@pytest.mark.parametrize("damage", ["failed-role-altered",
+                                    pytest.param("survivor-altered", marks=pytest.mark.slow),
+                                    "truncated"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_older_one(tmp_path, pp_baseline,
                                                                   damage):
     """Once the step-9 checkpoint is complete, one of its files is damaged and the worker

@@ -83,7 +83,8 @@ def test_ddp_example_migration_is_bit_identical_and_its_standby_warmed_by_replay
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("fault", ["crash@9:w0", "hang@9:w1"])
+# the hang is the same recovery after a longer detection: slow suite
+@pytest.mark.parametrize("fault", ["crash@9:w0", pytest.param("hang@9:w1", marks=pytest.mark.slow)])
 def test_ddp_example_recovers_from_a_crash_and_a_hang_bit_identically(
         tmp_path, ddp_base, fault):
     run_dir = tmp_path / "run"

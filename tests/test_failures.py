@@ -51,7 +51,9 @@ def check_recovered(summary, kind, source_prefix):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("point", ["forward", "allreduce", "optimizer"])
+# a crash in the forward pass is what most other failure tests inject: slow-suite here
+@pytest.mark.parametrize("point", [pytest.param("forward", marks=pytest.mark.slow), "allreduce",
+                                   "optimizer"])
 def test_crash_recovers_from_a_replica_bit_identical(tmp_path, baseline, point):
     cfg = with_faults(job(), Inject("crash", 6, "w1", point))
     summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
