@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from trainmover.core.faults import parse_inject
+
 from test_examples import DDP_PLAIN, ROOT, STEPS, changed_lines, events, launch
 
 TORCH_DDP = ROOT / "examples" / "torch_ddp.py"
@@ -47,6 +49,11 @@ def _base(tmp_path_factory, name, script, flags=(), layout=PAIR, save=False):
     return summary
 
 
+def _injects(fault: str):
+    """The events of ``fault`` (joined by ``+``), parsed as the CLI parses them."""
+    return [parse_inject(f) for f in fault.split("+")]
+
+
 def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
     """The script launched with ``fault`` (events joined by ``+``) and a standby for each;
     checks every event was handled and the job ran to the end. Returns the run dir, the
@@ -57,7 +64,7 @@ def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
                           list(flags) + ["--standbys", str(len(faults))] +
                           [a for f in faults for a in ("--inject", f)])
     assert res.returncode == 0, res.stderr[-3000:]
-    kinds = {f.split("@")[0]: f.split(":")[1] for f in faults}
+    kinds = {i.kind: i.target for i in _injects(fault)}
     if "migrate" in kinds:
         (m,) = summary["migrations"]
         assert m["status"] == "done" and m["pairs"][0]["leaver"] == kinds["migrate"], m
@@ -83,8 +90,8 @@ def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
 def newest_checkpoint_before(fault: str) -> int:
     """The step a crash of ``fault`` rolls back to with ``FSDP_FLAGS`` (every 5 steps): the
     newest checkpoint before the crashed step."""
-    (crash,) = [f for f in fault.split("+") if not f.startswith("migrate")]
-    return (int(crash.split("@")[1].split(":")[0]) - 1) // 5 * 5
+    (crash,) = [i for i in _injects(fault) if i.kind != "migrate"]
+    return (crash.step - 1) // 5 * 5
 
 
 def _torchrun_weights(tmp_path, plain_script, nproc=2) -> str:
@@ -122,7 +129,7 @@ def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
         assert r["lost_steps"] == 0, r
     # no step failed after the event was handled (a late end of an abandoned operation
     # must not doom a later step)
-    last_event = max(int(f.split("@")[1].split(":")[0]) for f in fault.split("+"))
+    last_event = max(i.step for i in _injects(fault))
     failed = [e for e in events(run_dir, "step_failed") if e["step"] > last_event]
     assert not failed, failed
     assert summary["weights_sha256"] == torch_ddp_base["weights_sha256"]
