@@ -5,6 +5,7 @@ cannot fail by the luck of the draw; ``HYPOTHESIS_PROFILE=explore`` draws fresh
 random examples (more of them) to hunt for new failures locally."""
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("repeatable", derandomize=True)
@@ -20,3 +21,44 @@ def pytest_runtest_logreport(report):
     if path:
         with open(path, "a") as f:
             f.write(f"{report.duration:.2f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")
+
+
+# --- uninterrupted runs shared by the whole session --------------------------------------
+
+# The sections of a job's config that decide its final weights; the rest (standbys, health,
+# recovery, stragglers, timeouts, the controller's and agent's settings) may change when and
+# where the work runs, never its result: the very claim the tests comparing a run with faults
+# to its uninterrupted run check.
+_RESULT_SECTIONS = ("layout", "model", "train", "data", "baseline")
+_RESULT_FIELDS = {"process": ("command", "device", "deterministic"),
+                  "comm": ("backend", "torch_groups")}
+
+
+def result_key(cfg) -> str:
+    import json
+
+    d = cfg.to_dict()
+    assert not d["faults"], "a reference run has no faults"
+    key = {s: d[s] for s in _RESULT_SECTIONS}
+    key.update({s: {f: d[s][f] for f in fields} for s, fields in _RESULT_FIELDS.items()})
+    return json.dumps(key, sort_keys=True)
+
+
+@pytest.fixture(scope="session")
+def reference_weights(tmp_path_factory):
+    """``reference_weights(cfg)``: ``weights_sha256`` of the built-in trainer's uninterrupted
+    run of ``cfg``, run once per session for every config with the same result sections
+    (test modules comparing against the same job no longer each run it)."""
+    from trainmover.control.coordinator import run_job
+
+    cache: dict[str, str] = {}
+
+    def get(cfg) -> str:
+        key = result_key(cfg)
+        if key not in cache:
+            run_dir = tmp_path_factory.mktemp("reference") / "run"
+            cache[key] = run_job(cfg, str(run_dir), quiet=True,
+                                 timeout_s=300)["weights_sha256"]
+        return cache[key]
+
+    return get

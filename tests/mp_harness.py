@@ -21,10 +21,24 @@ def _entry(fn, rank, address, args, results):
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+# The processes are forked from one server process started at the first call, which has
+# imported torch (and torch._dynamo, which any optimizer's first use imports) once for the
+# whole test session: a spawned process imported them anew, 4-5 s of CPU each, which was most
+# of these tests' time (a 12-process test imported torch 12 times on 2 cores). A child still
+# starts clean: the server runs no test code, only imports, and holds no thread to fork.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "trainmover.comm.groups", "mp_harness"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_processes(fn, nprocs: int, *args, timeout: float = 60.0, expect: int | None = None):
     """Returns {rank: ("ok", value) | ("error", text)} for the ranks that reported; waits for
     ``expect`` reports (default all ranks)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     store = start_store_server()
     address = StoreAddress("127.0.0.1", store.port)
     results = ctx.Queue()

@@ -37,9 +37,8 @@ def with_faults(cfg, *injects):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    root = tmp_path_factory.mktemp("baseline")
-    return run_job(job(), str(root / "run"), quiet=True, timeout_s=300)["weights_sha256"]
+def baseline(reference_weights):
+    return reference_weights(job())
 
 
 def check_recovered(summary, kind, source_prefix):

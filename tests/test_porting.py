@@ -372,7 +372,7 @@ SLOW_WARMUP = textwrap.dedent("""
     model = rt.data_parallel(torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rt.register(model=model, optimizer=opt)
-    for step in rt.steps(150):
+    for step in rt.steps(100):
         if rt.sandbox:
             time.sleep(2.0)     # a standby's warm-up step compiling
         time.sleep(0.08)

@@ -11,7 +11,7 @@ from trainmover.core.faults import Inject
 from trainmover.core.topology import Layout
 from trainmover.recipes import get_recipe
 
-STEPS = 400
+STEPS = 200
 
 
 def job(**settings):
@@ -19,7 +19,7 @@ def job(**settings):
     cfg.layout = Layout(2, 2, 1)
     cfg.train.steps = STEPS
     cfg.train.threads_per_worker = 1
-    cfg.override(standby_count=2, controller_gc_every_steps=50,
+    cfg.override(standby_count=2, controller_gc_every_steps=20,
                  health_heartbeat_timeout_s=2.0, recovery_report_timeout_s=4.0)
     return cfg.override(**settings).validate()
 
@@ -32,9 +32,9 @@ def test_store_keys_stay_flat_through_steps_a_migration_and_a_recovery(tmp_path,
                                                                        against_no_gc):
     plain = run_job(job(controller_gc_every_steps=0), str(tmp_path / "plain"), quiet=True,
                     timeout_s=300) if against_no_gc else None
-    cfg = with_faults(job(), Inject("crash", 250, "w3", "backward"))
+    cfg = with_faults(job(), Inject("crash", 120, "w3", "backward"))
     j = Job(cfg, str(tmp_path / "run"), timeout_s=300,
-            injects=[Inject("migrate", 150, "w1")]).start()
+            injects=[Inject("migrate", 60, "w1")]).start()
     coord = j.coordinator
     keys = {}
 
@@ -43,16 +43,16 @@ def test_store_keys_stay_flat_through_steps_a_migration_and_a_recovery(tmp_path,
         keys[at] = coord.ctx.store.raw.num_keys()
         return True
 
-    sample(100)
+    sample(40)
     sample(STEPS - 20)
     summary = j.wait(300)
     if plain is not None:
         assert summary["weights_sha256"] == plain["weights_sha256"]
     assert [m["status"] for m in summary["migrations"]] == ["done"]
     assert len(summary["recoveries"]) == 1
-    # 280 steps at 3 keys each would add 840 keys; what remains is bounded by processes
+    # 140 steps at 3 keys each would add 420 keys; what remains is bounded by processes
     # and events (the migration's and recovery's commands, new groups' rendezvous keys)
-    assert keys[STEPS - 20] - keys[100] < 120, keys
+    assert keys[STEPS - 20] - keys[40] < 120, keys
 
 
 def test_the_controller_keeps_a_bounded_tail_of_the_metrics(tmp_path):

@@ -148,10 +148,8 @@ def events_of(tmp_path, name):
 
 
 @pytest.fixture(scope="module")
-def straggler_baseline(tmp_path_factory):
-    root = tmp_path_factory.mktemp("straggler_base")
-    return run_job(straggler_job("off"), str(root / "run"), quiet=True,
-                   timeout_s=300)["weights_sha256"]
+def straggler_baseline(reference_weights):
+    return reference_weights(straggler_job("off"))
 
 
 @pytest.mark.timeout(300)

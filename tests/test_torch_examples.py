@@ -1,6 +1,11 @@
 """The user's own torch.distributed code under `trainmover launch`: DistributedDataParallel
 itself (not trainmover's wrapper) on trainmover's process groups survives a planned
-migration, a crash and a hang with the weights of its own uninterrupted run."""
+migration, a crash and a hang with the weights of its own uninterrupted run.
+
+The reference of each example is its plain script under torchrun: the default suite checks
+that a run under trainmover *with* a migration and a crash ends on the plain script's
+weights (one claim for both: trainmover changes nothing, faults change nothing); the slow
+suite also runs each example uninterrupted under trainmover and compares the two apart."""
 import json
 import os
 import subprocess
@@ -36,14 +41,15 @@ FAULTS = [BOTH, *(pytest.param(f, marks=pytest.mark.slow)
 FSDP_FLAGS = ["--dp-sharded", "--checkpoint-every", "5"]
 
 
-def _base(tmp_path_factory, name, script, flags=(), layout=PAIR, save=False):
+def _base(tmp_path_factory, name, script, flags=(), layout=PAIR, save=False, args=ARGS):
     """The uninterrupted run; with ``save``, the script's final DCP checkpoint goes to
     ``summary["dcp"]``."""
     run_dir = tmp_path_factory.mktemp(name) / "base"
-    args = ARGS + (("--save", str(run_dir.parent / "dcp")) if save else ())
+    steps = int(args[args.index("--steps") + 1])
+    args = args + (("--save", str(run_dir.parent / "dcp")) if save else ())
     res, summary = launch(run_dir, list(layout), script, args, list(flags))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert summary["steps"] == STEPS
+    assert summary["steps"] == steps
     if save:
         summary["dcp"] = run_dir.parent / "dcp"
     return summary
@@ -52,6 +58,11 @@ def _base(tmp_path_factory, name, script, flags=(), layout=PAIR, save=False):
 def _injects(fault: str):
     """The events of ``fault`` (joined by ``+``), parsed as the CLI parses them."""
     return [parse_inject(f) for f in fault.split("+")]
+
+
+def _torchrun(tmp_path_factory, name, plain_script, nproc=2, args=ARGS) -> str:
+    """The plain script's weights under torchrun: the reference of every run of it."""
+    return _torchrun_weights(tmp_path_factory.mktemp(name), plain_script, nproc, args)
 
 
 def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
@@ -77,7 +88,7 @@ def _with_fault(tmp_path, script, flags, fault, layout=PAIR, args=ARGS):
         assert r["downtime_s"] is not None and r["downtime_s"] > 0, r
     else:
         assert not summary["recoveries"], summary["recoveries"]
-    assert summary["steps"] == STEPS
+    assert summary["steps"] == int(args[args.index("--steps") + 1])
     # the job recorded its torch operations for the standby, whose replay (as far as it got
     # before the event: a warm-up may be cut short) kept its place: an operation unlike the
     # recorded one would say replay_diverged
@@ -94,14 +105,14 @@ def newest_checkpoint_before(fault: str) -> int:
     return (crash.step - 1) // 5 * 5
 
 
-def _torchrun_weights(tmp_path, plain_script, nproc=2) -> str:
+def _torchrun_weights(tmp_path, plain_script, nproc=2, args=ARGS) -> str:
     """``weights_sha256`` of the plain script under torchrun (tests/data/torchrun_weights.py)."""
     out = tmp_path / "torchrun.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", str(nproc), str(ROOT / "tests" / "data" /
                                                        "torchrun_weights.py"),
-                          str(out), str(plain_script), *ARGS],
+                          str(out), str(plain_script), *args],
                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(out.read_text())["weights_sha256"]
@@ -120,10 +131,15 @@ def torch_ddp_base(tmp_path_factory):
     return _base(tmp_path_factory, "torch-ddp", TORCH_DDP)
 
 
+@pytest.fixture(scope="module")
+def torch_ddp_torchrun(tmp_path_factory):
+    return _torchrun(tmp_path_factory, "torch-ddp-torchrun", DDP_PLAIN)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", FAULTS)
 def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
-        tmp_path, torch_ddp_base, fault):
+        tmp_path, torch_ddp_torchrun, fault):
     run_dir, summary, _ = _with_fault(tmp_path, TORCH_DDP, (), fault)
     for r in summary["recoveries"]:
         assert r["lost_steps"] == 0, r
@@ -132,13 +148,14 @@ def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(
     last_event = max(i.step for i in _injects(fault))
     failed = [e for e in events(run_dir, "step_failed") if e["step"] > last_event]
     assert not failed, failed
-    assert summary["weights_sha256"] == torch_ddp_base["weights_sha256"]
+    assert summary["weights_sha256"] == torch_ddp_torchrun
 
 
+@pytest.mark.slow   # the default suite compares a run with faults to torchrun directly
 @pytest.mark.timeout(300)
 def test_torch_ddp_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
-        tmp_path, torch_ddp_base):
-    assert _torchrun_weights(tmp_path, DDP_PLAIN) == torch_ddp_base["weights_sha256"]
+        torch_ddp_torchrun, torch_ddp_base):
+    assert torch_ddp_torchrun == torch_ddp_base["weights_sha256"]
 
 
 def test_torch_fsdp_example_is_the_plain_torchrun_script_with_at_most_10_changed_lines():
@@ -155,10 +172,15 @@ def torch_fsdp_base(tmp_path_factory):
     return _base(tmp_path_factory, "torch-fsdp", TORCH_FSDP, FSDP_FLAGS)
 
 
+@pytest.fixture(scope="module")
+def torch_fsdp_torchrun(tmp_path_factory):
+    return _torchrun(tmp_path_factory, "torch-fsdp-torchrun", TORCH_FSDP_PLAIN)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", FAULTS)
 def test_torch_fsdp_survives_migration_crash_and_hang_bit_identically(
-        tmp_path, torch_fsdp_base, fault):
+        tmp_path, torch_fsdp_torchrun, fault):
     _, summary, kinds = _with_fault(tmp_path, TORCH_FSDP, FSDP_FLAGS, fault)
     if "migrate" in kinds:
         # shard for shard: the leaver's share only (about half the state)
@@ -169,13 +191,14 @@ def test_torch_fsdp_survives_migration_crash_and_hang_bit_identically(
         assert set(r["sources"].values()) == {"checkpoint"} and \
             r["rollback_step"] == newest_checkpoint_before(fault), r
         assert r["lost_steps"] == r["last_committed_step"] + 1 - r["rollback_step"], r
-    assert summary["weights_sha256"] == torch_fsdp_base["weights_sha256"]
+    assert summary["weights_sha256"] == torch_fsdp_torchrun
 
 
+@pytest.mark.slow   # the default suite compares a run with faults to torchrun directly
 @pytest.mark.timeout(300)
 def test_torch_fsdp_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
-        tmp_path, torch_fsdp_base):
-    assert _torchrun_weights(tmp_path, TORCH_FSDP_PLAIN) == torch_fsdp_base["weights_sha256"]
+        torch_fsdp_torchrun, torch_fsdp_base):
+    assert torch_fsdp_torchrun == torch_fsdp_base["weights_sha256"]
 
 
 def test_fsdp_state_without_dp_sharded_is_refused_with_the_flag_to_use(tmp_path):
@@ -193,9 +216,14 @@ def test_torch_fsdp_tp_example_is_the_plain_torchrun_script_with_at_most_10_chan
     assert any("fully_shard(model, mesh=mesh[\"dp\"])" in line for line in resilient)
 
 
+# the 2-D example's steps are the slowest (four processes, DTensor): as many as its events need
+FSDP_TP_ARGS = ("--steps", "20")
+
+
 @pytest.fixture(scope="module")
 def torch_fsdp_tp_base(tmp_path_factory):
-    return _base(tmp_path_factory, "torch-fsdp-tp", TORCH_FSDP_TP, FSDP_FLAGS, GRID, save=True)
+    return _base(tmp_path_factory, "torch-fsdp-tp", TORCH_FSDP_TP, FSDP_FLAGS, GRID, save=True,
+                 args=FSDP_TP_ARGS)
 
 
 def _dcp_tensors(folder) -> dict:
@@ -232,7 +260,7 @@ def test_torch_fsdp_tp_survives_migration_crash_and_hang_bit_identically(
     which holds the uninterrupted run's tensors."""
     ckpt = tmp_path / "dcp"
     run_dir, summary, kinds = _with_fault(tmp_path, TORCH_FSDP_TP, FSDP_FLAGS, fault, GRID,
-                                          ARGS + ("--save", str(ckpt)))
+                                          FSDP_TP_ARGS + ("--save", str(ckpt)))
     # the joiner took over its warm-up's sharding decisions, rebound to its own meshes (the
     # weights below are bit-identical only if every rebound mesh has the joiner's
     # coordinates and groups)
@@ -260,7 +288,7 @@ def test_torch_fsdp_tp_survives_migration_crash_and_hang_bit_identically(
 @pytest.mark.timeout(300)
 def test_torch_fsdp_tp_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
         tmp_path, torch_fsdp_tp_base):
-    assert _torchrun_weights(tmp_path, TORCH_FSDP_TP_PLAIN, nproc=4) == \
+    assert _torchrun_weights(tmp_path, TORCH_FSDP_TP_PLAIN, nproc=4, args=FSDP_TP_ARGS) == \
         torch_fsdp_tp_base["weights_sha256"]
 
 
@@ -277,12 +305,17 @@ def torch_pipeline_base(tmp_path_factory):
     return _base(tmp_path_factory, "torch-pipeline", TORCH_PIPELINE, FSDP_FLAGS, PIPE)
 
 
+@pytest.fixture(scope="module")
+def torch_pipeline_torchrun(tmp_path_factory):
+    return _torchrun(tmp_path_factory, "torch-pipeline-torchrun", TORCH_PIPELINE_PLAIN, 4)
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("fault", [BOTH, *(pytest.param(f, marks=pytest.mark.slow) for f in
                                            ("migrate@3:w1", "crash@9:w0", "migrate@5:w2",
                                             "hang@9:w3"))])
 def test_torch_pipeline_survives_migration_crash_and_hang_bit_identically(
-        tmp_path, torch_pipeline_base, fault):
+        tmp_path, torch_pipeline_torchrun, fault):
     """torch.distributed.pipelining (a GPipe schedule, FSDP2 per stage): the joiner's new
     schedule initialises its stage from the recording (the stayers initialised theirs at
     step 0 and send activations): no stayer takes part, nothing differs."""
@@ -298,14 +331,14 @@ def test_torch_pipeline_survives_migration_crash_and_hang_bit_identically(
     for r in summary["recoveries"]:
         assert set(r["sources"].values()) == {"checkpoint"} and \
             r["rollback_step"] == newest_checkpoint_before(fault), r
-    assert summary["weights_sha256"] == torch_pipeline_base["weights_sha256"]
+    assert summary["weights_sha256"] == torch_pipeline_torchrun
 
 
+@pytest.mark.slow   # the default suite compares a run with faults to torchrun directly
 @pytest.mark.timeout(300)
 def test_torch_pipeline_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
-        tmp_path, torch_pipeline_base):
-    assert _torchrun_weights(tmp_path, TORCH_PIPELINE_PLAIN, nproc=4) == \
-        torch_pipeline_base["weights_sha256"]
+        torch_pipeline_torchrun, torch_pipeline_base):
+    assert torch_pipeline_torchrun == torch_pipeline_base["weights_sha256"]
 
 
 
@@ -332,9 +365,15 @@ def nanogpt_base(tmp_path_factory):
     return _base(tmp_path_factory, "nanogpt", NANOGPT)
 
 
+@pytest.fixture(scope="module")
+def nanogpt_torchrun(tmp_path_factory):
+    pytest.importorskip("torchdata.stateful_dataloader")
+    return _torchrun(tmp_path_factory, "nanogpt-torchrun", NANOGPT_PLAIN)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", FAULTS)
-def test_nanogpt_survives_migration_crash_and_hang_bit_identically(tmp_path, nanogpt_base,
+def test_nanogpt_survives_migration_crash_and_hang_bit_identically(tmp_path, nanogpt_torchrun,
                                                                    fault):
     """Its dropout draws from the global generator in every micro-step and its batches are
     the loader's position: a joiner continues both exactly where the leaver (or, after a
@@ -342,10 +381,11 @@ def test_nanogpt_survives_migration_crash_and_hang_bit_identically(tmp_path, nan
     _, summary, _ = _with_fault(tmp_path, NANOGPT, (), fault)
     for r in summary["recoveries"]:
         assert r["lost_steps"] == 0, r
-    assert summary["weights_sha256"] == nanogpt_base["weights_sha256"]
+    assert summary["weights_sha256"] == nanogpt_torchrun
 
 
+@pytest.mark.slow   # the default suite compares a run with faults to torchrun directly
 @pytest.mark.timeout(300)
 def test_nanogpt_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(
-        tmp_path, nanogpt_base):
-    assert _torchrun_weights(tmp_path, NANOGPT_PLAIN) == nanogpt_base["weights_sha256"]
+        nanogpt_torchrun, nanogpt_base):
+    assert nanogpt_torchrun == nanogpt_base["weights_sha256"]

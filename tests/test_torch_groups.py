@@ -417,9 +417,8 @@ def _expected_world_ops(rank, size, tag):
 
 
 @pytest.mark.timeout(150)
-# the three-axis layout holds the two-axis one's cases; the smaller one is slow-suite
-@pytest.mark.parametrize("layout", [pytest.param(Layout(2, 1, 2), marks=pytest.mark.slow),
-                                    Layout(2, 2, 2)], ids=["dp2tp2", "dp2pp2tp2"])
+# the two-axis layout also saves and loads a DCP checkpoint on the world group
+@pytest.mark.parametrize("layout", [Layout(2, 1, 2), Layout(2, 2, 2)], ids=["dp2tp2", "dp2pp2tp2"])
 def test_the_world_group_of_a_multi_axis_layout_runs_every_operation_and_follows_a_switch(
         layout, tmp_path):
     size = layout.num_roles

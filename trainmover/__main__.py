@@ -1,5 +1,3 @@
-import sys
+from trainmover.cli import console_main
 
-from trainmover.cli import main
-
-sys.exit(main())
+console_main()

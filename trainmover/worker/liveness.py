@@ -22,7 +22,7 @@ import traceback
 from datetime import timedelta
 
 from trainmover.core import protocol as P
-from trainmover.core.auth import store_timeout_s
+from trainmover.core.auth import AuthError, store_timeout_s
 from trainmover.comm.groups import AbortSignal, CommError, StepAborted, StoreClients
 
 # How often the abort watcher looks again while a forged value sits at the abort key (the
@@ -191,6 +191,7 @@ class CommitVote:
         if not may_decide:
             return self.store.wait_valid(decision)
         deadline = time.monotonic() + store_timeout_s(self.store.raw)
+        recheck_at = time.monotonic() + BALLOT_RECHECK_S
         while True:
             try:
                 self.store.raw.wait([decision], timedelta(seconds=BALLOT_RECHECK_S))
@@ -198,10 +199,21 @@ class CommitVote:
                 if time.monotonic() > deadline:
                     raise
                 self._decide(ballots, decision)
+                recheck_at = time.monotonic() + BALLOT_RECHECK_S
                 continue
             value = self.store.valid(decision)
             if value is not None:
                 return value
+            # A forged value holds the key, so ``wait`` returns at once from now on: the
+            # ballots are looked at here instead. (With a forged decrement of the count as
+            # well, nobody else decides: this loop once spun on the forged value for ever.)
+            now = time.monotonic()
+            if now > deadline:
+                raise AuthError(f"{decision}: no genuine decision within the store's timeout "
+                                f"(forged ones kept being written there)")
+            if now >= recheck_at:
+                self._decide(ballots, decision)
+                recheck_at = now + BALLOT_RECHECK_S
             time.sleep(FORGED_ABORT_POLL_S)
 
 
