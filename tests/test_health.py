@@ -3,6 +3,7 @@ from types import SimpleNamespace
 
 from trainmover.control import health as H
 from trainmover.core import decisions as C
+from trainmover.core import protocol as P
 
 
 class Clock:
@@ -16,11 +17,10 @@ class Clock:
         return self.now
 
 
-class Store:
-    """Every heartbeat counter has moved once (the standby beat, then fell silent)."""
-
-    def add(self, key, amount):
-        return 1
+def read(cls, key):
+    """Every process beat once (the standby beat, then fell silent): ``hb/<name>/<pid>``."""
+    assert cls is P.Beat
+    return P.Beat(seq=1, pid=int(key.rsplit("/", 1)[1]))
 
 
 class Procs:
@@ -41,7 +41,7 @@ class Procs:
 def fake_ctx():
     cfg = SimpleNamespace(health=SimpleNamespace(check_interval_s=0.0, heartbeat_timeout_s=5.0,
                                                  startup_timeout_s=30.0))
-    return SimpleNamespace(cfg=cfg, store=Store(), procs=Procs(),
+    return SimpleNamespace(cfg=cfg, read=read, procs=Procs(),
                            membership=SimpleNamespace(standbys={"s0": C.StandbyState.RESERVED}))
 
 

@@ -119,6 +119,7 @@ class Agent:
         self._controller_lost_at: float | None = None
         self._controller_read_at = 0.0
         self._beat_at = 0.0
+        self._beats = 0                               # the last Beat's sequence number
         self.snapshots: SnapshotServer | None = None   # the peer-snapshot holder, if used
         self.hash_seed = jobfile.python_hash_seed(load_secret(run_dir))
         self.forks: forkserver.ForkServer | None = None   # agent.fork_server, once started
@@ -276,7 +277,9 @@ class Agent:
             return None if self._watch_controller(now) else "no controller"
         if now - self._beat_at >= self.cfg.health.heartbeat_interval_s:
             self._beat_at = now
-            self.store.add(P.agent_key(self.node, "hb"), 1)
+            self._beats += 1      # a signed beat (P.Beat), not a counter anyone can bump
+            self.store.set(P.agent_key(self.node, "hb"),
+                           P.write_message(P.Beat(self._beats, os.getpid())))
         if now - self._controller_read_at >= self.cfg.agent.controller_check_s:
             self._controller_read_at = now
             if self.store.check([P.agent_key(self.node, "fenced")]):

@@ -12,8 +12,10 @@ path: workers train on their own groups and only look at commands between steps.
 and the processes belong to the job's agent (``agent.py``), so this process may die at any
 moment without stopping training, and a new one resumes from the store (``resume``):
 
-- the controller's whole state is a snapshot in the store, saved at the end of every
-  supervision round in which it changed;
+- the controller's whole state is a snapshot, saved at the end of every supervision round
+  in which it changed, in the store and in the run dir (``controller.snapshot``, signed
+  and numbered: a resumed controller takes the newest genuine copy, so junk written over
+  the store's does not stop it; ``snapshot_codec.py``);
 - everything it tells the outside world (worker commands, decision keys, process starts) is
   queued in an *outbox* during the round and sent only after the snapshot that contains it
   was saved; keys are written with content fixed in advance (commands are numbered by the
@@ -47,6 +49,7 @@ from trainmover.control.rebalance import Rebalancer
 from trainmover.control.recovery import Recovery
 from trainmover.control.replicas import Replicas
 from trainmover.control.retention import Retention
+from trainmover.control import snapshot_codec
 from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
 from trainmover.control.stopping import Stopping
 from trainmover.control.status import status_from_state, write_status_file
@@ -101,12 +104,15 @@ class Coordinator:
         self.resume_from = resume_from
         self._data_kept = False
         self._saved: str | None = None
+        self._saves = 0          # the number of the last snapshot saved (the run's count)
+        self._file_failed = False
         self._saved_at = self._status_at = float("-inf")
         self._agent_proc: subprocess.Popen | None = None
         self._incarnation_checked_at = 0.0
         self._requests_read_at = 0.0
         self.resumed = False
         self._secret: bytes | None = None
+        self._run_key: bytes | None = None
 
     # what callers watching a running job read (benchmarks, the Python API)
     @property
@@ -272,11 +278,16 @@ class Coordinator:
 
         ctx = self.ctx
         host, _, port = ctx.store_addr.rpartition(":")
+
+        def rejected(key, exc):
+            ctx.events.emit("message_rejected", key=key, error=str(exc))
+
         ctx.store = store or AuthStore(dist.TCPStore(
             host, int(port), is_master=False,
             timeout=timedelta(seconds=self.cfg.comm.store_timeout_s)), self._run_key,
-            on_reject=lambda key, exc: ctx.events.emit("message_rejected", key=key,
-                                                       error=str(exc)))
+            on_reject=rejected)
+        if getattr(ctx.store, "on_reject", rejected) is None:
+            ctx.store.on_reject = rejected    # the resumed controller's probe reports too
         ctx.procs.store, ctx.procs.events = ctx.store, ctx.events
         ctx.secret = self._run_key          # the snapshot holders' frames are the run's
         self.incarnation = ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
@@ -314,7 +325,10 @@ class Coordinator:
                 self._status_at = now
                 self._write_status(state)
             if blob != self._saved:
-                ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, blob)
+                self._saves += 1
+                payload = snapshot_codec.frame(self._saves, blob)
+                self._save_file(payload)       # first: of the two, the newer one counts
+                ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, payload)
                 self._saved = blob
             self.retention.snapshot_saved(exits_seen)
         if not ctx.outbox:
@@ -325,6 +339,26 @@ class Coordinator:
             else:
                 ctx.procs.send(item[1], item[2])
         ctx.outbox = []
+
+    def _save_file(self, payload: bytes) -> None:
+        """The run dir's copy of the snapshot (``snapshot_codec``): junk written over the
+        store's copy cannot stop a restarted controller. Saved with the store's, so never
+        older than what was sent; if it cannot be written (a full disk), it is removed
+        rather than left behind stale, and the job goes on with the store's copy alone."""
+        if self._run_key is None:
+            return                   # failed before the run began: nothing to resume
+        try:
+            snapshot_codec.write_file(self.run_dir, self._run_key, payload)
+            self._file_failed = False
+        except OSError as exc:
+            try:
+                os.unlink(snapshot_codec.file_path(self.run_dir))
+            except OSError:
+                pass
+            if not self._file_failed:
+                self._file_failed = True
+                self.ctx.events.emit("snapshot_file_not_written", level="warning",
+                                     error=str(exc))
 
     def _write_status(self, state: dict) -> None:
         """``status.json`` for ``trainmover status`` (``control/status.py``)."""
@@ -371,9 +405,13 @@ class Coordinator:
             if pid_alive(current.pid) and current.pid != os.getpid() and not force:
                 raise ValueError(f"the job's controller (PID {current.pid}) is alive; "
                                  f"pass --force to take over anyway")
-        if not probe.check([P.CONTROLLER_SNAPSHOT_KEY]):
-            raise ValueError(f"the job in {run_dir!r} has no controller snapshot yet")
-        state = SNAPSHOT_CODEC.loads(probe.get(P.CONTROLLER_SNAPSHOT_KEY))
+        # the newest genuine copy, the store's or the run dir's: junk at the store's key
+        # (anyone can write it) or an older genuine value put back there is passed over
+        try:
+            self._saves, state, passed_over = snapshot_codec.read_newest(run_dir, probe,
+                                                                         self._run_key)
+        except ValueError as exc:
+            raise ValueError(f"the job in {run_dir!r} cannot be resumed: {exc}") from exc
         restore_into(ctx, state["ctx"])
         restore_into(self.migrations, state["migrations"])
         restore_into(self.recovery, state["recovery"])
@@ -387,6 +425,9 @@ class Coordinator:
                 restore_into(driver, state[name])
         self.injects = state["injects"]
         ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
+        if passed_over:
+            ctx.events.emit("snapshot_passed_over", save=self._saves, copies=passed_over,
+                            level="warning")
         self._connect(probe)   # one client: the one that read the snapshot
         self.resumed = True
         ctx.disrupted()   # heartbeats and step times are judged afresh

@@ -3,7 +3,7 @@ communicator. Detection only; the recovery driver acts on what it finds.
 
 Bounded detection:
 - a crashed worker: its process exit is seen at the next poll (tens of milliseconds);
-- a hung worker (stopped, wedged): its heartbeat counter stops moving. The step watchdog
+- a hung worker (stopped, wedged): its heartbeat stops moving. The step watchdog
   localizes it early: once no step was committed for ``stall_factor`` x the recent step time
   (at least ``stall_floor_s``), the workers silent for ``silence_beats`` heartbeat intervals
   (at least ``silence_floor_s``) while the others beat are the hung ones; judged only in
@@ -15,6 +15,12 @@ Bounded detection:
   the same two rules as a worker's. The host is declared lost at once: fenced (its agent, if
   it ever hears the store again, stops its processes and exits instead of rejoining with
   stale state), its standbys dead, its workers failed (kind "host").
+
+A heartbeat is a signed ``P.Beat`` whose sequence number the beater raises at every beat;
+it moved only when a genuine value's sequence went past the last one seen. Junk at a
+heartbeat key (an unsigned value, a bumped counter, an older genuine beat put back) is no
+beat: a stopped worker stays silent whatever others write there. Each look is one
+validated read per process (``JobContext.read``), as it was one ``add`` of a counter.
 """
 from __future__ import annotations
 
@@ -38,8 +44,9 @@ class Failure:
 class Health:
     def __init__(self, ctx: JobContext):
         self.ctx = ctx
-        self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, count), seen at
-        self._host_beats: dict[int, tuple[int, float]] = {}          # count, seen at
+        self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, seq), seen at
+        # (agent pid, seq) of the newest beat (None: none yet), seen at (first looked at)
+        self._host_beats: dict[int, tuple[tuple[int, int] | None, float]] = {}
         self._looked_at = 0.0
         self._reports_seen: tuple[int, int] = (-1, 0)                 # epoch, count
         self._standbys_looked_at = 0.0
@@ -142,11 +149,12 @@ class Health:
         for node in range(1, ctx.procs.nnodes):
             if node in ctx.procs.lost:
                 continue
-            count = ctx.store.add(P.agent_key(node, "hb"), 0)
+            beat = ctx.read(P.Beat, P.agent_key(node, "hb"))   # junk: None, no beat
             seen = self._host_beats.get(node)
-            if seen is None or seen[0] != count:
-                self._host_beats[node] = seen = (count, now)
-            quiet_of[node] = (now - seen[1], count > 0)
+            if seen is None or beat is not None and moved(seen[0], beat):
+                self._host_beats[node] = seen = \
+                    (None if beat is None else (beat.pid, beat.seq), now)
+            quiet_of[node] = (now - seen[1], seen[0] is not None)
         lost = set()
         for node, (quiet, started) in quiet_of.items():
             others = (beating - {node}) or {n for n, (q, _) in quiet_of.items()
@@ -201,18 +209,24 @@ class Health:
                            health.stall_factor, health.stall_floor_s)
 
     def _beat(self, worker: str) -> float | None:
-        """Time the worker's heartbeat counter last moved (None before its first beat)."""
-        store = self.ctx.store
+        """Time the worker's heartbeat last moved (None before its first beat)."""
         pid = self.ctx.procs.pid(worker)
         if pid is None:
             return None   # not started yet
-        count = store.add(P.heartbeat_key(worker, pid), 0)
-        if count == 0:
-            return None   # no beat yet (reading created the counter at 0)
+        beat = self.ctx.read(P.Beat, P.heartbeat_key(worker, pid))   # junk: None, no beat
         seen = self._beats.get(worker)
-        if seen is None or seen[0] != (pid, count):
-            self._beats[worker] = ((pid, count), time.time())
-        return self._beats[worker][1]
+        if seen is not None and seen[0][0] != pid:
+            seen = None   # a new incarnation: its own beats only
+        if beat is not None and beat.pid == pid and moved(None if seen is None else seen[0],
+                                                          beat):
+            self._beats[worker] = seen = ((pid, beat.seq), time.time())
+        return None if seen is None else seen[1]
+
+
+def moved(seen: tuple[int, int] | None, beat: P.Beat) -> bool:
+    """Whether ``beat`` is a new one after ``seen`` ((pid, seq) of the newest seen): of
+    another process, or further in the same process's sequence."""
+    return seen is None or seen[0] != beat.pid or beat.seq > seen[1]
 
 
 def read_failure_report(ctx: JobContext, epoch: int, worker: str) -> P.FailureReport | None:

@@ -5,9 +5,9 @@ Two sources, one shape (``JobStatus``): the controller writes ``<run dir>/status
 (mode 0600) every ``controller.status_interval_s`` from its live state, which a reader
 takes without importing torch or touching the store (``trainmover status`` answers in tens
 of milliseconds); when that file is stale (the controller is down or being restarted),
-``read_status`` reads the controller's snapshot in the job's store (authenticated with the
-run dir's secret) and the agent's process records instead, so status works then too (the
-view is as of the last save)."""
+``read_status`` reads the controller's snapshot (the newest genuine copy of the store's and
+the run dir's, signed with the run's key: ``snapshot_codec``) and the agent's process
+records instead, so status works then too (the view is as of the last save)."""
 from __future__ import annotations
 
 import json
@@ -128,15 +128,20 @@ def read_status(run_dir: str, store=None) -> JobStatus:
     """The job's status now, from the store; raises ValueError if it cannot be read (not
     running, no snapshot yet). ``store``: a client from ``client.connect`` to reuse."""
     from trainmover.control.client import connect
-    from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
+    from trainmover.control.snapshot_codec import read_newest
+    from trainmover.core import jobfile
 
     store = store or connect(run_dir)
-    if not store.check([P.CONTROLLER_SNAPSHOT_KEY]):
-        raise ValueError(f"the job in {run_dir!r} has no controller snapshot yet")
-    state = SNAPSHOT_CODEC.loads(store.get(P.CONTROLLER_SNAPSHOT_KEY))
+    # the newest genuine copy, the store's or the run dir's (junk at the store's key is
+    # passed over)
+    _, state, _ = read_newest(run_dir, store, jobfile.run_key(run_dir))
     controller = None
-    if store.check([P.CONTROLLER_KEY]):
-        controller = P.read_message(P.ControllerInfo, store.get(P.CONTROLLER_KEY))
+    raw = store.valid(P.CONTROLLER_KEY)      # junk there: no controller known
+    if raw is not None:
+        try:
+            controller = P.read_message(P.ControllerInfo, raw)
+        except P.MessageError:
+            pass
     workers = state["ctx"]["membership"].workers
     return status_from_state(state, {w: _perf(store, w) for w in workers},
                              controller.pid if controller else None,

@@ -17,7 +17,8 @@ from another run.
 
 What it does not cover, by the nature of the store (``torch.distributed.TCPStore``, which has
 no authentication of its own): counters (``add``) and key existence, which is why the vote
-is checked against signed ballots and queues skip holes (``core/queues.py``), and the
+is checked against signed ballots, queues skip holes (``core/queues.py``) and heartbeats
+are signed beats rather than counters (``protocol.Beat``), and the
 store's availability (anyone who reaches the port can delete or flood keys). The
 communication backends' rendezvous keys are torch's own. So the store and the
 gloo/NCCL ports must stay on a private network: loopback by default; across hosts a cluster

@@ -76,8 +76,8 @@ def request_key(index: int, what: str = "") -> str:
 
 
 def heartbeat_key(worker: str, pid: int) -> str:
-    """Per process, not per name: a killed incarnation's last beats never count for the
-    fresh process that took its name."""
+    """A process's ``Beat``, overwritten at each beat. Per process, not per name: a killed
+    incarnation's last beats never count for the fresh process that took its name."""
     return f"hb/{worker}/{pid}"
 
 
@@ -156,7 +156,7 @@ AGENT_KEYS = {
     "req/count": "requests queued for the host's agent",
     "req/done": "requests the host's agent has read (and deleted)",
     "info": "AgentInfo: the host's agent is serving",
-    "hb": "the agent's heartbeat counter (hosts other than 0)",
+    "hb": "Beat: the agent's heartbeat (hosts other than 0)",
     "snapshots": "host:port of the host's peer-snapshot holder (core/snapshots.py)",
     "fenced": "the host was declared lost: its agent stops its processes and exits",
     "done": "the agent stopped every process at the job's end",
@@ -291,10 +291,22 @@ def _tagged(registry: dict, kind: str):
     return write, read
 
 
+_HINTS: dict[type, dict] = {}
+
+
+def _type_hints(cls) -> dict:
+    """``typing.get_type_hints(cls)``, once per class: it cost most of a message's read
+    (tens of microseconds), which the controller pays per worker every health check."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
 def _build(cls, data):
     if not isinstance(data, dict):
         raise MessageError(f"{cls.__name__}: expected an object, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     unknown = sorted(set(data) - set(hints))
     if unknown:
         raise MessageError(f"{cls.__name__}: unknown field(s) {unknown}")
@@ -658,6 +670,19 @@ class ExitRecord:
     incarnation: int
     code: int
     time: float
+
+
+@dataclass(frozen=True)
+class Beat:
+    """``hb/<worker>/<pid>``, ``agent/<node>/hb``: a process's heartbeat, a signed value its
+    heartbeat overwrites at every beat (not a counter: anyone who reaches the store can bump
+    a counter, which once kept a stopped worker looking alive). ``seq`` is one more at each
+    beat of the process (``pid``); a reader counts a beat only when a genuine value's
+    ``seq`` moved past the one it saw last, so junk (unsigned, a bumped counter) reads as
+    no beat and an old genuine value put back is none either."""
+
+    seq: int
+    pid: int
 
 
 @dataclass(frozen=True)

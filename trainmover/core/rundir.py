@@ -130,17 +130,23 @@ def _file_mac(secret: bytes, name: str, data: bytes) -> str:
                     hashlib.sha256).hexdigest()
 
 
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace the file at ``path`` with ``data``: written to a temporary file beside it
+    (opened without following a symlink), then renamed over it, so a reader finds the old
+    content or the new, never part of one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def write_sealed(run_dir: str, name: str, data: bytes, secret: bytes) -> None:
     """Write ``name`` in the run dir and its MAC beside it, each by write-then-rename, the MAC
     first: a reader that finds the file (readers wait for it to appear) finds its MAC."""
     for target, content in ((name + MAC_SUFFIX, _file_mac(secret, name, data).encode()),
                             (name, data)):
-        path = os.path.join(run_dir, target)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-        os.replace(tmp, path)
+        write_atomic(os.path.join(run_dir, target), content)
 
 
 def read_sealed(run_dir: str, name: str, secret: bytes) -> bytes:

@@ -1,8 +1,8 @@
 """A worker's side of failure handling: liveness, the step commit vote, aborting a step.
 
-- ``Heartbeat``: a daemon thread (own store client) bumps ``hb/<worker>/<pid>`` every
-  interval. A process that is stopped (SIGSTOP) or wedged stops beating; the controller
-  fences it.
+- ``Heartbeat``: a daemon thread (own store client) writes a signed ``Beat`` with one more
+  sequence number to ``hb/<worker>/<pid>`` every interval. A process that is stopped
+  (SIGSTOP) or wedged stops beating; the controller fences it.
 - ``AbortWatcher``: a daemon thread blocks on ``abort/<epoch>``; when the controller writes it,
   the worker's ``AbortSignal`` fires: the step in flight is doomed (``comm/groups.py``), and
   any wait outside a step raises ``StepAborted``.
@@ -80,10 +80,11 @@ def main_thread_stack(limit: int = 12) -> list[str]:
 
 
 class Heartbeat:
-    """Bumps the worker's heartbeat key every ``interval_s``, unless the main thread made no
-    progress for ``stall_s`` (``MainProgress``; 0: not judged): then it reports where that
-    thread is stuck (``main_thread_stalled``, once) and stops beating, so the controller
-    fences the worker as hung, as it would a stopped process."""
+    """Beats at the worker's heartbeat key every ``interval_s`` (a signed ``P.Beat``, its
+    sequence one more each time), unless the main thread made no progress for ``stall_s``
+    (``MainProgress``; 0: not judged): then it reports where that thread is stuck
+    (``main_thread_stalled``, once) and stops beating, so the controller fences the worker
+    as hung, as it would a stopped process."""
 
     def __init__(self, stores: StoreClients, worker: str, interval_s: float,
                  progress: MainProgress | None = None, stall_s: float = 0.0, events=None):
@@ -94,6 +95,8 @@ class Heartbeat:
 
     def _loop(self) -> None:
         store = self._stores.get()
+        pid = os.getpid()
+        key, seq = P.heartbeat_key(self.worker, pid), 0
         reported = False
         while True:
             stalled = self.progress.stalled_s() if self.progress and self.stall_s else 0.0
@@ -104,8 +107,10 @@ class Heartbeat:
                 reported = True
             else:
                 reported = False
+                seq += 1
                 try:
-                    store.add(P.heartbeat_key(self.worker, os.getpid()), 1)
+                    # a signed value, not a counter: a forged bump is no beat (core/auth.py)
+                    store.set(key, P.write_message(P.Beat(seq, pid)))
                 except Exception:  # noqa: BLE001 - the store is gone: the job is over
                     return
             time.sleep(self.interval_s)

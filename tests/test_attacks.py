@@ -1,0 +1,361 @@
+"""The control plane under attack (issue #22): another local user who reaches the store's
+port writes whatever they like at a heartbeat key or at the controller's snapshot key. A
+frozen worker must not look alive through it, and a restarted controller must not be
+stopped by it (docs/security.md)."""
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from trainmover.comm.groups import StoreAddress, StoreClients, start_store_server
+from trainmover.control import health as H
+from trainmover.control import snapshot_codec as S
+from trainmover.control.context import JobContext
+from trainmover.core import decisions as C
+from trainmover.core import protocol as P
+from trainmover.core.auth import AuthStore, seal
+from trainmover.core.proc import pid_alive
+from trainmover.worker.liveness import Heartbeat
+
+from mp_harness import wait_for
+import test_failover
+from test_failover import STEPS, events, start_controller, steps_done, summary_of
+from test_failures import job
+
+baseline = test_failover.baseline    # the uninterrupted run's weights (a fixture)
+
+KEY = b"k" * 64            # the run's key, as a test gives it
+OTHER_RUN = b"o" * 64
+
+
+@pytest.fixture
+def server():
+    return start_store_server(timeout_s=10)
+
+
+def client(server):
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                         timeout=timedelta(seconds=10))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self):
+        return self.now
+
+
+class Events:
+    def __init__(self):
+        self.emitted = []
+
+    def emit(self, event, **fields):
+        self.emitted.append((event, fields))
+
+
+def controller_ctx(server, pids: dict[str, int], nnodes: int = 1):
+    """What the controller's ``Health`` reads through: its own signed client, ``ctx.read``,
+    the processes' PIDs."""
+    ctx = SimpleNamespace(events=Events(), progress=SimpleNamespace(say=lambda text: None))
+    ctx.store = AuthStore(client(server), KEY, on_reject=lambda key, exc: ctx.events.emit(
+        "message_rejected", key=key, error=str(exc)))
+    ctx.read = lambda cls, key: JobContext.read(ctx, cls, key)
+    ctx.cfg = SimpleNamespace(health=SimpleNamespace(
+        check_interval_s=0.0, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        startup_timeout_s=30.0, silence_s=lambda: 1.0))
+    procs = {name: SimpleNamespace(node=0, incarnation=1, code=None, pid=pid)
+             for name, pid in pids.items()}
+    lost = []
+    ctx.procs = SimpleNamespace(procs=procs, lost=lost, nnodes=nnodes, known=procs.__contains__,
+                                running=lambda name: True, pid=lambda name: procs[name].pid,
+                                mark_lost=lambda node: lost.append(node) or [])
+    ctx.membership = SimpleNamespace(standbys={name: C.StandbyState.RESERVED for name in pids})
+    return ctx
+
+
+def rejected(ctx, key):
+    return [f for e, f in ctx.events.emitted if e == "message_rejected" and f["key"] == key]
+
+
+def test_only_genuine_newer_beats_move_a_heartbeat(monkeypatch, server):
+    """A process stops beating (frozen); whatever anyone else writes at its heartbeat key is
+    no beat: junk, an unsigned beat, a counter bumped (the old heartbeat's attack), a genuine
+    beat copied from another process's key, its own older beat put back. It is found hung
+    after the heartbeat timeout, and the forged values are reported once for the key. Its
+    next genuine beat counts again."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    ctx = controller_ctx(server, {"s0": 41, "s1": 42})
+    health = H.Health(ctx)
+    beater, attacker = AuthStore(client(server), KEY), client(server)
+    key = P.heartbeat_key("s0", 41)
+
+    def beat(seq, name="s0", pid=41):
+        beater.set(P.heartbeat_key(name, pid), P.write_message(P.Beat(seq, pid)))
+
+    beat(1)
+    first = attacker.get(key)                        # captured by whoever reads the store
+    assert health._beat("s0") == 1000.0
+    clock.now += 1.0
+    beat(2)
+    beat(7, "s1", 42)
+    assert health._beat("s0") == 1001.0 and health.hung_standbys() == []
+    forgeries = [
+        lambda: attacker.set(key, "junk"),
+        lambda: attacker.set(key, P.write_message(P.Beat(10**6, 41))),           # unsigned
+        lambda: attacker.set(key, seal(OTHER_RUN, key, P.write_message(P.Beat(10**6, 41)))),
+        lambda: (attacker.delete_key(key), attacker.add(key, 5)),                # a counter
+        lambda: attacker.add(key, 1),
+        lambda: attacker.set(key, "123456"),                                     # unsigned
+        lambda: attacker.set(key, attacker.get(P.heartbeat_key("s1", 42))),      # copied
+        lambda: attacker.set(key, first),                                        # replayed
+    ]
+    for forge in forgeries:
+        clock.now += 0.3
+        forge()
+        assert health._beat("s0") == 1001.0            # the last genuine beat
+    clock.now = 1001.0 + ctx.cfg.health.heartbeat_timeout_s + 0.5
+    beat(8, "s1", 42)                                 # the other one lives on
+    hung = health.hung_standbys()
+    assert [name for name, _ in hung] == ["s0"] and "no heartbeat for 2.50 s" in hung[0][1]
+    assert len(rejected(ctx, key)) == 1, ctx.events.emitted        # once per key
+    clock.now += 1.0
+    beat(3)                                           # the genuine beater overwrites the junk
+    assert health._beat("s0") == clock.now
+
+
+def test_a_bumped_counter_at_an_agents_heartbeat_does_not_hide_a_lost_host(
+        monkeypatch, server):
+    """Host 1's agent beats, then its host dies; someone keeps bumping (and setting) its
+    heartbeat key as a counter. The host is declared lost after the heartbeat timeout."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    ctx = controller_ctx(server, {}, nnodes=2)
+    health = H.Health(ctx)
+    agent, attacker = AuthStore(client(server), KEY), client(server)
+    key = P.agent_key(1, "hb")
+    for seq in (1, 2):
+        agent.set(key, P.write_message(P.Beat(seq, 77)))
+        assert health._check_hosts(clock.now, set(), set()) == set()
+        clock.now += 0.25
+    attacker.delete_key(key)
+    lost_at = None
+    for i in range(16):                               # 4 s of forged beats
+        attacker.add(key, 1) if i % 2 else attacker.set(key, str(1000 + i))
+        clock.now += 0.25
+        if health._check_hosts(clock.now, set(), set()) == {1}:
+            lost_at = clock.now
+            break
+    # silent since its last genuine beat, at 1000.25
+    assert lost_at == 1000.25 + ctx.cfg.health.heartbeat_timeout_s + 0.25
+    (declared,) = [f for e, f in ctx.events.emitted if e == "host_lost"]
+    assert "its agent's heartbeat stopped" in declared["reason"]
+
+
+def test_a_worker_heartbeat_is_a_signed_beat_of_its_own_process(server):
+    """What the worker's heartbeat thread writes: signed ``Beat`` values, never a counter,
+    the sequence one more at each beat, its own PID."""
+    Heartbeat(StoreClients(StoreAddress("127.0.0.1", server.port), 10, secret=KEY), "w9",
+              0.01)
+    store = AuthStore(client(server), KEY)
+    key = P.heartbeat_key("w9", os.getpid())
+    seen, deadline = [], time.monotonic() + 10
+    while len({b.seq for b in seen}) < 3:
+        assert time.monotonic() < deadline, seen
+        raw = store.valid(key)
+        if raw is not None:
+            seen.append(P.read_message(P.Beat, raw))
+        time.sleep(0.005)
+    assert all(b.pid == os.getpid() for b in seen)
+    assert [b.seq for b in seen] == sorted(b.seq for b in seen)
+    assert store.raw.get(key).startswith(b"tm1:")
+
+
+# --- the controller's snapshot ----------------------------------------------------------------
+
+def saved(run_dir, server, seq, state, store_value=None):
+    """A save as the controller makes it: the run dir's copy, then the store's."""
+    payload = S.frame(seq, S.SNAPSHOT_CODEC.dumps(state))
+    S.write_file(run_dir, KEY, payload)
+    AuthStore(client(server), KEY).set(P.CONTROLLER_SNAPSHOT_KEY, payload)
+    return payload
+
+
+def test_the_newest_genuine_snapshot_copy_is_read(tmp_path, server):
+    """Junk, an unsigned snapshot, or an older genuine one put back at the store's key: the
+    run dir's copy is read. A newer store copy (written after the file, by a save the
+    controller died in) wins over the file; another run's file is passed over; neither
+    usable: an error naming both."""
+    run_dir = str(tmp_path)
+    store, attacker = AuthStore(client(server), KEY), client(server)
+    old = saved(run_dir, server, 1, {"committed": 1})
+    saved(run_dir, server, 2, {"committed": 2})
+    assert S.read_newest(run_dir, store, KEY)[:2] == (2, {"committed": 2})
+    for junk in ("junk", S.frame(9, S.SNAPSHOT_CODEC.dumps({"committed": 99})),
+                 seal(KEY, P.CONTROLLER_SNAPSHOT_KEY, old) + b" "):
+        attacker.set(P.CONTROLLER_SNAPSHOT_KEY, junk)
+        seq, state, why = S.read_newest(run_dir, store, KEY)
+        assert (seq, state) == (2, {"committed": 2}) and why[0].startswith("the store's copy")
+    store.set(P.CONTROLLER_SNAPSHOT_KEY, old)          # genuine, but older: replayed
+    assert S.read_newest(run_dir, store, KEY)[:2] == (2, {"committed": 2})
+    # a save the controller died in: its store copy is newer than its file
+    store.set(P.CONTROLLER_SNAPSHOT_KEY, S.frame(3, S.SNAPSHOT_CODEC.dumps({"committed": 3})))
+    assert S.read_newest(run_dir, store, KEY)[:2] == (3, {"committed": 3})
+    # a file of another run (a stopped job resumed): its key is not this run's
+    S.write_file(run_dir, OTHER_RUN, S.frame(7, S.SNAPSHOT_CODEC.dumps({"committed": 7})))
+    seq, _, why = S.read_newest(run_dir, store, KEY)
+    assert seq == 3 and len(why) == 1 and why[0].startswith("the run dir's copy") and \
+        "bad signature" in why[0]
+    saved(run_dir, server, 4, {"committed": 4})
+    attacker.set(P.CONTROLLER_SNAPSHOT_KEY, "junk")
+    with pytest.raises(ValueError, match="no usable controller snapshot.*not signed.*"
+                                         "bad signature"):
+        S.read_newest(run_dir, AuthStore(client(server), OTHER_RUN), OTHER_RUN)
+    os.unlink(S.file_path(run_dir))
+    os.symlink(os.path.join(run_dir, "elsewhere"), S.file_path(run_dir))
+    with pytest.raises(ValueError, match="symlink"):
+        S.read_newest(run_dir, store, KEY)
+
+
+def test_the_controller_saves_its_snapshot_in_the_run_dir_too(tmp_path, server):
+    """Every save goes to both copies, numbered; junk at the store's key then leaves the
+    newest state readable. A save that cannot write the file removes the stale one."""
+    from trainmover.control.coordinator import Coordinator
+    from trainmover.core.events import EventLog, read_jsonl
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir, mode=0o700)
+    co = Coordinator(job(), run_dir, quiet=True)
+    co._run_key = KEY
+    co.ctx.membership = C.Membership.initial(co.cfg.layout, ["w0", "w1", "w2", "w3"], ["s0"])
+    co.ctx.store = AuthStore(client(server), KEY)
+    co.ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
+    co._flush(force=True)
+    co._flush(force=True)                             # unchanged: not saved again
+    seq, state, why = S.read_newest(run_dir, co.ctx.store, KEY)
+    assert seq == 1 and why == [] and state["ctx"]["committed"] == -1
+    co.ctx.committed = 41
+    co._flush(force=True)
+    client(server).set(P.CONTROLLER_SNAPSHOT_KEY, "junk")
+    seq, state, _ = S.read_newest(run_dir, co.ctx.store, KEY)
+    assert seq == 2 and state["ctx"]["committed"] == 41
+    # the file cannot be written (here: a folder in the way of its temporary file)
+    os.mkdir(f"{S.file_path(run_dir)}.tmp.{os.getpid()}")
+    co.ctx.committed = 42
+    co._flush(force=True)
+    assert not os.path.exists(S.file_path(run_dir))   # no stale copy left behind
+    seq, state, _ = S.read_newest(run_dir, co.ctx.store, KEY)
+    assert seq == 3 and state["ctx"]["committed"] == 42
+    assert [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl"))
+            if e["event"] == "snapshot_file_not_written"]
+
+
+# --- real jobs ----------------------------------------------------------------------------------
+
+def agent_pid(run_dir):
+    from trainmover.core import jobfile
+
+    return jobfile.read_control(run_dir)["agent_pid"]
+
+
+def keep_writing(what, stop: threading.Event, every_s: float = 0.01):
+    """``what()`` again and again until ``stop`` or the store is gone, in a thread of its
+    own; the thread's ``done`` lists when each write was done."""
+    def loop():
+        while not stop.is_set():
+            try:
+                what()
+            except Exception:  # noqa: BLE001 - the store went down with the job
+                return
+            thread.done.append(time.time())
+            time.sleep(every_s)
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.done = []
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(300)
+def test_forged_beats_do_not_keep_a_frozen_worker_alive(tmp_path, baseline):
+    """w2 is stopped (SIGSTOP) while someone keeps setting unsigned values at its heartbeat
+    key and bumping it as a counter (which kept the old counter moving: the job stalled).
+    It is found hung, fenced and replaced; the job ends on the uninterrupted run's weights."""
+    from trainmover.api import Job
+    from trainmover.control.client import connect
+
+    run_dir = str(tmp_path / "run")
+    job_ = Job(job(steps=STEPS), run_dir, timeout_s=150).start()
+    wait_for(lambda: len(steps_done(run_dir)) >= 5, 120, "the first steps")
+    (pid,) = [e["pid"] for e in events(run_dir, "process_started") if e["name"] == "w2"]
+    raw = connect(run_dir).raw
+    key = P.heartbeat_key("w2", pid)
+    count = iter(range(10**6, 10**9))
+    stop = threading.Event()
+    os.kill(pid, signal.SIGSTOP)
+    # numbers only, so that the old reader's add(key, 0) kept working: what it read moved
+    writer = keep_writing(lambda: (raw.set(key, str(next(count))), raw.add(key, 1)), stop)
+    try:
+        summary = job_.wait(200)
+    finally:
+        stop.set()
+        writer.join()
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert summary["weights_sha256"] == baseline and summary["steps"] == STEPS
+    (rec,) = summary["recoveries"]
+    assert rec["failures"] == {"w2": "hang"}, rec
+    # found while the forged values kept coming, and they were refused
+    (found,) = events(run_dir, "failure_detected")
+    assert writer.done and writer.done[-1] > found["time"], (writer.done[-1:], found)
+    assert any(e["key"] == key for e in events(run_dir, "message_rejected"))
+
+
+@pytest.mark.timeout(300)
+def test_junk_at_the_snapshot_key_does_not_stop_a_restarted_controller(tmp_path, baseline):
+    """Junk is written over the controller's snapshot in the store, and kept there, while
+    the controller is killed: the restarted controller resumes from the run dir's copy (it
+    used to exit on the junk, leaving the job without a controller until the agent gave it
+    up), `trainmover status` reads that copy too meanwhile, and the job ends on the
+    uninterrupted run's weights."""
+    from trainmover.control.client import connect
+    from trainmover.control.status import read_status
+
+    run_dir = str(tmp_path / "run")
+    proc = start_controller(job(steps=STEPS), run_dir)
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(run_dir, "control.json")) and
+                 len(steps_done(run_dir)) >= 5, 120, "the first steps")
+        store = connect(run_dir)
+        stop = threading.Event()
+        writer = keep_writing(lambda: store.raw.set(P.CONTROLLER_SNAPSHOT_KEY, "junk"), stop,
+                              0.002)
+        try:
+            time.sleep(0.3)
+            proc.kill()
+            proc.wait()
+            st = read_status(run_dir, store)          # the dead controller's last save
+            assert st.committed_step >= 0 and len(st.workers) == 4
+            wait_for(lambda: events(run_dir, "controller_resumed") or
+                     events(run_dir, "job_abandoned"), 120, "a restarted controller")
+        finally:
+            stop.set()
+            writer.join()
+        assert events(run_dir, "controller_resumed"), events(run_dir, "job_abandoned")
+        summary = summary_of(run_dir)
+        assert summary["weights_sha256"] == baseline and summary["steps"] == STEPS
+        (passed,) = events(run_dir, "snapshot_passed_over")
+        assert "the store's copy" in passed["copies"][0] and "not signed" in passed["copies"][0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        agent = agent_pid(run_dir) if os.path.exists(os.path.join(run_dir, "control.json")) \
+            else None
+        if agent is not None and pid_alive(agent) and not os.path.exists(
+                os.path.join(run_dir, "summary.json")):
+            os.kill(agent, signal.SIGKILL)            # the old code's orphaned job
