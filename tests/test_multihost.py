@@ -18,18 +18,18 @@ WHY_NOT = netns.available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no namespaces: {WHY_NOT}")
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    from trainmover.control.coordinator import run_job
+# as many steps as the failover and straggler jobs: one uninterrupted run serves all three
+STEPS = 160
 
-    root = tmp_path_factory.mktemp("multihost-baseline")
-    return run_job(job_config(), str(root / "run"), quiet=True,
-                   timeout_s=300)["weights_sha256"]
+
+@pytest.fixture(scope="module")
+def baseline(reference_weights):
+    return reference_weights(job_config(steps=STEPS))
 
 
 @pytest.mark.timeout(400)
 def test_a_worker_migrates_to_a_standby_on_another_host(tmp_path, baseline):
-    with netns.Hosts(3) as hosts, Cluster(hosts, str(tmp_path / "run")) as c:
+    with netns.Hosts(3) as hosts, Cluster(hosts, str(tmp_path / "run"), steps=STEPS) as c:
         assert [c.host_of(n) for n in ("w0", "w1", "w2", "w3", "s0", "s1", "s2")] == \
             [0, 0, 1, 1, 0, 1, 2]
         wait_for(lambda: c.steps() >= 5, 120, "the first steps")
@@ -48,7 +48,7 @@ def test_a_whole_host_dies_and_its_roles_recover_on_other_hosts(tmp_path, baseli
     """Every process of host 1 (its agent, two workers and a standby) is killed at once; the
     controller finds the host lost, fences it, and recovers both roles onto standbys of hosts
     0 and 2 from their data-parallel replicas."""
-    with netns.Hosts(3) as hosts, Cluster(hosts, str(tmp_path / "run")) as c:
+    with netns.Hosts(3) as hosts, Cluster(hosts, str(tmp_path / "run"), steps=STEPS) as c:
         wait_for(lambda: c.steps() >= 10 and c.all_warm(), 180, "warm standbys")
         os.killpg(c.agents[0].pid, signal.SIGKILL)     # host 1's agent and its children
         summary = c.job.wait(300)
@@ -67,7 +67,7 @@ def test_a_cut_off_host_is_detected_in_bound_and_never_rejoins(tmp_path, baselin
     the loss within the heartbeat timeout, recovers on the other hosts, and when the link
     comes back the host's agent finds itself fenced and stops its stale processes instead of
     rejoining."""
-    with netns.Hosts(3) as hosts, Cluster(hosts, str(tmp_path / "run")) as c:
+    with netns.Hosts(3) as hosts, Cluster(hosts, str(tmp_path / "run"), steps=STEPS) as c:
         wait_for(lambda: c.steps() >= 10 and c.all_warm(), 180, "warm standbys")
         t_cut = time.time()
         hosts.down(1)

@@ -299,7 +299,9 @@ def stale_base(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", [None, "crash@6:w1:allreduce"])
+# the crash case checks the rehearsal and the weights too, and a replacement's redo
+@pytest.mark.parametrize("fault", [pytest.param(None, marks=pytest.mark.slow),
+                                   "crash@6:w1:allreduce"])
 def test_a_job_without_standbys_rehearses_step_1_and_ends_with_the_same_weights(
         tmp_path, stale_base, fault):
     """Step 1 runs twice, the first attempt not applied, and the job ends with the weights of

@@ -122,7 +122,6 @@ def test_cost_rule():
 
 # --- in a running job ----------------------------------------------------------------------
 
-import os  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -192,8 +191,11 @@ def test_a_slow_worker_is_detected_and_moved_only_under_migrate(tmp_path, stragg
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["everyone",
-                                  pytest.param("last-stage", marks=pytest.mark.slow)])
+# slow suite: the detector's verdicts on a common slowdown are the unit tests' above
+# (test_everyone_slowed_together_is_no_straggler, test_a_common_slowdown_never_flags_anyone),
+# and the job above checks that none but the slow worker is flagged in a real job
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["everyone", "last-stage"])
 def test_no_false_positive_for_a_slowdown_by_design(tmp_path, case):
     """Everyone slowed together (longer sequences for all); or the last pipeline stage's
     workers (w1 and w3 hold dp0.pp1 and dp1.pp1) heavier than the first from the start."""

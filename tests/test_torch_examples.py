@@ -136,6 +136,9 @@ def torch_ddp_torchrun(tmp_path_factory):
     return _torchrun(tmp_path_factory, "torch-ddp-torchrun", DDP_PLAIN)
 
 
+# torch's own DDP under the same events runs in the default suite as nanoGPT (DDP with
+# accumulation, dropout and a stateful loader): this plainer script is slow-suite
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fault", FAULTS)
 def test_torch_ddp_survives_migration_crash_and_hang_bit_identically(

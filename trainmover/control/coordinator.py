@@ -718,8 +718,7 @@ class Coordinator:
             "migrations": self.migrations.finished, "restarts": self.baseline.report(),
             "recoveries": self.recovery.done,
         }
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_summary(self.run_dir, summary)
         ctx.events.emit("job_stopped", wall_s=round(wall_s, 3), resume_step=step,
                         reason=self.stopping.reason)
         ctx.progress.say(f"stopped at step {step} ({self.stopping.reason}); continue with "
@@ -769,8 +768,7 @@ class Coordinator:
             "restarts": self.baseline.report(),
             "recoveries": self.recovery.done, "stragglers": self.stragglers.found,
         }
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_summary(self.run_dir, summary)
         return summary
 
 
@@ -807,3 +805,11 @@ def resumable(run_dir: str) -> tuple[JobConfig, int]:
         raise ValueError(f"--resume {run_dir!r}: no complete checkpoint to continue from"
                          + (f" (skipped: {why})" if why else ""))
     return cfg, usable[-1]
+
+
+def write_summary(run_dir: str, summary: dict) -> None:
+    """``summary.json``, whole or not at all: `trainmover stop`, the benchmarks and users'
+    scripts wait for the file to appear and read it at once (a plain write let them read it
+    empty: a JSONDecodeError in a test that polled for it)."""
+    rundir.write_atomic(os.path.join(run_dir, "summary.json"),
+                        json.dumps(summary, indent=2).encode())
