@@ -14,7 +14,7 @@ from trainmover.core.topology import GroupSpec, Layout, Role
 from trainmover.train.buckets import GradBuckets
 from trainmover.train.ddp import DataParallel
 from trainmover.train.state import StateError, TrainState, assemble
-from trainmover.train.transfer import recv_state, send_state
+from trainmover.train.transfer import post_layout, recv_layout, recv_state, send_state
 
 
 class Net(nn.Module):
@@ -126,7 +126,7 @@ def test_assembly_refuses_a_name_held_by_two_stages():
         assemble(shards, Layout(1, 2, 1))
 
 
-def _transfer(rank, address, use_buckets, epoch_aborted=False):
+def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=False):
     signal = AbortSignal()
     builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30, abort_signal=signal)
     spec = GroupSpec("xfer.t", "xfer", (Role(0, 0, 0), Role(0, 0, 0)))
@@ -148,7 +148,22 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False):
     extra = {"sched": sched, "note": "leaver" if rank == 0 else "joiner"}
     state = TrainState(net, opt, extra=extra, buckets=buckets)
     torch.manual_seed(100 + rank)
+    allocated = None
+    if layout_first:
+        # phase 1: the leaver posts its optimizer state's layout, the joiner allocates from it
+        if rank == 0:
+            posted = post_layout(state, channel, 1)
+        else:
+            fresh = {p: dict(st) for p, st in opt.state.items()}
+            assert not any(fresh.values())       # the joiner's optimizer has not stepped
+            allocated = recv_layout(state, channel, 0)["bytes"]
+            entries = {k: (tuple(v.shape), v.dtype, float(v.abs().sum()))
+                       for st in opt.state.values() for k, v in st.items()}
+            assert entries and all(total == 0.0 for _, _, total in entries.values())
     if rank == 0:
+        if layout_first:
+            for work, _ in posted:
+                work.wait()
         info = send_state(state, channel, 1, resume_step=17)
         out = None
     else:
@@ -156,16 +171,23 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False):
     tensors, _ = state.entries()
     # plain lists: tensors sent through the result queue would outlive their process
     digest = {k: v.reshape(-1).tolist() for k, v in tensors.items()}
-    return out, info["bytes"], digest, extra["note"], torch.randint(0, 10**9, (1,)).item()
+    return (out, info["bytes"], digest, extra["note"], torch.randint(0, 10**9, (1,)).item(),
+            allocated)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("use_buckets,epoch_aborted", [(True, False), (False, False),
-                                                       (True, True)],
-                         ids=["buckets", "plain", "after-an-epoch-abort"])
-def test_live_transfer_moves_the_whole_state(use_buckets, epoch_aborted):
-    res = values(run_processes(_transfer, 2, use_buckets, epoch_aborted))
-    (_, sent, a, _, rng_a), (resume, got, b, note, rng_b) = res[0], res[1]
+@pytest.mark.parametrize("use_buckets,epoch_aborted,layout_first",
+                         [(True, False, False), (False, False, False), (True, True, False),
+                          (True, False, True)],
+                         ids=["buckets", "plain", "after-an-epoch-abort", "layout-in-phase-1"])
+def test_live_transfer_moves_the_whole_state(use_buckets, epoch_aborted, layout_first):
+    res = values(run_processes(_transfer, 2, use_buckets, epoch_aborted, layout_first))
+    (_, sent, a, _, rng_a, _), (resume, got, b, note, rng_b, allocated) = res[0], res[1]
+    if layout_first:
+        # the joiner's moments were allocated before the transfer (the leaver had stepped)
+        assert allocated > 0
+    else:
+        assert allocated is None
     assert resume == 17 and sent == got > 0
     assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)
     assert note == "leaver"     # JSON extras are replaced in the registered dict

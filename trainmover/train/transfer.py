@@ -19,6 +19,48 @@ from trainmover.train.state import (_SMALL, TrainState, _as_bytes, _from_json_te
                                     canonical_params)
 
 
+# The layout message's tags, apart from the state's (0, 1, then one per entry from 2).
+LAYOUT_TAG = 1 << 20
+
+
+def post_layout(state: TrainState, group, peer: int) -> list:
+    """Leaver, in phase 1 (at a step boundary): the layout of its optimizer state (per
+    parameter, each entry's shape and dtype), sent without waiting: [(work, tensor)], the
+    works waited for at the switch. The joiner allocates the moments it lacks before the
+    switch instead of inside it.
+
+    Why: a joiner's optimizer is fresh (torch optimizers create their state at the first
+    step), and allocating it at the switch put the first touch of every page of it on the
+    critical path: 1.7 of the 2.2 s a 390 MB state's transfer took here (AdamW: two moments,
+    two thirds of the state)."""
+    blob = _json_tensor({"optim_state": state._optim_layout()}).to(group.device)
+    head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
+    # each tensor kept with its work: alive until the send completes
+    return [(group.send(head, peer, tag=LAYOUT_TAG), head),
+            (group.send(blob, peer, tag=LAYOUT_TAG + 1), blob)]
+
+
+def recv_layout(state: TrainState, group, peer: int) -> dict:
+    """Joiner, in phase 1: allocate (zeroed: every page touched now) the optimizer state
+    entries of the leaver's layout that this optimizer lacks. Returns the bytes allocated
+    and the seconds taken."""
+    t0 = time.perf_counter()
+    head = torch.zeros(1, dtype=torch.int64, device=group.device)
+    group.recv(head, peer, tag=LAYOUT_TAG).wait()
+    blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
+    group.recv(blob, peer, tag=LAYOUT_TAG + 1).wait()
+    before = _optim_bytes(state)
+    state._match_optim(_from_json_tensor(blob)["optim_state"])
+    return {"bytes": _optim_bytes(state) - before, "seconds": time.perf_counter() - t0}
+
+
+def _optim_bytes(state: TrainState) -> int:
+    if state.optimizer is None:
+        return 0
+    return sum(v.numel() * v.element_size() for st in state.optimizer.state.values()
+               for v in st.values() if isinstance(v, torch.Tensor))
+
+
 def send_state(state: TrainState, group, peer: int, resume_step: int) -> dict:
     """Leaver (or replica) side: the whole state and the step to resume at. Parameters and
     moments go through the gradient buckets when there are any (at an iteration

@@ -22,7 +22,7 @@ from trainmover.core.queues import SlotReader
 from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
 from trainmover.core.topology import GroupSpec, Layout, Role
-from trainmover.train.transfer import recv_state, send_state
+from trainmover.train.transfer import post_layout, recv_layout, recv_state, send_state
 
 # How often the command reader looks again while a forged value sits at its head.
 FORGED_HEAD_POLL_S = 0.05
@@ -126,6 +126,7 @@ class Participation:
     t_go: float | None = None
     build_s: float = 0.0
     rss_before: dict = field(default_factory=dict)
+    layout_sent: list | None = None    # a leaver's posted layout: ``post_layout``'s works
 
 
 LEAVE = "leave"
@@ -256,6 +257,9 @@ class Migrations:
             err = part.error
             self._drop(part, f"phase 1 failed: {err}")
             raise RuntimeError(f"migration {mid}: preparing groups failed on {self.name}: {err}")
+        if part.kind == "leaver" and part.layout_sent is None and \
+                part.command.transfer_group in part.built:
+            part.layout_sent = post_layout(self.state, part.built[part.command.transfer_group], 1)
         if not part.reported_ready:
             part.reported_ready = True
             store.set(P.mig_key(mid, "ready", self.name),
@@ -295,6 +299,10 @@ class Migrations:
                 spec, gen, role = self._specs(part)[0]
                 part.built[spec.name] = self._build_one(spec, role, gen, part)
             channel = part.built[cmd.transfer_group]
+            if part.layout_sent is None:      # the naive baseline builds it only now
+                part.layout_sent = post_layout(self.state, channel, 1)
+            for work, _ in part.layout_sent:
+                work.wait()
             sent = send_state(self.state, channel, 1, step)
             report.update(transfer_s=sent["seconds"], transfer_bytes=sent["bytes"])
             channel.shutdown()
@@ -370,6 +378,21 @@ def joiner_build(builder: GroupBuilder, layout: Layout, role: Role, command: P.A
             built[name] = builder.build(spec, role, gens.get(name, 0))
     channel = built.pop(command.transfer_group)
     return CommGroups.from_groups(role, layout, built), channel, time.perf_counter() - t0
+
+
+def joiner_allocate(state, channel: Group, events: EventLog, migration_id: int) -> None:
+    """Phase 1, once the script registered its state: the optimizer state entries the
+    leaver's layout names (``recv_layout``), allocated before the switch. A leaver gone or
+    a migration dropped meanwhile closes the channel: reported, and left to the switch
+    (which fails the same way) and the controller."""
+    try:
+        got = recv_layout(state, channel, 0)
+    except Exception as exc:  # noqa: BLE001 - phase 1 of a migration that will not happen
+        events.emit("optimizer_state_not_allocated", migration_id=migration_id,
+                    error=str(exc)[:300], level="warning")
+        return
+    events.emit("optimizer_state_allocated", migration_id=migration_id, bytes=got["bytes"],
+                seconds=round(got["seconds"], 4))
 
 
 def joiner_ready(store, events: EventLog, name: str, migration_id: int, build_s: float,
