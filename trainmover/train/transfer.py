@@ -30,9 +30,10 @@ def post_layout(state: TrainState, group, peer: int) -> list:
     switch instead of inside it.
 
     Why: a joiner's optimizer is fresh (torch optimizers create their state at the first
-    step), and allocating it at the switch put the first touch of every page of it on the
-    critical path: 1.7 of the 2.2 s a 390 MB state's transfer took here (AdamW: two moments,
-    two thirds of the state)."""
+    step), so allocating it at the switch put the first touch of every page of it (AdamW:
+    two moments, two thirds of the state) on the critical path. Where those pages were cold
+    that was 1.7 of the 2.2 s a 390 MB state's transfer took (py-spy, one run); where the
+    host had backed them already, no measurable difference (three runs each way)."""
     blob = _json_tensor({"optim_state": state._optim_layout()}).to(group.device)
     head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
     # each tensor kept with its work: alive until the send completes
