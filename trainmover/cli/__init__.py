@@ -7,7 +7,6 @@ job and the ``JobConfig`` they build), ``config.py`` (``trainmover config`` and 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from trainmover.cli import bench, jobs, ops
@@ -16,6 +15,7 @@ from trainmover.cli.flags import (apply_worker_faults, build_config, build_launc
                                   python_command)
 from trainmover.cli.jobs import agent_settings
 from trainmover.core.config_file import split_overrides
+from trainmover.core.proc import exit_now
 
 __all__ = ["agent_settings", "apply_worker_faults", "build_config", "build_launch_config",
            "console_main", "main", "make_parser", "parse_command_line", "python_command"]
@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # Commands that control a job (or serve a host of it) to its end: when they return, the job's
 # processes have exited and every file, event and summary is written, so the process ends
-# without freeing its modules. Freeing torch's and torch._dynamo's took 0.5-1 s of CPU (seconds
-# on a loaded host) after the summary was printed, before the shell got its prompt back.
+# without freeing its modules (``exit_now``), which held the shell's prompt back.
 FAST_EXIT = ("run", "launch", "controller", "demo", "agent")
 
 
@@ -81,7 +80,5 @@ def console_main() -> None:
     argv = sys.argv[1:]
     code = main(argv)
     if argv[:1] and argv[0] in FAST_EXIT:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
     sys.exit(code)

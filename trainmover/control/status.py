@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from trainmover.core import protocol as P
+from trainmover.core import rundir
 from trainmover.core.proc import pid_alive
 
 STATUS_FILE = "status.json"
@@ -85,12 +86,9 @@ def status_from_state(state: dict, perf: dict[str, dict | None], controller_pid:
 
 
 def write_status_file(run_dir: str, status: JobStatus) -> None:
-    """``status.json``, replaced atomically (a reader never sees half of it)."""
-    path = os.path.join(run_dir, STATUS_FILE)
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(status), f)
-    os.replace(path + ".tmp", path)
+    """``status.json`` (mode 0600), replaced atomically (a reader never sees half of it),
+    not written through a symlink planted in its place."""
+    rundir.write_atomic(os.path.join(run_dir, STATUS_FILE), json.dumps(asdict(status)).encode())
 
 
 def fresh_limit_s(run_dir: str) -> float:
