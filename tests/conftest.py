@@ -62,3 +62,57 @@ def reference_weights(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+# --- what a failed job test left behind ----------------------------------------------------
+
+# Events worth seeing when a job test fails: what went wrong and what the controller decided.
+_DIAGNOSTIC_EVENTS = {"failure_detected", "failure_during_recovery", "step_failed",
+                      "recovery_planned", "recovery_done", "recovery_abandoned",
+                      "fault_injected", "fenced", "job_failed", "failure_after_last_step",
+                      "host_lost", "standby_died", "straggler_detected"}
+_DIAGNOSTIC_LINES = 60
+
+
+def _diagnostics(tmp_path) -> str:
+    """The failure-related events of every run dir under ``tmp_path`` and the last lines of
+    each worker log that holds a traceback: a CI failure that cannot be reproduced locally
+    (load, timing) must say from its output alone which process failed and how."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for events in sorted(Path(tmp_path).rglob("events.jsonl"))[:4]:
+        out.append(f"== {events}")
+        kept = []
+        with open(events, errors="replace") as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                if e.get("event") in _DIAGNOSTIC_EVENTS or e.get("level") in ("error",
+                                                                                "warning"):
+                    e.pop("stack", None)
+                    kept.append(json.dumps(e)[:600])
+        out += kept[-_DIAGNOSTIC_LINES:]
+        for log in sorted((events.parent / "logs").glob("*.log")):
+            text = log.read_text(errors="replace")
+            if "Traceback" in text or "Error" in text:
+                out.append(f"-- {log.name} (last lines)")
+                out += text.splitlines()[-25:]
+    return "\n".join(out)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when == "call" and report.failed and tmp_path is not None:
+        try:
+            text = _diagnostics(tmp_path)
+        except OSError as exc:
+            text = f"(no diagnostics: {exc})"
+        if text:
+            report.sections.append(("run dirs of the failed test", text))

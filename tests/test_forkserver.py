@@ -48,14 +48,21 @@ def test_forked_workers_and_replacements_train_as_processes_started_anew(tmp_pat
     assert summary["weights_sha256"] == started_anew["weights_sha256"]
 
 
+# Their dispositions in a forked worker are those of a process started anew: python ignores
+# SIGPIPE (a write to a dead peer's socket fails with EPIPE rather than killing the worker).
+SHOW_SIGNALS = ("print('signals', [str(signal.getsignal(s)) for s in (signal.SIGPIPE, "
+                "signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)], flush=True)")
+
 PRINTS = textwrap.dedent("""
     import os
+    import signal
     import sys
     import torch
     import trainmover
 
     rt = trainmover.init()
     print(f"out of {rt.name} {os.environ['TRAINMOVER_MARK']} {sys.argv[1:]}", flush=True)
+    SHOW_SIGNALS
     print(f"err of {rt.name}", file=sys.stderr, flush=True)
     model = rt.data_parallel(torch.nn.Linear(2, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -64,11 +71,11 @@ PRINTS = textwrap.dedent("""
         model(torch.ones(1, 2)).sum().backward()
         opt.step()
         opt.zero_grad()
-""")
+""").replace("SHOW_SIGNALS", SHOW_SIGNALS)
 
 
 @pytest.mark.timeout(300)
-def test_a_forked_worker_has_its_own_environment_arguments_and_log(tmp_path, monkeypatch):
+def test_a_forked_worker_has_its_own_environment_arguments_log_and_signals(tmp_path, monkeypatch):
     from test_examples import launch
 
     script = tmp_path / "prints.py"
@@ -78,8 +85,11 @@ def test_a_forked_worker_has_its_own_environment_arguments_and_log(tmp_path, mon
     res, summary = launch(run_dir, ["--nproc", "2"], script, ["a", "b"], ["--standbys", "0"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert all(e["forked"] for e in events(str(run_dir), "process_started"))
+    fresh = subprocess.run([sys.executable, "-c", f"import signal; {SHOW_SIGNALS}"],
+                           capture_output=True, text=True, check=True).stdout.strip()
     for name in ("w0", "w1"):
         log = (run_dir / "logs" / f"{name}.log").read_text()
+        assert fresh in log.splitlines(), (fresh, log)
         assert f"out of {name} set-after-the-server-started ['a', 'b']" in log, log
         assert f"err of {name}" in log, log
 

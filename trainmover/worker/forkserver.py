@@ -44,8 +44,13 @@ def _run_worker(request: dict, log_fd: int, go_fd: int, agent_pid: int, sock) ->
         os.environ.clear()
         os.environ.update(request["env"])
         prctl(PR_SET_NAME, f"tm-{request['name']}"[:15].encode())
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        # the dispositions a worker started anew has (``python`` itself ignores SIGPIPE):
+        # with SIGPIPE at its default, a gloo write to a peer that just died killed this
+        # worker (exit -13) instead of failing the collective, and a replica's crash then
+        # took the role's last copy with it
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import tempfile
 
