@@ -1,4 +1,4 @@
-"""Runs a function in N spawned processes around one TCPStore hosted by the test, with a hard
+"""Runs a function in N spawned processes around one store hosted by the test, with a hard
 deadline: on timeout every child is killed by PID and the test fails instead of hanging."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import traceback
 
 from trainmover.bench.children import stop_children
-from trainmover.comm.groups import StoreAddress, start_store_server
+from trainmover.comm.groups import start_store_server
 
 
 def _entry(fn, rank, address, args, results):
@@ -40,7 +40,7 @@ def run_processes(fn, nprocs: int, *args, timeout: float = 60.0, expect: int | N
     ``expect`` reports (default all ranks)."""
     ctx = _context()
     store = start_store_server()
-    address = StoreAddress("127.0.0.1", store.port)
+    address = store.address       # with the run key its clients authenticate with
     results = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, address, args, results), daemon=True)
              for r in range(nprocs)]
@@ -62,6 +62,7 @@ def run_processes(fn, nprocs: int, *args, timeout: float = 60.0, expect: int | N
             out[rank] = (status, value)
     finally:
         stop_children(procs)
+        store.close()
     return out
 
 

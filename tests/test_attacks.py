@@ -6,13 +6,11 @@ import os
 import signal
 import threading
 import time
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
-import torch.distributed as dist
 
-from trainmover.comm.groups import StoreAddress, StoreClients, start_store_server
+from trainmover.comm.groups import StoreClients, start_store_server
 from trainmover.control import health as H
 from trainmover.control import snapshot_codec as S
 from trainmover.control.context import JobContext
@@ -35,12 +33,15 @@ OTHER_RUN = b"o" * 64
 
 @pytest.fixture
 def server():
-    return start_store_server(timeout_s=10)
+    srv = start_store_server(timeout_s=10, run_key=KEY)
+    yield srv
+    srv.close()
 
 
 def client(server):
-    return dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                         timeout=timedelta(seconds=10))
+    """A client of the store that signs nothing: what gets in past the store's handshake
+    (the job's own processes) writing what no process of the job writes."""
+    return server.client()
 
 
 class Clock:
@@ -161,7 +162,7 @@ def test_a_bumped_counter_at_an_agents_heartbeat_does_not_hide_a_lost_host(
 def test_a_worker_heartbeat_is_a_signed_beat_of_its_own_process(server):
     """What the worker's heartbeat thread writes: signed ``Beat`` values, never a counter,
     the sequence one more at each beat, its own PID."""
-    Heartbeat(StoreClients(StoreAddress("127.0.0.1", server.port), 10, secret=KEY), "w9",
+    Heartbeat(StoreClients(server.address, 10), "w9",
               0.01)
     store = AuthStore(client(server), KEY)
     key = P.heartbeat_key("w9", os.getpid())

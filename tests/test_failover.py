@@ -157,6 +157,12 @@ def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_j
     job takes every attack in turn (each used to cost something; one job, since the suite's
     time is mostly jobs starting):
 
+    - a stranger at the port (its number is in ``ps``): torch's own store client and a client
+      with a guessed key are hung up on before they can name a key, and the agent says so.
+
+    Then, behind that wall, what a client past it that does not sign (the store's own
+    clients can: defense in depth) writes where the job's processes read:
+
     - unsigned, wrongly signed and replayed requests to the agent, and signed but malformed
       ones, are refused and logged by whoever reads them (the agent, which hosts the store;
       the controller); the request without its incarnation used to kill the agent, and the
@@ -171,8 +177,13 @@ def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_j
 
     A migration asked for after all of that completes, and the job ends on the uninterrupted
     run's weights, its agent shut down on request."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     from trainmover.api import Job
     from trainmover.control.client import connect, request_migration
+    from trainmover.core import kvstore
     from trainmover.core import protocol as P
     from trainmover.core.auth import seal
 
@@ -185,7 +196,14 @@ def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_j
     assert os.stat(run_dir).st_mode & 0o777 == 0o700
     assert os.stat(os.path.join(run_dir, "secret")).st_mode & 0o777 == 0o600
     signed = connect(run_dir)            # the job's owner: has the secret
-    raw = signed.raw                     # anyone else on the network
+    raw = signed.raw                     # past the store's handshake, signing nothing
+
+    # 0. strangers at the port
+    with pytest.raises(dist.DistNetworkError):
+        dist.TCPStore(raw.host, raw.port, is_master=False, timeout=timedelta(seconds=1))
+    with pytest.raises(kvstore.StoreRefused):
+        kvstore.connect(raw.host, raw.port, b"a guess" * 8, 5.0)
+    wait_for(lambda: events(run_dir, "store_connections_refused"), 60, "the refusals reported")
 
     # 1. forged and malformed requests
     kill = '{"type": "signal", "name": "w1", "incarnation": 1, "signal": "KILL"}'

@@ -104,4 +104,4 @@ def test_only_distinct_genuine_ballots_count():
     other.raw.append = raw.append
     other.cast_ballot("commit/0/6/ballots", "w4")          # another step's ballot, copied
     raw.append("commit/0/5/ballots", raw.values["commit/0/6/ballots"])
-    assert store.count_ballots("commit/0/5/ballots") == 2
+    assert store.ballot_voters("commit/0/5/ballots") == {"w0", "w1"}

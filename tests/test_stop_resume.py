@@ -43,10 +43,9 @@ def started_pids(run_dir):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("base") / "run")
-    return run_job(job(steps=STEPS, standbys=1), run_dir, quiet=True,
-                   timeout_s=300)["weights_sha256"]
+def baseline(reference_weights):
+    """The uninterrupted run's weights (both stop tests run this job: one reference)."""
+    return reference_weights(job(steps=STEPS, standbys=1))
 
 
 @pytest.mark.timeout(400)
@@ -98,17 +97,18 @@ def cli(*args, **kw):
                           text=True, timeout=kw.pop("timeout", 300), **kw)
 
 
-CLI_JOB = ["--recipe", "tiny", "--dp", "1", "--pp", "2", "--tp", "1", "--steps", str(STEPS),
-           "--standbys", "1", "--checkpoint-every", "4", "--quiet"]
+# the job of `baseline` (test_failures.job: one intra-op thread per worker), as flags
+CLI_JOB = ["--recipe", "tiny", "--dp", "2", "--pp", "2", "--tp", "1", "--steps", str(STEPS),
+           "--threads", "1", "--standbys", "1", "--checkpoint-every", "4", "--quiet"]
 
 
 @pytest.mark.timeout(500)
-def test_sigterm_stops_trainmover_run_gracefully_and_run_resume_continues(tmp_path):
+def test_sigterm_stops_trainmover_run_gracefully_and_run_resume_continues(tmp_path,
+                                                                          reference_weights):
     """SIGTERM to `trainmover run` (what a scheduler or a closed terminal sends): a graceful
     stop, exit code 0, nothing left running; `trainmover run --resume` ends with the weights
     of the same job run without stopping."""
-    base = run_job(build_config(make_parser().parse_args(["run", *CLI_JOB])),
-                   str(tmp_path / "base"), quiet=True, timeout_s=300)
+    base_sha = reference_weights(build_config(make_parser().parse_args(["run", *CLI_JOB])))
     run_dir = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-m", "trainmover", "run", *CLI_JOB,
                              "--run-dir", run_dir], stdout=subprocess.PIPE,
@@ -131,7 +131,7 @@ def test_sigterm_stops_trainmover_run_gracefully_and_run_resume_continues(tmp_pa
     assert bad.returncode == 2 and "drop --steps" in bad.stderr
     done = cli("run", "--resume", run_dir, "--quiet")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["weights_sha256"] == base["weights_sha256"]
+    assert json.loads(done.stdout)["weights_sha256"] == base_sha
     again = cli("run", "--resume", run_dir)
     assert again.returncode == 2 and "already finished" in again.stderr
 

@@ -16,7 +16,8 @@ from trainmover.core.topology import Layout, Role
 
 
 def local_groups():
-    builder = GroupBuilder(StoreClients(StoreAddress("127.0.0.1", 1)), torch.device("cpu"), 5)
+    builder = GroupBuilder(StoreClients(StoreAddress("127.0.0.1", 1), run_key=b"unused"),
+                           torch.device("cpu"), 5)
     groups, _ = build_comm_groups(builder, Layout(), Role(0, 0, 0))
     return groups
 

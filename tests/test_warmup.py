@@ -108,6 +108,9 @@ def test_stale_or_broken_recordings_are_rejected(recorded, tmp_path):
         load_recording(src, dict(expected, code_version="0" * 16))
 
 
+# the default suite checks the same (each joiner warmed every structure, a first, a middle
+# and a last stage's role moved, bit-identical) in test_migration's stage-kind test
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_promotion_after_warm_up_into_each_stage_kind_is_bit_identical(tmp_path):
     cfg = job(1, 3, 2, 36, 3)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from trainmover.agent import forkserver
 from trainmover.agent.snapshots import SnapshotServer
-from trainmover.core import jobfile, rundir
+from trainmover.core import jobfile, kvstore, rundir
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
@@ -114,6 +114,8 @@ class Agent:
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"),
                                worker="agent" if node == 0 else f"agent{node}")
         self.store = None
+        self.store_server = None      # host 0's: the job's store (comm/store.py)
+        self._refused_reported, self._refusal_report_at = 0, 0.0
         self._requests: SlotReader | None = None     # the controller's requests to this host
         self._controller: P.ControllerInfo | None = None
         self._controller_lost_at: float | None = None
@@ -282,7 +284,8 @@ class Agent:
                            P.write_message(P.Beat(self._beats, os.getpid())))
         if now - self._controller_read_at >= self.cfg.agent.controller_check_s:
             self._controller_read_at = now
-            if self.store.check([P.agent_key(self.node, "fenced")]):
+            # the controller's signed word, not the key's mere existence
+            if self.store.valid(P.agent_key(self.node, "fenced")) is not None:
                 return "fenced"
         return None
 
@@ -338,21 +341,18 @@ class Agent:
     def serve(self, initial: list[P.AgentSpawn]) -> int:
         self._start_fork_server()
         if self.forks is None:
-            for req in initial:      # before importing torch: workers start at once
+            for req in initial:      # at once, before the store is up
                 self.spawn(req)
             initial = []
-        # (else they are forked once the store is up: the fork server imports meanwhile)
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        timeout = timedelta(seconds=self.cfg.comm.store_timeout_s)
+        # (else they are forked once the store is up: the fork server imports torch meanwhile)
+        run_key = jobfile.run_key(self.run_dir)
         if self.listen_fd is not None:
-            raw = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
-                                timeout=timeout, master_listen_fd=self.listen_fd)
-        else:
-            raw = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
-        self.store = AuthStore(raw, jobfile.run_key(self.run_dir))
+            # served from a thread of this process for the job's lifetime (torch-free: the
+            # store is up before the fork server has imported torch)
+            self.store_server = kvstore.serve(run_key, listen_fd=self.listen_fd,
+                                              limits=kvstore.StoreLimits.of(self.cfg.comm))
+        raw = kvstore.connect(self.host, self.port, run_key, self.cfg.comm.store_timeout_s)
+        self.store = AuthStore(raw, run_key)
         self._requests = SlotReader(
             self.store, lambda i: P.agent_request_key(self.node, i),
             count_key=P.agent_key(self.node, "req/count"),
@@ -417,6 +417,7 @@ class Agent:
             if self._subreaper and now >= self._reap_at:
                 self._reap_at = now + ORPHAN_REAP_S
                 forkserver.reap_orphans(self._own_pids())
+            self._report_refusals(now)
             why = self._watch(time.time())
             if why == "fenced":
                 # declared lost (its link was down, say): its processes hold stale state and
@@ -427,6 +428,17 @@ class Agent:
             if why is not None:
                 return self._shutdown(self.cfg.controller.stop_grace_s, why)
             self._wait(self.cfg.agent.poll_s)
+
+    def _report_refusals(self, now: float) -> None:
+        """An event when the store hung up on connections that did not prove the run's key
+        (someone at the port), rate-limited: a flood of them costs one line per interval."""
+        if self.store_server is None or self.store_server.refused == self._refused_reported \
+                or now < self._refusal_report_at:
+            return
+        self._refused_reported = self.store_server.refused
+        self._refusal_report_at = now + self.cfg.agent.refusal_report_s
+        self.events.emit("store_connections_refused", count=self._refused_reported,
+                         level="warning")
 
     def _own_pids(self) -> set[int]:
         """The processes whose exit codes this agent reads (the rest are orphans to reap)."""

@@ -211,15 +211,14 @@ def _downtime_run(strategy: str, cfg: JobConfig, event_step: int, leaver: str,
 
 # --- the point-to-point bandwidth of this machine -----------------------------------------------
 
-def _p2p_child(rank: int, port: int, nbytes: int, repeats: int, out) -> None:
+def _p2p_child(rank: int, address, nbytes: int, repeats: int, out) -> None:
     import torch
 
-    from trainmover.comm.groups import GroupBuilder, StoreAddress, StoreClients
+    from trainmover.comm.groups import GroupBuilder, StoreClients
     from trainmover.core.topology import GroupSpec, Role
 
     torch.set_num_threads(1)
-    builder = GroupBuilder(StoreClients(StoreAddress("127.0.0.1", port)), torch.device("cpu"),
-                           120.0)
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 120.0)
     group = builder.build_ranked(GroupSpec("bandwidth", "xfer", (Role(0, 0, 0),) * 2), rank, 0)
     big, ack = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
     times = []
@@ -246,11 +245,14 @@ def p2p_seconds(nbytes: int, repeats: int = 5, timeout_s: float = 120.0) -> floa
     ctx = mp.get_context("spawn")
     store = start_store_server()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_p2p_child, args=(r, store.port, nbytes, repeats, out))
+    procs = [ctx.Process(target=_p2p_child, args=(r, store.address, nbytes, repeats, out))
              for r in range(2)]
     for p in procs:
         p.start()
-    got = collect(procs, out, "bandwidth measurement", timeout_s)
+    try:
+        got = collect(procs, out, "bandwidth measurement", timeout_s)
+    finally:
+        store.close()
     return statistics.median(got[0])
 
 

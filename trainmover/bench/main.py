@@ -77,7 +77,7 @@ def _ddp_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
 
     from trainmover.train.model import GPTStage
 
-    store = dist.TCPStore(address.host, address.port, is_master=False)
+    store = StoreClients(address).raw()
     dist.init_process_group("gloo", store=dist.PrefixStore("ddp/", store), rank=rank,
                             world_size=cfg.layout.dp)
     local = Layout()
@@ -157,14 +157,17 @@ def run_strategy(strategy: str, cfg: JobConfig, timeout_s: float = 600) -> list[
     """Per-step times of rank 0, from fresh processes."""
     ctx = mp.get_context("spawn")
     store = start_store_server()
-    address = StoreAddress("127.0.0.1", store.port)
+    address = store.address
     out = ctx.Queue()
     threads = cfg.threads_per_worker()
     procs = [ctx.Process(target=_child, args=(strategy, cfg.to_dict(), r, address, threads, out))
              for r in range(cfg.layout.num_roles)]
     for p in procs:
         p.start()
-    return collect(procs, out, f"bench strategy {strategy}", timeout_s)[0]
+    try:
+        return collect(procs, out, f"bench strategy {strategy}", timeout_s)[0]
+    finally:
+        store.close()
 
 
 def bench_step(recipe: str = "bench_step", dp: int = 2, steps: int = 30, repeats: int = 3,

@@ -65,8 +65,8 @@ def replica_main(argv: list[str]) -> int:
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
-    from trainmover.comm.groups import GroupBuilder, StoreAddress, StoreClients, \
-        build_comm_groups
+    from trainmover.comm.groups import GroupBuilder, StoreClients, build_comm_groups, \
+        start_store_server
     from trainmover.core.topology import Layout, Role
     from trainmover.recipes import get_recipe
     from trainmover.train.data import BatchSource, load_tokens
@@ -79,9 +79,10 @@ def replica_main(argv: list[str]) -> int:
     tc = cfg.train
     # the model exactly as trainmover builds a one-stage, one-shard role
     local = Layout()
+    builder = GroupBuilder(StoreClients(start_store_server().address), torch.device("cpu"),
+                           60.0)
+    # torchft's manager speaks TCPStore's protocol to a store of its own
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    builder = GroupBuilder(StoreClients(StoreAddress("127.0.0.1", store.port)),
-                           torch.device("cpu"), 60.0)
     groups, _ = build_comm_groups(builder, local, Role(0, 0, 0))   # trivial: no traffic
     model = GPTStage(cfg.model, local, 0, 0, groups)
     model.init_weights(tc.seed)

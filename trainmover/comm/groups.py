@@ -1,5 +1,5 @@
 """The communication layer: one communicator per group and generation, built directly on a
-shared TCPStore, never through ``init_process_group``.
+shared store (``comm/store.py``), never through ``init_process_group``.
 
 Why not ``init_process_group`` + ``new_group``: they tie every group to one global world whose
 membership cannot change. Here each group is an independent process-group object created
@@ -15,7 +15,7 @@ are never assumed static by callers.
 Ordering rules measured on this platform (torch 2.13, gloo, loopback):
 - Group construction is a rendezvous of all members. Every process builds its groups in
   one global order (sorted by group name), which makes concurrent builds deadlock-free.
-- One TCPStore client per thread: threads sharing a client stall each other's requests.
+- One store client per thread: threads sharing a client stall each other's requests.
 - Store clients are kept for the life of the process (new connections do a reverse-DNS
   lookup that occasionally stalls for seconds).
 """
@@ -32,6 +32,8 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from trainmover.comm import store as job_store
+from trainmover.core import kvstore
 from trainmover.core.auth import AuthStore, PlainStore
 from trainmover.core.config import CommConfig
 from trainmover.core.topology import GroupSpec, Layout, Role
@@ -155,8 +157,11 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class StoreAddress:
+    """Where the job's store listens, and (``run_key``, never printed) the key its clients
+    prove they hold: both are needed to reach it."""
     host: str
     port: int
+    run_key: bytes | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
@@ -169,41 +174,74 @@ class StoreAddress:
         return StoreAddress(host, int(port))
 
 
+class LocalStore:
+    """A store server in this process and the run key its clients need (tests and
+    benchmarks; a job's store is hosted by its agent)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0,
+                 timeout_s: float = CommConfig.store_timeout_s, run_key: bytes | None = None):
+        self.run_key = os.urandom(32) if run_key is None else run_key
+        self.server = kvstore.serve(self.run_key, host, port)
+        self.address = StoreAddress(host, self.server.port, self.run_key)
+        self.timeout_s = timeout_s
+
+    @property
+    def port(self) -> int:
+        return self.address.port
+
+    def client(self) -> job_store.KVStore:
+        return job_store.connect(self.address.host, self.address.port, self.run_key,
+                             timeout=timedelta(seconds=self.timeout_s))
+
+    def clients(self, timeout_s: float | None = None, signed: bool = False) -> "StoreClients":
+        return StoreClients(self.address, self.timeout_s if timeout_s is None else timeout_s,
+                            self.run_key, signed=signed)
+
+    def close(self) -> None:
+        self.server.close()
+
+
 def start_store_server(host: str = "127.0.0.1", port: int = 0,
-                       timeout_s: float = CommConfig.store_timeout_s) -> dist.TCPStore:
-    """A store server in this process (tests and benchmarks; a job's store is hosted by
-    its agent); port 0 picks a free port."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+                       timeout_s: float = CommConfig.store_timeout_s,
+                       run_key: bytes | None = None) -> LocalStore:
+    """A store server in this process for ``run_key`` (random by default); port 0 picks a
+    free port."""
+    return LocalStore(host, port, timeout_s, run_key)
 
 
 class StoreClients:
-    """Hands each thread its own long-lived TCPStore client (one client per thread: a client
-    shared between threads serialises a blocking ``get`` in front of other threads' work).
-    With the job's ``secret``, ``get`` gives clients that sign and check every value
-    (``core/auth.py``); ``raw`` gives the plain one, for the backends' own rendezvous."""
+    """Hands each thread its own long-lived client of the job's store (one client per thread:
+    a client shared between threads serialises a blocking ``get`` in front of other threads'
+    work), authenticated with the run's key ``run_key`` (``comm/store.py``). ``get`` gives
+    clients that also sign and check every value (``core/auth.py``; plain ones with
+    ``signed=False``, for tests and benchmarks); ``raw`` gives the unsigning one, for the
+    backends' own rendezvous."""
 
-    def __init__(self, address: StoreAddress,
-                 timeout_s: float = CommConfig.store_timeout_s, secret: bytes | None = None):
+    def __init__(self, address: StoreAddress, timeout_s: float = CommConfig.store_timeout_s,
+                 run_key: bytes | None = None, signed: bool = True):
+        run_key = address.run_key if run_key is None else run_key
+        if run_key is None:
+            raise ValueError("StoreClients needs the run's key: the store answers no one else")
         self.address = address
         self.timeout = timedelta(seconds=timeout_s)
-        self.secret = secret
+        self.run_key = run_key
+        self.signed = signed
         self.on_reject = None     # hears of forged values the signed clients meet
         self._local = threading.local()
 
     def raw(self) -> dist.Store:
         client = getattr(self._local, "client", None)
         if client is None:
-            client = dist.TCPStore(self.address.host, self.address.port, is_master=False,
-                                   timeout=self.timeout)
+            client = job_store.connect(self.address.host, self.address.port, self.run_key,
+                                   self.timeout)
             self._local.client = client
         return client
 
     def get(self):
         signed = getattr(self._local, "signed", None)
         if signed is None:
-            signed = self._local.signed = PlainStore(self.raw()) if self.secret is None else \
-                AuthStore(self.raw(), self.secret, lambda key, exc: self.on_reject and
+            signed = self._local.signed = PlainStore(self.raw()) if not self.signed else \
+                AuthStore(self.raw(), self.run_key, lambda key, exc: self.on_reject and
                           self.on_reject(key, exc))
         return signed
 

@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import timedelta
 
-import torch.distributed as dist
-
-from trainmover.core import jobfile
+from trainmover.core import jobfile, kvstore
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.proc import pid_alive
@@ -33,13 +30,13 @@ def connect(run_dir: str) -> AuthStore:
     host, _, port = jobfile.read_control(run_dir, secret)["store"].rpartition(":")
     # written before control.json
     timeout_s = jobfile.read_job(run_dir, secret).comm.client_connect_timeout_s
+    run_key = jobfile.run_key(run_dir, secret)
     try:
-        store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
+        store = kvstore.connect(host, int(port), run_key, timeout_s)
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"the job in {run_dir!r} is not reachable at {host}:{port} "
                          f"(has it finished?): {exc}") from exc
-    return AuthStore(store, jobfile.run_key(run_dir, secret))
+    return AuthStore(store, run_key)
 
 
 def request_migration(run_dir: str, workers: list[str], to: list[str] | None = None,

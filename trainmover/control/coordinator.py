@@ -36,7 +36,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict
-from datetime import timedelta
 
 from trainmover.control.baseline import Restarts
 from trainmover.control.context import (JobContext, Progress, count_text, restore_into,
@@ -61,7 +60,7 @@ from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, create_secret, load_secret
 from trainmover.core.config import JobConfig, is_loopback
 from trainmover.core.events import EventLog, read_jsonl
-from trainmover.core import identity, jobfile, rundir
+from trainmover.core import identity, jobfile, kvstore, rundir
 from trainmover.core.faults import Inject
 from trainmover.core.files import latest_complete, read_digest, step_dir, usable_checkpoints
 from trainmover.core.proc import pid_alive
@@ -274,17 +273,14 @@ class Coordinator:
 
     def _connect(self, store=None) -> None:
         """Connect (or adopt ``store``) and register as the job's controller."""
-        import torch.distributed as dist
-
         ctx = self.ctx
         host, _, port = ctx.store_addr.rpartition(":")
 
         def rejected(key, exc):
             ctx.events.emit("message_rejected", key=key, error=str(exc))
 
-        ctx.store = store or AuthStore(dist.TCPStore(
-            host, int(port), is_master=False,
-            timeout=timedelta(seconds=self.cfg.comm.store_timeout_s)), self._run_key,
+        ctx.store = store or AuthStore(kvstore.connect(
+            host, int(port), self._run_key, self.cfg.comm.store_timeout_s), self._run_key,
             on_reject=rejected)
         if getattr(ctx.store, "on_reject", rejected) is None:
             ctx.store.on_reject = rejected    # the resumed controller's probe reports too
@@ -388,14 +384,11 @@ class Coordinator:
         self = cls(cfg, run_dir, quiet)
         ctx = self.ctx
         ctx.store_addr = control["store"]
-        import torch.distributed as dist
-
         host, _, port = ctx.store_addr.rpartition(":")
         self._secret = load_secret(run_dir)
         self._run_key = jobfile.run_key(run_dir, self._secret)    # the same run goes on
-        probe = AuthStore(dist.TCPStore(host, int(port), is_master=False,
-                                        timeout=timedelta(seconds=cfg.comm.store_timeout_s)),
-                          self._run_key)
+        probe = AuthStore(kvstore.connect(host, int(port), self._run_key,
+                                          cfg.comm.store_timeout_s), self._run_key)
         raw = probe.valid(P.CONTROLLER_KEY)     # a forged record: no controller known
         try:
             current = P.read_message(P.ControllerInfo, raw) if raw is not None else None

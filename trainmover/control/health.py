@@ -81,7 +81,7 @@ class Health:
             beat = self._beat(w)
             quiet = None if beat is None else now - beat
             if quiet is not None and quiet > health.silence_s() and \
-                    ctx.store.check([P.finished_key(w)]):
+                    ctx.store.valid(P.finished_key(w)) is not None:
                 continue   # done with the job: its heartbeat may stop
             if quiet is not None and quiet > timeout:
                 out.append(Failure(w, "hang", now, f"no heartbeat for {quiet:.2f} s"))

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from trainmover.core import protocol as P
+from trainmover.core.queues import SlotReader
 
 
 
@@ -31,7 +32,8 @@ class AgentClient:
     nnodes: int = 1
     lost: list = field(default_factory=list)      # hosts declared lost (fenced)
     events: object = None                         # the controller's event log
-    __snapshot_exclude__ = ("store", "events")
+    exit_reader: object = None                    # reads the exit records (transient)
+    __snapshot_exclude__ = ("store", "events", "exit_reader")
 
     def spawn_request(self, name: str, standby: bool, node: int = 0, gpu: int | None = None,
                       **restart) -> tuple[int, P.AgentSpawn]:
@@ -61,11 +63,21 @@ class AgentClient:
         """Read the agents' new exit records; returns (name, pid) of the processes that
         exited (pid None if it was never known)."""
         exited = []
-        count = self.store.add(P.AGENT_EXIT_COUNT_KEY, 0)
-        while self.exits_seen < count:
-            self.exits_seen += 1
-            rec = self._read(P.ExitRecord, P.agent_exit_key(self.exits_seen))
-            if rec is None:
+        reader = self.exit_reader
+        if reader is None or reader.store is not self.store or \
+                reader.next_index != self.exits_seen + 1:
+            # a numbered queue: a record the counter promises but nobody writes (a bumped
+            # counter) is passed over, never waited for (it once blocked the controller)
+            reader = self.exit_reader = SlotReader(
+                self.store, P.agent_exit_key, count_key=P.AGENT_EXIT_COUNT_KEY,
+                start=self.exits_seen + 1, on_reject=self._rejected)
+        while (taken := reader.take()) is not None:
+            key, raw = taken
+            self.exits_seen = reader.next_index - 1
+            try:
+                rec = P.read_message(P.ExitRecord, raw)
+            except P.MessageError as exc:
+                self._rejected(key, str(exc))
                 continue
             view = self.procs.get(rec.name)
             if view is not None and view.incarnation == rec.incarnation:
@@ -91,13 +103,16 @@ class AgentClient:
                 view.pid = info.pid
         return view.pid
 
+    def _rejected(self, key: str, why: str) -> None:
+        if self.events is not None:
+            self.events.emit("message_rejected", key=key, error=why)
+
     def _read(self, cls, key: str):
         """An agent's record, or None (logged) if it is malformed, unsigned or forged."""
         try:
             return P.read_message(cls, self.store.get(key))
         except P.MessageError as exc:
-            if self.events is not None:
-                self.events.emit("message_rejected", key=key, error=str(exc))
+            self._rejected(key, str(exc))
             return None
 
     def kill(self, name: str) -> None:

@@ -181,7 +181,7 @@ class Recovery:
         total = ctx.cfg.train.steps
         if total and ctx.committed >= total - 1:
             return True
-        return any(ctx.store.check([P.finished_key(w)])
+        return any(ctx.store.valid(P.finished_key(w)) is not None
                    for w in ctx.membership.workers if w not in failed)
 
     def _after_the_last_step(self, failures: list[Failure]) -> None:

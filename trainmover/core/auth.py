@@ -15,24 +15,25 @@ from another run.
   ``AuthStore`` treats a forged value as absent (``compare_set``, ``wait_valid``, ``valid``),
   so planting one first gains nothing.
 
-What it does not cover, by the nature of the store (``torch.distributed.TCPStore``, which has
-no authentication of its own): counters (``add``) and key existence, which is why the vote
-is checked against signed ballots, queues skip holes (``core/queues.py``) and heartbeats
-are signed beats rather than counters (``protocol.Beat``), and the
-store's availability (anyone who reaches the port can delete or flood keys). The
-communication backends' rendezvous keys are torch's own. So the store and the
-gloo/NCCL ports must stay on a private network: loopback by default; across hosts a cluster
-network no outsider reaches (see docs/security.md).
+Since the store itself answers only clients that prove they hold the run's key
+(``core/kvstore.py``), this is the second wall: what a process of the job writes by mistake,
+or a client past the first wall that does not sign, is still refused where it is read.
+Counters (``add``) and key existence carry no signature, which is why the vote is checked
+against signed ballots, queues skip holes (``core/queues.py``) and heartbeats are signed
+beats rather than counters (``protocol.Beat``). The gloo/NCCL ports are the backends' own and
+unauthenticated: across hosts they, like the store's traffic (authenticated at connection,
+not encrypted), belong on a cluster network no outsider reaches (see docs/security.md).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import os
 import secrets as _secrets
 import time
 
-from trainmover.core import rundir
+from trainmover.core import kvstore, rundir
 from trainmover.core.protocol import MessageError
 
 SECRET_FILE = "secret"
@@ -44,6 +45,7 @@ _MAC_HEX = 64
 CAS_REPLACE_TRIES = 100
 WAIT_VALID_POLL_S = 0.005      # waiting past a forged value until the genuine one lands
 MAX_REJECTIONS_LOGGED = 10_000  # keys whose rejection is reported (once each)
+MAX_COUNTERS_KEPT = 1024        # the counts last seen, kept to repair a forged counter
 DEFAULT_STORE_TIMEOUT_S = 300.0  # a store object that does not say (test doubles)
 
 
@@ -96,14 +98,14 @@ def unseal(secret: bytes, key: str, raw: bytes) -> bytes:
 
 
 def store_timeout_s(store) -> float:
-    """How long the store client's blocking calls wait (a TCPStore's ``timeout``)."""
+    """How long the store client's blocking calls wait (its ``timeout``)."""
     limit = getattr(store, "timeout", None)
     return limit.total_seconds() if limit is not None else DEFAULT_STORE_TIMEOUT_S
 
 
 class AuthStore:
     """A store client whose values are signed on write and checked on read (see the module
-    doc); everything else passes through. Wraps any object with TCPStore's methods.
+    doc); everything else passes through. Wraps any object with a torch store's methods.
 
     A value nobody with the secret wrote (unsigned, forged) counts as absent where a key is
     decided or waited for: ``compare_set`` replaces it, ``wait_valid`` waits past it,
@@ -114,6 +116,7 @@ class AuthStore:
         self._secret = secret
         self.on_reject = on_reject
         self._rejected: set[str] = set()
+        self._counts: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _reject(self, key: str, exc: AuthError) -> None:
         if key in self._rejected or len(self._rejected) >= MAX_REJECTIONS_LOGGED:
@@ -158,8 +161,8 @@ class AuthStore:
         """Append this voter's signed ballot to ``key`` (one line; atomic on the server)."""
         self.raw.append(key, seal(self._secret, f"{key}#{voter}", voter) + b"\n")
 
-    def count_ballots(self, key: str) -> int:
-        """How many distinct voters' genuine ballots ``key`` holds (forged lines, copies of
+    def ballot_voters(self, key: str) -> set[str]:
+        """The distinct voters whose genuine ballots ``key`` holds (forged lines, copies of
         one voter's ballot and anything else appended there count for nothing). The caller
         cast its own ballot there first: the key exists (one round trip, no check)."""
         voters = set()
@@ -171,7 +174,7 @@ class AuthStore:
                     voters.add(voter)
             except AuthError:
                 continue
-        return len(voters)
+        return voters
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """Set ``desired`` if the key holds ``expected`` ("" = absent, which a forged value
@@ -192,7 +195,31 @@ class AuthStore:
                         f"tries)")
 
     def add(self, key: str, amount: int) -> int:
-        return self.raw.add(key, amount)
+        """A counter's ``add``. No process of the job ``set``s a counter, so a value there
+        that is no number was forged: it is replaced by the count this client saw last
+        (every counter is a hint its readers cross-check: ballots, skipped queue holes) and
+        the count goes on, instead of the caller failing."""
+        for _ in range(CAS_REPLACE_TRIES):
+            try:
+                value = self.raw.add(key, amount)
+                break
+            except kvstore.StoreNotANumber:
+                self._reject(key, AuthError(f"{key}: a counter holding no number"))
+                try:
+                    junk = self.raw.get(key)
+                except Exception:  # noqa: BLE001 - deleted meanwhile: count afresh
+                    continue
+                if kvstore.is_count(junk):
+                    continue      # another client repaired it meanwhile: count on
+                self.raw.compare_set(key, junk, str(self._counts.get(key, 0)))
+        else:
+            raise AuthError(f"{key}: forged values kept taking the counter's place "
+                            f"({CAS_REPLACE_TRIES} tries)")
+        self._counts[key] = value
+        self._counts.move_to_end(key)
+        if len(self._counts) > MAX_COUNTERS_KEPT:
+            self._counts.popitem(last=False)
+        return value
 
     def check(self, keys: list[str]) -> bool:
         return self.raw.check(keys)
@@ -224,5 +251,5 @@ class PlainStore:
     def cast_ballot(self, key: str, voter: str) -> None:
         self.raw.append(key, voter.encode() + b"\n")
 
-    def count_ballots(self, key: str) -> int:
-        return len({v for v in self.raw.get(key).split(b"\n") if v})
+    def ballot_voters(self, key: str) -> set[str]:
+        return {v.decode() for v in self.raw.get(key).split(b"\n") if v}

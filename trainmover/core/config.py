@@ -302,6 +302,12 @@ class CommConfig:
     # `trainmover migrate` connecting to a job's store: short, since a job that ended leaves
     # nobody listening and the command should say so promptly.
     client_connect_timeout_s: float = 10.0
+    # The job's store answers only clients that prove they hold the run's key: a connection
+    # that has not done so within this is closed, and at most `store_max_pending` such
+    # connections are kept (the oldest closed first), so that strangers at the port cost
+    # the store nothing.
+    store_handshake_timeout_s: float = 10.0
+    store_max_pending: int = 64
     # The communication backend: "auto" is NCCL on CUDA when every process of the job can
     # have a GPU of its own (NCCL refuses two ranks on one device), gloo otherwise; "gloo"
     # with CUDA stages every operation through host memory (workers sharing GPUs: for
@@ -329,7 +335,11 @@ class CommConfig:
         _seconds("comm", group_timeout_s=self.group_timeout_s,
                  build_timeout_s=self.build_timeout_s,
                  store_timeout_s=self.store_timeout_s,
-                 client_connect_timeout_s=self.client_connect_timeout_s)
+                 client_connect_timeout_s=self.client_connect_timeout_s,
+                 store_handshake_timeout_s=self.store_handshake_timeout_s)
+        if not isinstance(self.store_max_pending, int) or self.store_max_pending < 1:
+            raise ValueError(f"comm.store_max_pending must be a positive integer, got "
+                             f"{self.store_max_pending!r}")
 
 
 @dataclass
@@ -708,11 +718,15 @@ class AgentConfig:
     # How long a spawn waits for the fork server (its first one: the server's own imports)
     # before the agent gives it up and starts that process, and every later one, anew.
     fork_server_timeout_s: float = 120.0
+    # Host 0's agent says when the store refused connections (nobody with the run's key:
+    # someone probing the port), at most once per this interval, with the count so far.
+    refusal_report_s: float = 10.0
 
     def validate(self) -> None:
         _seconds("agent", poll_s=self.poll_s, controller_check_s=self.controller_check_s,
                  shutdown_ack_s=self.shutdown_ack_s,
-                 fork_server_timeout_s=self.fork_server_timeout_s)
+                 fork_server_timeout_s=self.fork_server_timeout_s,
+                 refusal_report_s=self.refusal_report_s)
         if not isinstance(self.fork_server, bool):
             raise ValueError(f"agent.fork_server must be true or false, got "
                              f"{self.fork_server!r}")

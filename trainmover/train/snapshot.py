@@ -28,7 +28,7 @@ def holder_address(store, node: int, nnodes: int) -> str | None:
     roles are held elsewhere), passing over hosts declared lost; with one host, its own."""
     for i in range(1, nnodes + 1):
         n = (node + i) % nnodes
-        if store.check([P.agent_key(n, "fenced")]):
+        if store.valid(P.agent_key(n, "fenced")) is not None:    # the controller's word
             continue
         address = store.valid(P.agent_key(n, "snapshots"))
         if address is not None:

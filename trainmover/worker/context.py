@@ -68,7 +68,7 @@ class WorkerContext:
         # the group timeout, not the store's: the commit vote and every group rendezvous
         # block on these clients, and wait as long as a collective may
         self.stores = StoreClients(store_addr, timeout_s=cfg.comm.group_timeout_s,
-                                   secret=jobfile.run_key(run_dir, secret))
+                                   run_key=jobfile.run_key(run_dir, secret))
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker=name)
         self.stores.on_reject = lambda key, exc: self.events.emit(
             "message_rejected", key=key, error=str(exc))

@@ -47,11 +47,11 @@ def _run_worker(request: dict, log_fd: int, go_fd: int, agent_pid: int, sock) ->
         # the dispositions a worker started anew has (``python`` itself ignores SIGPIPE):
         # with SIGPIPE at its default, a gloo write to a peer that just died killed this
         # worker (exit -13) instead of failing the collective, and a replica's crash then
-        # took the role's last copy with it
+        # took the role's last copy with it. SIGINT stays as the server had it from its own
+        # start: as the agent's launcher left it (ignored under nohup), as a new process's
         for sig in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         import tempfile
 
         tempfile.tempdir = None              # TMPDIR is this worker's (agent._env)

@@ -153,11 +153,12 @@ class CommitVote:
     """The step's commit decision (see module doc). Costs each worker three or four store
     round trips per step; ``votes`` counts voters of the current epoch only.
 
-    The vote counter is a hint: anyone who reaches the store can bump it. Each voter also
-    appends its signed ballot, and "commit" is written only once the ballots of every voter
-    are there. A forged increment thus only makes one more voter look; a forged decrement
-    leaves no voter at the count, so the voter one short of it (perhaps the last) looks at
-    the ballots again every ``BALLOT_RECHECK_S`` while it waits."""
+    The vote counter is a hint: a value there nobody of the job wrote must not decide or
+    stall a step. Each voter also appends its signed ballot, and "commit" is written only
+    once the ballots of every voter are there. A forged increment thus only makes one more
+    voter look; a forged decrement or an overwritten counter leaves nobody at the count, so
+    every waiting voter looks at the ballots again every ``BALLOT_RECHECK_S`` (and casts its
+    own again if the key was overwritten)."""
 
     def __init__(self, stores: StoreClients, num_voters: int, epoch: int,
                  reporter: str | None = None, progress: MainProgress | None = None,
@@ -185,16 +186,22 @@ class CommitVote:
         waiting = self.progress.waiting() if self.progress is not None else \
             contextlib.nullcontext()
         with waiting:
-            return self._wait(decision, ballots, votes >= self.num_voters - 1) == b"commit"
+            return self._wait(decision, ballots) == b"commit"
 
     def _decide(self, ballots: str, decision: str) -> None:
-        if self.store.count_ballots(ballots) >= self.num_voters:
+        voters = self.store.ballot_voters(ballots)
+        if self.voter not in voters:
+            # its ballot is gone (the key overwritten): cast again, or nobody ever decides
+            self.store.cast_ballot(ballots, self.voter)
+            voters.add(self.voter)
+        if len(voters) >= self.num_voters:
             self.store.compare_set(decision, "", "commit")
 
-    def _wait(self, decision: str, ballots: str, may_decide: bool) -> bytes:
-        """The genuine decision (a forged one planted before it is waited past)."""
-        if not may_decide:
-            return self.store.wait_valid(decision)
+    def _wait(self, decision: str, ballots: str) -> bytes:
+        """The genuine decision (a forged one planted before it is waited past). Every voter
+        looks at the ballots again every ``BALLOT_RECHECK_S`` while it waits: a counter
+        overwritten or bumped down leaves nobody at the count, and then whoever looks
+        decides (a step decides in milliseconds: the look costs nothing otherwise)."""
         deadline = time.monotonic() + store_timeout_s(self.store.raw)
         recheck_at = time.monotonic() + BALLOT_RECHECK_S
         while True:

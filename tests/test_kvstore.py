@@ -1,0 +1,187 @@
+"""The job's authenticated key-value store (core/kvstore.py): torch Store semantics for the
+processes holding the run's key, nothing at all for anyone else."""
+import os
+import socket
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from trainmover.core.kvstore import (MAGIC, NONCE_BYTES, KVClient, KVServer, StoreError,
+                                     StoreLimits, StoreRefused, StoreTimeout, Op,
+                                     encode_request, store_key)
+
+KEY = store_key(b"k" * 32)
+
+
+@pytest.fixture
+def server():
+    srv = KVServer.listen(KEY)
+    yield srv
+    srv.close()
+
+
+def client(srv, key=KEY, timeout_s=5.0):
+    return KVClient("127.0.0.1", srv.port, key, timeout_s)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_without_the_runs_key_is_refused_and_the_store_serves_on(server):
+    c = client(server)
+    c.set("decision", "commit")
+    with pytest.raises(StoreRefused):
+        client(server, key=store_key(b"another run"))
+    # a server that does not hold the client's key is refused by the client as well
+    other = KVServer.listen(store_key(b"another run"))
+    try:
+        with pytest.raises(StoreRefused):
+            client(other)
+    finally:
+        other.close()
+    assert c.get("decision") == b"commit"
+    assert server.refused == 1
+
+
+@pytest.mark.timeout(60)
+def test_raw_bytes_at_the_port_reach_nothing():
+    """What a local user can do with only the port: send a request frame (or garbage)
+    without the handshake. The connection is closed (at once on a wrong proof, at the
+    handshake's deadline on a short one); no key appears."""
+    server = KVServer.listen(KEY, limits=StoreLimits(handshake_timeout_s=1.0))
+    c = client(server)
+    for junk in (encode_request(Op.SET, [b"controller/incarnation", b"9"]),
+                 b"\x00" * 64, os.urandom(4096)):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        assert s.recv(len(MAGIC) + NONCE_BYTES).startswith(MAGIC)
+        s.sendall(junk)
+        s.settimeout(5)
+        assert s.recv(100) == b""          # hung up on
+        s.close()
+    assert c.num_keys() == 0 and not c.check(["controller/incarnation"])
+    assert server.refused == 3
+    server.close()
+
+
+@pytest.mark.timeout(60)
+def test_unauthenticated_connections_are_bounded_and_timed_out():
+    srv = KVServer.listen(KEY, limits=StoreLimits(handshake_timeout_s=0.5, max_pending=4))
+    try:
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(10)]
+        c = client(srv)                     # still served, and first in line
+        c.set("a", "1")
+        assert c.get("a") == b"1"
+        # the oldest idle ones were closed as the count passed 4, the rest at their deadline
+        deadline = time.monotonic() + 10
+        while srv.refused < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.refused == 10
+        for s in idle:
+            s.close()
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_waits_are_answered_when_the_keys_appear_and_time_out_otherwise(server):
+    a, b = client(server), client(server)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(v=a.get("late", timeout=10),
+                                                   w=a.multi_get(["x", "y"], timeout=10)))
+    t.start()
+    time.sleep(0.2)
+    b.set("late", "here")
+    b.set("x", "1")
+    time.sleep(0.1)
+    b.delete_key("x")          # deleted before y came: the multi_get waits for it again
+    b.set("y", "2")
+    time.sleep(0.1)
+    assert t.is_alive()
+    b.set("x", "3")
+    t.join(5)
+    assert got == {"v": b"here", "w": [b"3", b"2"]}
+    started = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        a.wait(["never"], timeout=0.3)
+    assert 0.25 < time.monotonic() - started < 3
+    a.set("after", "ok")       # the connection serves on after a timeout
+    assert b.get("after") == b"ok"
+
+
+@pytest.mark.timeout(60)
+def test_add_on_a_value_that_is_not_a_number_is_an_error_not_a_lost_connection(server):
+    c = client(server)
+    c.set("count", "junk")
+    with pytest.raises(StoreError, match="not an integer"):
+        c.add("count", 1)
+    assert c.add("other", 2) == 2 and c.get("count") == b"junk"
+
+
+@pytest.mark.timeout(60)
+def test_an_oversized_frame_closes_only_its_connection():
+    srv = KVServer.listen(KEY, limits=StoreLimits(max_frame_bytes=1 << 16))
+    try:
+        a, b = client(srv), client(srv)
+        with pytest.raises(StoreError):
+            a.set("big", b"x" * (1 << 17))
+        b.set("fine", "yes")
+        assert b.get("fine") == b"yes" and not b.check(["big"])
+    finally:
+        srv.close()
+
+
+_keys = st.sampled_from(["a", "b", "c/d", "n"])
+_values = st.one_of(st.binary(max_size=6), st.integers(-9, 99).map(lambda i: str(i).encode()))
+_ops = st.one_of(
+    st.tuples(st.just("set"), _keys, _values),
+    st.tuples(st.just("add"), _keys, st.integers(-5, 5)),
+    st.tuples(st.just("compare_set"), _keys, st.sampled_from([b"", b"1", b"x"]), _values),
+    st.tuples(st.just("check"), st.lists(_keys, min_size=1, max_size=3)),
+    st.tuples(st.just("delete_key"), _keys),
+    st.tuples(st.just("num_keys")),
+    st.tuples(st.just("append"), _keys, _values),
+    st.tuples(st.just("get"), _keys),
+)
+
+
+def _strict_int(value: bytes) -> bool:
+    try:
+        return not value or str(int(value.decode("ascii"))).encode() == value
+    except (UnicodeDecodeError, ValueError):
+        return False
+
+
+def _apply(store, op):
+    name, *args = op
+    try:
+        if name == "get":
+            if not store.check([args[0]]):
+                return "missing"
+        return getattr(store, name)(*args)
+    except Exception as exc:        # noqa: BLE001 - compared by kind, not text
+        return type(exc).__name__
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_ops, max_size=25))
+def test_the_store_answers_as_torchs_own_store_does(ops):
+    """Any sequence of operations answers as torch's HashStore answers it (add on a
+    non-number aside: HashStore raises, this store raises too, and keeps the connection)."""
+    import torch.distributed as dist
+
+    srv = KVServer.listen(KEY)
+    try:
+        mine, theirs = client(srv), dist.HashStore()
+        for op in ops:
+            if op[0] == "add" and theirs.check([op[1]]) and \
+                    not _strict_int(theirs.get(op[1])):
+                continue     # torch's stoll reads a prefix of "5x" or " 5": this store refuses
+            a, b = _apply(mine, op), _apply(theirs, op)
+            if isinstance(a, str) and isinstance(b, str) and a != "missing":
+                continue                  # both refused (exception types differ)
+            assert a == b, (op, a, b)
+        assert sorted(mine.list_keys()) == sorted(
+            k for k in ("a", "b", "c/d", "n") if theirs.check([k]))
+    finally:
+        srv.close()
