@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from trainmover.api import Job
-from trainmover.cli import build_config, make_parser
+from trainmover.cli import build_config, parse_command_line
 from trainmover.control.client import connect, request_stop
 from trainmover.control.coordinator import run_job
 from trainmover.core import identity, jobfile
@@ -99,7 +99,8 @@ def cli(*args, **kw):
 
 # the job of `baseline` (test_failures.job: one intra-op thread per worker), as flags
 CLI_JOB = ["--recipe", "tiny", "--dp", "2", "--pp", "2", "--tp", "1", "--steps", str(STEPS),
-           "--threads", "1", "--standbys", "1", "--checkpoint-every", "4", "--quiet"]
+           "--train.threads_per_worker=1", "--standbys", "1", "--checkpoint-every", "4",
+           "--quiet"]
 
 
 @pytest.mark.timeout(500)
@@ -108,7 +109,7 @@ def test_sigterm_stops_trainmover_run_gracefully_and_run_resume_continues(tmp_pa
     """SIGTERM to `trainmover run` (what a scheduler or a closed terminal sends): a graceful
     stop, exit code 0, nothing left running; `trainmover run --resume` ends with the weights
     of the same job run without stopping."""
-    base_sha = reference_weights(build_config(make_parser().parse_args(["run", *CLI_JOB])))
+    base_sha = reference_weights(build_config(parse_command_line(["run", *CLI_JOB])))
     run_dir = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-m", "trainmover", "run", *CLI_JOB,
                              "--run-dir", run_dir], stdout=subprocess.PIPE,

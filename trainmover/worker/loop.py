@@ -139,7 +139,7 @@ class StepLoop:
         self.migrations.on_point = lambda point, step: rt.fault_point(point, step)
         self.checkpointer = self._new_checkpointer() if cfg.checkpoint.every else None
         self.snapshotter = PeerSnapshotter(
-            rt.role.name, self.ctx.stores.get(), self.ctx.stores.secret,
+            rt.role.name, self.ctx.stores.get(), self.ctx.stores.run_key,
             int(os.environ.get("TRAINMOVER_NODE", "0")), cfg.hosts.nnodes,
             cfg.snapshot.connect_timeout_s, cfg.snapshot.io_timeout_s,
             self.ctx.events.emit) if cfg.takes_snapshots() else None

@@ -132,7 +132,7 @@ def rollback_state(ctx, role_name: str, step: int, holder: str | None) -> dict:
         return load_local(ctx.run_dir, step, role_name)
     cfg = ctx.cfg.snapshot
     t0 = time.perf_counter()
-    state = fetch_snapshot(holder, ctx.stores.secret, role_name, step, cfg.connect_timeout_s,
+    state = fetch_snapshot(holder, ctx.stores.run_key, role_name, step, cfg.connect_timeout_s,
                            cfg.io_timeout_s)
     ctx.events.emit("snapshot_fetched", step=step, holder=holder,
                     duration_s=round(time.perf_counter() - t0, 4))
