@@ -8,7 +8,8 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from trainmover.core.kvstore import (MAGIC, NONCE_BYTES, KVClient, KVServer, StoreError,
+from trainmover.core.kvstore import (MAGIC, NONCE_BYTES, KVClient, KVServer, StoreClosed,
+                                     StoreError,
                                      StoreLimits, StoreRefused, StoreTimeout, Op,
                                      encode_request, store_key)
 
@@ -122,8 +123,9 @@ def test_an_oversized_frame_closes_only_its_connection():
     srv = KVServer.listen(KEY, limits=StoreLimits(max_frame_bytes=1 << 16))
     try:
         a, b = client(srv), client(srv)
-        with pytest.raises(StoreError):
-            a.set("big", b"x" * (1 << 17))
+        a.set("big", b"x" * (1 << 17))      # a write answers nothing: it hangs up
+        with pytest.raises(StoreClosed):
+            a.num_keys()
         b.set("fine", "yes")
         assert b.get("fine") == b"yes" and not b.check(["big"])
     finally:
@@ -183,5 +185,24 @@ def test_the_store_answers_as_torchs_own_store_does(ops):
             assert a == b, (op, a, b)
         assert sorted(mine.list_keys()) == sorted(
             k for k in ("a", "b", "c/d", "n") if theirs.check([k]))
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_writes_answer_nothing_yet_are_read_in_order_and_a_bad_one_ends_the_connection():
+    srv = KVServer.listen(KEY, limits=StoreLimits(max_key_bytes=64))
+    try:
+        a, b = client(srv), client(srv)
+        for i in range(200):
+            a.set("n", str(i))          # no round trip each
+        assert a.get("n") == b"199"     # answered after the writes before it
+        assert a.try_get("n") == b"199" and a.try_get("none") is None
+        a.append("n", "!")
+        assert b.get("n", timeout=5) in (b"199", b"199!")
+        a.set("k" * 65, "too long a key")   # refused: nobody to answer, so it hangs up
+        with pytest.raises(StoreClosed):
+            a.get("n")
+        assert b.get("n") == b"199!"
     finally:
         srv.close()

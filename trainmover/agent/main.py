@@ -464,7 +464,9 @@ class Agent:
         if self.forks is not None:
             self.forks.close()
             self.forks = None
-        self.events.emit("agent_stopped", node=self.node, reason=why)
+        served = {} if self.store_server is None else \
+            {"store_requests": self.store_server.requests}    # the job's whole store load
+        self.events.emit("agent_stopped", node=self.node, reason=why, **served)
         self.store.set(P.agent_key(self.node, "done"), why)
         if self.listen_fd is None:
             return 0

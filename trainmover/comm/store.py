@@ -63,6 +63,10 @@ class KVStore(dist.Store):
         return self._do(self._client.compare_set, key, _bytes(expected_value),
                         _bytes(desired_value))
 
+    def try_get(self, key: str) -> bytes | None:
+        """Not torch's: the value or None in one round trip (``core/auth.py`` reads with it)."""
+        return self._do(self._client.try_get, key)
+
     def check(self, keys: list[str]) -> bool:
         return self._do(self._client.check, list(keys))
 

@@ -134,10 +134,15 @@ class AuthStore:
     def valid(self, key: str) -> bytes | None:
         """The key's value if it exists and is genuine, else None (a forged one is
         reported to ``on_reject``)."""
-        if not self.raw.check([key]):
+        try_get = getattr(self.raw, "try_get", None)     # one round trip where it can
+        if try_get is not None:
+            raw = try_get(key)
+        else:
+            raw = self.raw.get(key) if self.raw.check([key]) else None
+        if raw is None:
             return None
         try:
-            return self.get(key)
+            return unseal(self._secret, key, raw)
         except AuthError as exc:
             self._reject(key, exc)
             return None
@@ -148,10 +153,11 @@ class AuthStore:
         writer replaces it (``compare_set``) or overwrites it (``set``)."""
         deadline = time.monotonic() + store_timeout_s(self.raw)
         while True:
-            self.raw.wait([key])
-            value = self.valid(key)
-            if value is not None:
-                return value
+            raw = self.raw.get(key)        # waits for the key (up to the store's timeout)
+            try:
+                return unseal(self._secret, key, raw)
+            except AuthError as exc:
+                self._reject(key, exc)
             if time.monotonic() > deadline:
                 raise AuthError(f"{key}: no genuine value within the store's timeout (forged "
                                 f"ones kept being written there)")

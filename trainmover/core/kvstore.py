@@ -27,7 +27,9 @@ After the handshake each request is one frame (a 4-byte length, then the body) a
 answer frame, in order. Semantics follow torch's ``Store``: ``get`` and ``wait`` block
 until the keys exist or the request's timeout passes (waiting in the server, so a client
 waits with one request instead of polling), ``add`` counts in decimal text,
-``compare_set`` sets a missing key only when the expected value is empty. Unlike
+``compare_set`` sets a missing key only when the expected value is empty, and ``set``,
+``append`` and ``multi_set`` answer nothing (the writer goes on at once, as TCPStore's
+does; what it sends next on the connection is answered after them). Unlike
 TCPStore, ``add`` on a value that is not an integer answers an error and keeps the
 connection. One thread serves every connection (the protocol's work per request is a dict
 operation; the thread never blocks on a client).
@@ -76,6 +78,13 @@ class Op(IntEnum):
     MULTI_SET = 11
     LIST_KEYS = 12
     PING = 13
+    TRY_GET = 14         # the value, or that there is none: no wait
+
+
+# A writing request with this bit set in its op gets no answer: the writer goes on at once
+# (as TCPStore's set does), and its later requests on the connection are answered after it.
+NO_REPLY = 0x80
+_NO_REPLY_OPS = (Op.SET, Op.APPEND, Op.MULTI_SET)
 
 
 class Status(IntEnum):
@@ -226,7 +235,7 @@ class KVServer:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stopping = False
-        self.requests = 0          # answered requests (benchmarks read it)
+        self.requests = 0          # requests served (the agent reports the count)
         self.refused = 0           # connections closed before or at the handshake
         self._thread = threading.Thread(target=self._serve, name="kvstore", daemon=True)
         self._thread.start()
@@ -401,20 +410,29 @@ class KVServer:
                 return
             body = memoryview(bytes(buf[4:4 + size]))
             del buf[:4 + size]
+            quiet = False
             try:
                 op, timeout_ms, number, count = _REQUEST.unpack_from(body, 0)
+                quiet = bool(op & NO_REPLY)
+                op = Op(op & ~NO_REPLY)
+                if quiet and op not in _NO_REPLY_OPS:
+                    raise ValueError(f"{op.name} always answers")
                 fields = _fields(body, _REQUEST.size, count)
-                answer = self._handle(conn, Op(op), timeout_ms, number, fields)
+                answer = self._handle(conn, op, timeout_ms, number, fields)
             except (ValueError, struct.error) as exc:
+                if quiet:          # nobody to tell: the writer learns at its next request
+                    self._close(conn)
+                    return
                 answer = _encode_answer(Status.ERROR, 0, [str(exc).encode()])
-            if answer is not None:
-                self.requests += 1
+            self.requests += 1
+            if answer is not None and not quiet:
                 self._send(conn, answer)
 
     def _handle(self, conn: _Conn, op: Op, timeout_ms: int, number: int,
                 fields: list[bytes]) -> bytes | None:
         data = self._data
-        for_keys = fields if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.DELETE, Op.GET) else \
+        for_keys = fields if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.DELETE, Op.GET,
+                                    Op.TRY_GET) else \
             fields[::2] if op == Op.MULTI_SET else fields[:1]
         if any(len(k) > self._limits.max_key_bytes for k in for_keys):
             raise ValueError(f"a key longer than {self._limits.max_key_bytes} bytes")
@@ -474,6 +492,11 @@ class KVServer:
                 self._changed(key)
         elif op == Op.LIST_KEYS:
             return _encode_answer(Status.OK, 0, list(data))
+        elif op == Op.TRY_GET:
+            (key,) = _exactly(fields, 1)
+            value = data.get(key)
+            return _encode_answer(Status.OK, 0) if value is None else \
+                _encode_answer(Status.OK, 1, [value])
         elif op != Op.PING:
             raise ValueError(f"unknown op {op}")
         return _encode_answer(Status.OK)
@@ -499,7 +522,6 @@ class KVServer:
                     self._waiters[k].add(conn)
                 continue
             self._unwait(conn)
-            self.requests += 1
             self._send(conn, self._ready(wait.op, wait.keys))
             self._process(conn)
 
@@ -606,8 +628,24 @@ class KVClient:
             raise kind(out[0].decode(errors="replace") if out else "store error")
         return number, out
 
+    def _tell(self, op: Op, fields) -> None:
+        """A write that waits for no answer (``NO_REPLY``)."""
+        request = encode_request(op | NO_REPLY, fields)
+        with self._lock:
+            try:
+                self._sock.settimeout(self.timeout_s)
+                self._sock.sendall(request)
+            except OSError as exc:
+                self._sock.close()
+                raise StoreClosed(f"store at {self.host}:{self.port}: {exc}") from exc
+
     def set(self, key: str, value: bytes | str) -> None:
-        self._call(Op.SET, [_b(key), _b(value)])
+        self._tell(Op.SET, [_b(key), _b(value)])
+
+    def try_get(self, key: str) -> bytes | None:
+        """The key's value, or None if it has none (one round trip, no wait)."""
+        found, out = self._call(Op.TRY_GET, [_b(key)])
+        return out[0] if found else None
 
     def get(self, key: str, timeout: float | timedelta | None = None) -> bytes:
         return self._call(Op.GET, [_b(key)], wait_s=self._wait(timeout))[1][0]
@@ -631,7 +669,7 @@ class KVClient:
         return self._call(Op.NUM_KEYS)[0]
 
     def append(self, key: str, value: bytes | str) -> None:
-        self._call(Op.APPEND, [_b(key), _b(value)])
+        self._tell(Op.APPEND, [_b(key), _b(value)])
 
     def multi_get(self, keys: list[str], timeout: float | timedelta | None = None
                   ) -> list[bytes]:
@@ -640,7 +678,7 @@ class KVClient:
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        self._call(Op.MULTI_SET, [_b(x) for kv in zip(keys, values) for x in kv])
+        self._tell(Op.MULTI_SET, [_b(x) for kv in zip(keys, values) for x in kv])
 
     def list_keys(self) -> list[str]:
         return [k.decode(errors="replace") for k in self._call(Op.LIST_KEYS)[1]]
