@@ -140,8 +140,16 @@ def main() -> None:
     if a.out:
         with open(a.out + ".md", "w") as f:
             f.write(text)
+        import torch
+
+        rows_out = [{"store": kind, "measure": col, "median_us": round(statistics.median(v), 1),
+                     "min_us": round(min(v), 1), "max_us": round(max(v), 1)}
+                    for kind, r in rows.items() for col, v in r.items()]
         with open(a.out + ".json", "w") as f:
-            json.dump({"commit": commit, "repeats": a.repeats, "rounds": a.rounds,
+            json.dump({"commit": commit, "command": ["python", "benchmarks/store_latency.py",
+                                                     *sys.argv[1:]],
+                       "machine": {"cores": os.cpu_count(), "torch": torch.__version__},
+                       "repeats": a.repeats, "rounds": a.rounds, "rows": rows_out,
                        "results": rows}, f, indent=1)
 
 

@@ -15,6 +15,8 @@ from trainmover.core.faults import Inject, WorkerFault
 from trainmover.recipes import get_recipe
 from trainmover.core.topology import Layout
 
+from test_warmup import check_joiners_warmed
+
 SEED = int(os.environ.get("TRAINMOVER_TEST_SEED", "7"))
 
 
@@ -67,13 +69,7 @@ def test_migrations_of_every_stage_kind_are_bit_identical(tmp_path):
     assert set(moved["membership"]) == {f"w{i}" for i in range(12)} - set(targets) | {"s0", "s1", "s2"}
     # each joiner had warmed up into every stage structure before it said it was ready (the
     # promotion of a warmed standby into each stage kind: test_warmup's slow-suite twin)
-    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
-    for m in done:
-        joiner = m["pairs"][0]["joiner"]
-        mine = [e for e in events if e.get("worker") == joiner]
-        ready = next(i for i, e in enumerate(mine) if e["event"] == "joiner_ready")
-        warmed = {e["structure"] for e in mine[:ready] if e["event"] == "warmed"}
-        assert warmed == {"first-2", "middle-1", "last-1"}, (joiner, warmed)
+    check_joiners_warmed(run_dir, done, {"first-2", "middle-1", "last-1"})
 
 
 @pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism

@@ -122,13 +122,19 @@ def test_promotion_after_warm_up_into_each_stage_kind_is_bit_identical(tmp_path)
     done = [m for m in moved["migrations"] if m["status"] == "done"]
     assert [m["pairs"][0]["leaver"] for m in done] == targets
     assert moved["weights_sha256"] == base["weights_sha256"]
-    events = read_jsonl(str(tmp_path / "moved" / "events.jsonl"))
-    for m in done:
+    check_joiners_warmed(str(tmp_path / "moved"), done, {"first-2", "middle-1", "last-1"})
+
+
+def check_joiners_warmed(run_dir: str, migrations: list, structures: set) -> None:
+    """Each migration's joiner had warmed up into every one of ``structures`` before it said
+    it was ready."""
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    for m in migrations:
         joiner = m["pairs"][0]["joiner"]
         mine = [e for e in events if e.get("worker") == joiner]
         ready = next(i for i, e in enumerate(mine) if e["event"] == "joiner_ready")
         warmed = {e["structure"] for e in mine[:ready] if e["event"] == "warmed"}
-        assert warmed == {"first-2", "middle-1", "last-1"}, (joiner, warmed)
+        assert warmed == structures, (joiner, warmed)
 
 
 @pytest.mark.slow   # in `make test-slow`: a sibling in the default suite covers its mechanism

@@ -317,7 +317,8 @@ BENCH_GROUPS = [
     ("Cost per step", [
         "step", "example_overhead", "example_overhead_torch_ddp", "example_overhead_torch_fsdp",
         "example_overhead_torch_fsdp-before-future-wait", "example_overhead_torch_fsdp_tp",
-        "example_overhead_torch_pipeline", "control_cpu", "vote_cost"]),
+        "example_overhead_torch_pipeline", "control_cpu", "vote_cost", "store_latency",
+        "store_step_before_after"]),
     ("torch examples' downtime", ["example_downtime_torch_fsdp_tp"]),
     ("Stragglers and rolling maintenance", [
         "straggler", "straggler_false_positives", "straggler_results", "ettr_10min", "ettr",

@@ -29,8 +29,13 @@ from trainmover.comm.groups import AbortSignal, CommError, StepAborted, StoreCli
 # genuine abort, when it comes, is seen this much later at most).
 FORGED_ABORT_POLL_S = 0.05
 # How often the voter one short of the vote count looks at the ballots itself while it waits
-# for the decision (a forged decrement of the counter leaves nobody at the count).
+# for the decision (a forged decrement of the counter leaves nobody at the count), and how
+# often every other waiting voter does (an overwritten counter can leave every voter short;
+# an erased ballot is cast again). Rarer for the many: the ballots are one line per voter,
+# and a wait that long is a hung peer's, during which N voters reading N lines each second
+# would be O(N^2) bytes through the store.
 BALLOT_RECHECK_S = 1.0
+BALLOT_RECHECK_ALL_S = 10.0
 
 
 class MainProgress:
@@ -157,8 +162,9 @@ class CommitVote:
     stall a step. Each voter also appends its signed ballot, and "commit" is written only
     once the ballots of every voter are there. A forged increment thus only makes one more
     voter look; a forged decrement or an overwritten counter leaves nobody at the count, so
-    every waiting voter looks at the ballots again every ``BALLOT_RECHECK_S`` (and casts its
-    own again if the key was overwritten)."""
+    the waiting voters look at the ballots again (the one short of the count every
+    ``BALLOT_RECHECK_S``, the others every ``BALLOT_RECHECK_ALL_S``) and cast their own again
+    if the key was overwritten."""
 
     def __init__(self, stores: StoreClients, num_voters: int, epoch: int,
                  reporter: str | None = None, progress: MainProgress | None = None,
@@ -186,7 +192,8 @@ class CommitVote:
         waiting = self.progress.waiting() if self.progress is not None else \
             contextlib.nullcontext()
         with waiting:
-            return self._wait(decision, ballots) == b"commit"
+            every = BALLOT_RECHECK_S if votes >= self.num_voters - 1 else BALLOT_RECHECK_ALL_S
+            return self._wait(decision, ballots, every) == b"commit"
 
     def _decide(self, ballots: str, decision: str) -> None:
         voters = self.store.ballot_voters(ballots)
@@ -197,21 +204,21 @@ class CommitVote:
         if len(voters) >= self.num_voters:
             self.store.compare_set(decision, "", "commit")
 
-    def _wait(self, decision: str, ballots: str) -> bytes:
-        """The genuine decision (a forged one planted before it is waited past). Every voter
-        looks at the ballots again every ``BALLOT_RECHECK_S`` while it waits: a counter
+    def _wait(self, decision: str, ballots: str, every: float) -> bytes:
+        """The genuine decision (a forged one planted before it is waited past). The voter
+        looks at the ballots again every ``every`` seconds while it waits: a counter
         overwritten or bumped down leaves nobody at the count, and then whoever looks
         decides (a step decides in milliseconds: the look costs nothing otherwise)."""
         deadline = time.monotonic() + store_timeout_s(self.store.raw)
-        recheck_at = time.monotonic() + BALLOT_RECHECK_S
+        recheck_at = time.monotonic() + every
         while True:
             try:
-                self.store.raw.wait([decision], timedelta(seconds=BALLOT_RECHECK_S))
+                self.store.raw.wait([decision], timedelta(seconds=every))
             except Exception:  # noqa: BLE001 - not decided yet (a store gone fails below)
                 if time.monotonic() > deadline:
                     raise
                 self._decide(ballots, decision)
-                recheck_at = time.monotonic() + BALLOT_RECHECK_S
+                recheck_at = time.monotonic() + every
                 continue
             value = self.store.valid(decision)
             if value is not None:
@@ -225,7 +232,7 @@ class CommitVote:
                                 f"(forged ones kept being written there)")
             if now >= recheck_at:
                 self._decide(ballots, decision)
-                recheck_at = now + BALLOT_RECHECK_S
+                recheck_at = now + every
             time.sleep(FORGED_ABORT_POLL_S)
 
 
