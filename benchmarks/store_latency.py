@@ -33,9 +33,9 @@ def _server(kind: str):
                             timeout=timedelta(seconds=30))
         port = srv.port
         return srv, port
-    from trainmover.core import kvstore
+    from trainmover.core import kvserver
 
-    srv = kvstore.serve(RUN_KEY)
+    srv = kvserver.serve(RUN_KEY)
     return srv, srv.port
 
 

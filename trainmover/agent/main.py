@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from trainmover.agent import forkserver
 from trainmover.agent.snapshots import SnapshotServer
-from trainmover.core import jobfile, kvstore, rundir
+from trainmover.core import jobfile, kvserver, kvstore, rundir
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
@@ -114,7 +114,7 @@ class Agent:
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"),
                                worker="agent" if node == 0 else f"agent{node}")
         self.store = None
-        self.store_server = None      # host 0's: the job's store (comm/store.py)
+        self.store_server = None      # host 0's: the job's store (core/kvserver.py)
         self._refused_reported, self._refusal_report_at = 0, 0.0
         self._requests: SlotReader | None = None     # the controller's requests to this host
         self._controller: P.ControllerInfo | None = None
@@ -349,7 +349,7 @@ class Agent:
         if self.listen_fd is not None:
             # served from a thread of this process for the job's lifetime (torch-free: the
             # store is up before the fork server has imported torch)
-            self.store_server = kvstore.serve(run_key, listen_fd=self.listen_fd,
+            self.store_server = kvserver.serve(run_key, listen_fd=self.listen_fd,
                                               limits=kvstore.StoreLimits.of(self.cfg.comm))
         raw = kvstore.connect(self.host, self.port, run_key, self.cfg.comm.store_timeout_s)
         self.store = AuthStore(raw, run_key)

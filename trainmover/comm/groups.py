@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.comm import store as job_store
-from trainmover.core import kvstore
+from trainmover.core import kvserver
 from trainmover.core.auth import AuthStore, PlainStore
 from trainmover.core.config import CommConfig
 from trainmover.core.topology import GroupSpec, Layout, Role
@@ -181,7 +181,7 @@ class LocalStore:
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = CommConfig.store_timeout_s, run_key: bytes | None = None):
         self.run_key = os.urandom(32) if run_key is None else run_key
-        self.server = kvstore.serve(self.run_key, host, port)
+        self.server = kvserver.serve(self.run_key, host, port)
         self.address = StoreAddress(host, self.server.port, self.run_key)
         self.timeout_s = timeout_s
 
