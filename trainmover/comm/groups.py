@@ -190,12 +190,10 @@ class LocalStore:
         return self.address.port
 
     def client(self) -> job_store.KVStore:
+        """A client that signs nothing (a test's stand-in for whoever got past the
+        handshake, a benchmark's plain client)."""
         return job_store.connect(self.address.host, self.address.port, self.run_key,
-                             timeout=timedelta(seconds=self.timeout_s))
-
-    def clients(self, timeout_s: float | None = None, signed: bool = False) -> "StoreClients":
-        return StoreClients(self.address, self.timeout_s if timeout_s is None else timeout_s,
-                            self.run_key, signed=signed)
+                                 timeout=timedelta(seconds=self.timeout_s))
 
     def close(self) -> None:
         self.server.close()
@@ -233,7 +231,7 @@ class StoreClients:
         client = getattr(self._local, "client", None)
         if client is None:
             client = job_store.connect(self.address.host, self.address.port, self.run_key,
-                                   self.timeout)
+                                       self.timeout)
             self._local.client = client
         return client
 

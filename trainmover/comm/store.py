@@ -21,6 +21,7 @@ class KVStore(dist.Store):
     def __init__(self, host: str, port: int, key: bytes, timeout: timedelta,
                  connect_timeout: timedelta | None = None):
         super().__init__()
+        dist.Store.set_timeout(self, timeout)    # what torch's C++ side reads
         self._timeout = timeout
         try:
             self._client = kvstore.KVClient(
@@ -29,8 +30,10 @@ class KVStore(dist.Store):
         except kvstore.StoreClosed as exc:
             raise dist.DistNetworkError(str(exc)) from exc
 
-    # torch reads the timeout from the Store base; ``set_timeout`` keeps both in step
+    # torch's C++ side reads the timeout from the Store base: ``set_timeout`` keeps the
+    # base, this object and the client's waits in step
     def set_timeout(self, timeout: timedelta) -> None:
+        dist.Store.set_timeout(self, timeout)
         self._timeout = timeout
         self._client.timeout_s = timeout.total_seconds()
 
