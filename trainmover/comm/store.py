@@ -21,8 +21,7 @@ class KVStore(dist.Store):
     def __init__(self, host: str, port: int, key: bytes, timeout: timedelta,
                  connect_timeout: timedelta | None = None):
         super().__init__()
-        dist.Store.set_timeout(self, timeout)    # what torch's C++ side reads
-        self._timeout = timeout
+        dist.Store.set_timeout(self, timeout)    # torch's ``timeout``, read by C++ and us
         try:
             self._client = kvstore.KVClient(
                 host, port, key, timeout.total_seconds(),
@@ -30,16 +29,10 @@ class KVStore(dist.Store):
         except kvstore.StoreClosed as exc:
             raise dist.DistNetworkError(str(exc)) from exc
 
-    # torch's C++ side reads the timeout from the Store base: ``set_timeout`` keeps the
-    # base, this object and the client's waits in step
     def set_timeout(self, timeout: timedelta) -> None:
+        """torch's timeout (the base's, which its C++ side reads) and the client's waits."""
         dist.Store.set_timeout(self, timeout)
-        self._timeout = timeout
         self._client.timeout_s = timeout.total_seconds()
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._timeout
 
     def _do(self, fn, *args):
         try:
