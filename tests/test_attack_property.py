@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from trainmover.core import protocol as P
 from trainmover.core.auth import seal
+from trainmover.worker import liveness
 
 from mp_harness import wait_for
 import test_failover
@@ -138,6 +139,10 @@ def run_attacked(tmp_path, baseline_sha: str, drawn: list[tuple[str, str]]) -> N
     # bounded: the uninterrupted job takes ~20 s here; a stall would take a store or
     # group timeout (60-120 s) at least
     assert took < 100, (took, drawn)
+    # and no step waited out a slow path: a vote's rare recheck (10 s) once cost each of
+    # five attacked steps that much while the job still ended well inside the bound above
+    slowest = max(m["step_time_s"] for m in steps_done(run_dir))
+    assert slowest < liveness.BALLOT_RECHECK_ALL_S / 2, (slowest, drawn)
     return summary
 
 

@@ -105,3 +105,17 @@ def test_only_distinct_genuine_ballots_count():
     other.cast_ballot("commit/0/6/ballots", "w4")          # another step's ballot, copied
     raw.append("commit/0/5/ballots", raw.values["commit/0/6/ballots"])
     assert store.ballot_voters("commit/0/5/ballots") == {"w0", "w1"}
+
+
+def test_junk_planted_before_the_vote_does_not_swallow_the_first_ballot():
+    """Bytes with no newline of their own set at a step's ballots key before anyone votes
+    (the attack test's replayed decision): the first ballot appended after them still
+    counts. (It was glued to the junk's line, so the step waited for its voter's rare
+    recheck, 10 s, to cast it again: found by the attack test's step times.)"""
+    raw = DictStore()
+    raw.append = lambda key, value: raw.values.__setitem__(key, raw.values.get(key, b"") + value)
+    store = AuthStore(raw, SECRET)
+    raw.values["commit/0/7/ballots"] = seal(SECRET, "commit/0/7/decision", "commit")
+    for voter in ("w0", "w1"):
+        store.cast_ballot("commit/0/7/ballots", voter)
+    assert store.ballot_voters("commit/0/7/ballots") == {"w0", "w1"}

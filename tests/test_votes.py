@@ -81,3 +81,36 @@ def test_ballots_overwritten_mid_vote_are_cast_again_and_the_step_commits():
         t.join(timeout=15)
     assert results == [True, True], "the vote did not end within 15 s"
     assert stores.get().ballot_voters(ballots) == {"w0", "w1"}
+
+
+def test_a_counter_reset_under_every_voter_costs_a_second_not_the_slow_recheck():
+    """The vote counter set back to 0 before each voter adds (the attack test's "commit
+    votes" family, written over for a fraction of a second): every voter draws count 1, so
+    nobody is at or one short of the count. The step's reporter still looks at the ballots
+    every ``BALLOT_RECHECK_S`` and decides; before, every voter waited the rare recheck
+    (``BALLOT_RECHECK_ALL_S``, 10 s), a 10 s stall per attacked step."""
+    from trainmover.worker import liveness
+
+    server = start_store_server(timeout_s=30, run_key=SECRET)
+    raw = server.client()
+    votes = P.commit_key(0, 9, "votes")
+    results, voters = [], []
+    for name in ("w0", "w1", "w2", "w3"):
+        raw.set(votes, "0")
+        # a client each, as voters in their own processes (a shared one would serialize
+        # a voter's add behind another's blocking wait)
+        vote = CommitVote(StoreClients(server.address, timeout_s=30), num_voters=4, epoch=0,
+                          voter=name,
+                          reporter="w0" if name == "w0" else None)
+        voters.append(threading.Thread(target=lambda v=vote: results.append(v(9, {})),
+                                       daemon=True))
+        voters[-1].start()
+        wait = time.monotonic() + 10
+        while raw.get(votes) != b"1" and time.monotonic() < wait:
+            time.sleep(0.005)
+        assert raw.get(votes) == b"1", name
+    last = time.monotonic()
+    for t in voters:
+        t.join(timeout=liveness.BALLOT_RECHECK_ALL_S / 2)
+    assert results == [True] * 4, (f"the vote did not end within "
+                                   f"{time.monotonic() - last:.1f} s")

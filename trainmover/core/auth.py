@@ -164,8 +164,10 @@ class AuthStore:
             time.sleep(poll_s)
 
     def cast_ballot(self, key: str, voter: str) -> None:
-        """Append this voter's signed ballot to ``key`` (one line; atomic on the server)."""
-        self.raw.append(key, seal(self._secret, f"{key}#{voter}", voter) + b"\n")
+        """Append this voter's signed ballot to ``key`` (one line; atomic on the server). The
+        line starts with a newline too: junk planted at the key before the vote, with no
+        newline of its own, would otherwise swallow the first ballot cast after it."""
+        self.raw.append(key, b"\n" + seal(self._secret, f"{key}#{voter}", voter) + b"\n")
 
     def ballot_voters(self, key: str) -> set[str]:
         """The distinct voters whose genuine ballots ``key`` holds (forged lines, copies of

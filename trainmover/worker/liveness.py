@@ -28,12 +28,14 @@ from trainmover.comm.groups import AbortSignal, CommError, StepAborted, StoreCli
 # How often the abort watcher looks again while a forged value sits at the abort key (the
 # genuine abort, when it comes, is seen this much later at most).
 FORGED_ABORT_POLL_S = 0.05
-# How often the voter one short of the vote count looks at the ballots itself while it waits
-# for the decision (a forged decrement of the counter leaves nobody at the count), and how
-# often every other waiting voter does (an overwritten counter can leave every voter short;
-# an erased ballot is cast again). Rarer for the many: the ballots are one line per voter,
-# and a wait that long is a hung peer's, during which N voters reading N lines each second
-# would be O(N^2) bytes through the store.
+# How often the voter one short of the vote count, and the step's reporter whatever count it
+# drew, look at the ballots themselves while they wait for the decision (a forged decrement
+# of the counter leaves nobody at the count; a counter overwritten again and again hands
+# every voter a low count, so the reporter is the one who still looks often), and how often
+# every other waiting voter does (an erased ballot is cast again). Rarer for the many: the
+# ballots are one line per voter, and a wait that long is a hung peer's, during which N
+# voters reading N lines each second would be O(N^2) bytes through the store; two readers a
+# second are O(N).
 BALLOT_RECHECK_S = 1.0
 BALLOT_RECHECK_ALL_S = 10.0
 
@@ -162,9 +164,9 @@ class CommitVote:
     stall a step. Each voter also appends its signed ballot, and "commit" is written only
     once the ballots of every voter are there. A forged increment thus only makes one more
     voter look; a forged decrement or an overwritten counter leaves nobody at the count, so
-    the waiting voters look at the ballots again (the one short of the count every
-    ``BALLOT_RECHECK_S``, the others every ``BALLOT_RECHECK_ALL_S``) and cast their own again
-    if the key was overwritten."""
+    the waiting voters look at the ballots again (the one short of the count and the step's
+    reporter every ``BALLOT_RECHECK_S``, the others every ``BALLOT_RECHECK_ALL_S``) and cast
+    their own again if the key was overwritten."""
 
     def __init__(self, stores: StoreClients, num_voters: int, epoch: int,
                  reporter: str | None = None, progress: MainProgress | None = None,
@@ -192,7 +194,8 @@ class CommitVote:
         waiting = self.progress.waiting() if self.progress is not None else \
             contextlib.nullcontext()
         with waiting:
-            every = BALLOT_RECHECK_S if votes >= self.num_voters - 1 else BALLOT_RECHECK_ALL_S
+            often = votes >= self.num_voters - 1 or self.reporter is not None
+            every = BALLOT_RECHECK_S if often else BALLOT_RECHECK_ALL_S
             return self._wait(decision, ballots, every) == b"commit"
 
     def _decide(self, ballots: str, decision: str) -> None:
