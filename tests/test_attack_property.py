@@ -61,8 +61,12 @@ FAMILIES = {
     "checkpoints and digests": lambda s, j: [P.checkpoint_key(0, s + 5),
                                              P.replica_digest_key(s + 3, "dp0.pp0.tp0")],
 }
-# each attack's writes go on this long (shorter than a heartbeat timeout: junk written over
-# a live process's beats faster than it beats makes it look silent, a cost like a deleted key)
+# each attack's writes go on for this many of the job's steps, or this long if that comes
+# first (shorter than a heartbeat timeout: junk written over a live process's beats faster
+# than it beats makes it look silent, a cost like a deleted key). Counted in steps, so every
+# attack is over long before the job is, however fast its steps are: timed alone, the
+# attacks outlasted a job whose steps had become faster than the attacks assumed.
+ATTACK_STEPS = 4
 ATTACK_S = 0.4
 KINDS = ["unsigned", "other run", "replayed", "oversized", "not text", "counter bump"]
 
@@ -84,7 +88,8 @@ def _values(kind: str, key: str, raw, genuine: bytes | None):
 
 def attack(raw, run_dir: str, drawn: list[tuple[str, str]], stop: threading.Event,
            log: list) -> None:
-    """Carry out the drawn attacks in turn, each for ``ATTACK_S`` of repeated writes."""
+    """Carry out the drawn attacks in turn, each by repeated writes for ``ATTACK_STEPS``
+    steps of the job (``ATTACK_S`` at most)."""
     pids = {e["name"]: e["pid"] for e in events(run_dir, "process_started")}
     state = {"pids": pids,
              "agent_head": int(raw.get(P.agent_key(0, "req/count")))
@@ -97,8 +102,11 @@ def attack(raw, run_dir: str, drawn: list[tuple[str, str]], stop: threading.Even
         if stop.is_set():
             return
         until = time.monotonic() + ATTACK_S
+        first = len(steps_done(run_dir))
         while time.monotonic() < until and not stop.is_set():
             step = len(steps_done(run_dir))
+            if step >= first + ATTACK_STEPS:
+                break
             for key in FAMILIES[family](step, state):
                 values = _values(kind, key, raw, genuine)
                 try:

@@ -92,10 +92,11 @@ class Retention:
         """Delete the rendezvous keys of every communicator generation older than the live
         one, and of the given transfer channels (name, generation)."""
         m, store = self.ctx.membership, self.ctx.store
-        specs = m.layout.communicator_groups()
         for name, live in m.generations.items():
-            for gen in range(self.generations_deleted.get(name, 0), live):
-                for key in P.rendezvous_keys(name, gen, specs[name].size):
+            old = range(self.generations_deleted.get(name, 0), live)
+            size = m.layout.group(name).size if old else 0
+            for gen in old:
+                for key in P.rendezvous_keys(name, gen, size):
                     store.delete_key(key)
             self.generations_deleted[name] = max(live, self.generations_deleted.get(name, 0))
         for name, gen in channels:

@@ -7,11 +7,10 @@ only ever see the resulting commands.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from enum import Enum
 
-from trainmover.core.topology import Layout, Role
+from trainmover.core.topology import GroupSpec, Layout, Role
 
 
 class MigrationRefused(ValueError):
@@ -37,16 +36,39 @@ class Membership:
     generations: dict[str, int] = field(default_factory=dict)   # group name -> live generation
     next_generation: dict[str, int] = field(default_factory=dict)  # never reused, even on abort
     departed: list[str] = field(default_factory=list)
+    # role -> holder, so planning reads a group's holders without a pass over every worker.
+    # A hint, checked on each use (``workers`` may be changed in place), never saved.
+    _holders: dict[Role, str] = field(default_factory=dict, init=False, repr=False,
+                                      compare=False)
 
     @staticmethod
     def initial(layout: Layout, workers: list[str], standbys: list[str]) -> "Membership":
         if len(workers) != layout.num_roles:
             raise ValueError(f"{len(workers)} workers for {layout.num_roles} roles")
+        groups = layout.communicator_groups()
         return Membership(
             layout=layout, workers=dict(zip(workers, layout.roles())),
             standbys={s: StandbyState.STARTING for s in standbys},
-            generations={n: 0 for n in layout.communicator_groups()},
-            next_generation={n: 1 for n in layout.communicator_groups()})
+            generations={n: 0 for n in groups}, next_generation={n: 1 for n in groups})
+
+    def holder(self, role: Role) -> str | None:
+        """The active worker holding ``role``, if any: O(1), but for the first use after
+        ``workers`` changed in place, and for a role nobody holds (one pass over it)."""
+        w = self._holders.get(role)
+        if w is None or self.workers.get(w) != role:
+            self._holders = {r: name for name, r in self.workers.items()}
+            w = self._holders.get(role)
+        return w
+
+    def copy(self) -> "Membership":
+        """An independent copy. Shallow containers are enough (every value in them is
+        immutable: roles, states, numbers, names), and an order of magnitude cheaper than a
+        deep copy with tens of thousands of workers."""
+        out = Membership(self.layout, dict(self.workers), dict(self.standbys),
+                         dict(self.generations), dict(self.next_generation),
+                         list(self.departed))
+        out._holders = dict(self._holders)
+        return out
 
     def free_standbys(self) -> list[str]:
         """Standbys that may be picked, warm ones first, then by name."""
@@ -152,30 +174,32 @@ def plan_migration(m: Membership, migration_id: int, leavers: list[str],
         joiners = free[:len(leavers)]
     pairs = [Pair(w, j, m.workers[w]) for w, j in zip(leavers, joiners)]
     layout = m.layout
-    leaving_roles = [p.role for p in pairs]
+    # the naive baseline's plan lists every group and worker: O(N) by design
     affected = layout.communicator_groups() if rebuild_all else \
-        layout.affected_groups(*leaving_roles)
+        layout.affected_groups(*[p.role for p in pairs])
     generations = {name: m.next_generation[name] for name in affected}
     return MigrationPlan(migration_id, pairs, generations, _members(m, affected, seen),
-                         len(layout.communicator_groups()), rebuild_all)
+                         layout.communicator_group_count(), rebuild_all)
 
 
-def _members(m: Membership, groups: dict, exclude: set[str]) -> dict[str, list[str]]:
-    """Each active worker (but ``exclude``) -> the names of ``groups`` it is a member of."""
+def _members(m: Membership, groups: dict[str, GroupSpec], exclude: set[str]
+             ) -> dict[str, list[str]]:
+    """Each active worker (but ``exclude``) -> the names of ``groups`` it is a member of,
+    sorted. Read from the groups' members, so it costs their total size, not N; the workers
+    come in the order of their first group."""
     out: dict[str, list[str]] = {}
-    for w, role in m.workers.items():
-        if w in exclude:
-            continue
-        mine = sorted(n for n, g in groups.items() if role in g.members)
-        if mine:
-            out[w] = mine
+    for name in sorted(groups):
+        for role in groups[name].members:
+            w = m.holder(role)
+            if w is not None and w not in exclude:
+                out.setdefault(w, []).append(name)
     return out
 
 
 def reserve(m: Membership, plan: MigrationPlan) -> Membership:
     """The membership while a plan is in flight: joiners reserved, generations burned (an
     aborted attempt never reuses a store prefix a stuck builder may still be waiting on)."""
-    out = copy.deepcopy(m)
+    out = m.copy()
     for j in plan.joiners:
         out.standbys[j] = StandbyState.RESERVED
     for name, gen in plan.generations.items():
@@ -185,10 +209,11 @@ def reserve(m: Membership, plan: MigrationPlan) -> Membership:
 
 def commit(m: Membership, plan: MigrationPlan) -> Membership:
     """The membership after the switch: joiners hold the roles, leavers are gone."""
-    out = copy.deepcopy(m)
+    out = m.copy()
     for p in plan.pairs:
         del out.workers[p.leaver]
         out.workers[p.joiner] = p.role
+        out._holders[p.role] = p.joiner
         out.standbys.pop(p.joiner, None)
         out.departed.append(p.leaver)
     out.generations.update(plan.generations)
@@ -198,7 +223,7 @@ def commit(m: Membership, plan: MigrationPlan) -> Membership:
 def abort(m: Membership, plan: MigrationPlan, dead: set[str]) -> Membership:
     """The membership after an aborted migration: live joiners return to the pool, dead
     ones are marked; roles and live generations are unchanged."""
-    out = copy.deepcopy(m)
+    out = m.copy()
     for j in plan.joiners:
         if j in out.standbys:
             out.standbys[j] = StandbyState.DEAD if j in dead else StandbyState.COLD
@@ -299,12 +324,14 @@ class RecoveryPlan:
 
 
 def replica_of(m: Membership, role: Role, exclude: set[str]) -> str | None:
-    """A live worker holding the same (pp, tp) position in another data-parallel replica
-    (none when the dp roles hold shards, not replicas: ``Layout.dp_sharded``)."""
+    """A live worker holding the same (pp, tp) position in another data-parallel replica,
+    the lowest dp rank first (none when the dp roles hold shards, not replicas:
+    ``Layout.dp_sharded``). O(DP)."""
     if m.layout.dp_sharded:
         return None
-    for w, r in sorted(m.workers.items(), key=lambda kv: kv[1]):
-        if w not in exclude and r.pp == role.pp and r.tp == role.tp and r.dp != role.dp:
+    for dp in range(m.layout.dp):
+        w = m.holder(Role(dp, role.pp, role.tp)) if dp != role.dp else None
+        if w is not None and w not in exclude:
             return w
     return None
 
@@ -347,13 +374,14 @@ def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set
         sources = {r: rollback_source for r in sources}  # everyone goes back together
     layout = m.layout
     rebuild = dict(layout.affected_groups(*[p.role for p in pairs]))
-    comm = layout.communicator_groups()
     for name in sorted(dirty):
-        if name in comm:
-            rebuild[name] = comm[name]
+        spec = layout.group(name)
+        if spec is not None and not spec.trivial:
+            rebuild[name] = spec
     generations = {name: m.next_generation[name] for name in rebuild}
     return RecoveryPlan(recovery_id, pairs, sources, rollback, generations,
-                        _members(m, rebuild, dead), len(comm), rollback_source)
+                        _members(m, rebuild, dead), layout.communicator_group_count(),
+                        rollback_source)
 
 
 
@@ -366,11 +394,14 @@ def dirty_groups(layout: Layout, reports: dict[str, dict[str, dict]],
     same number of collectives, and in a pipeline pair each side received exactly what the
     other sent (a message sent but never received would be read by the next step's receive).
     Groups with a member that did not report (dead) are not judged here: they are rebuilt
-    as the failed role's groups."""
+    as the failed role's groups. Only groups some survivor reported on can be judged, so
+    only those are looked at: the reports' size, not the layout's groups times their size."""
     dirty = set()
-    comm = layout.communicator_groups()
     role_holder = {r: w for w, r in holders.items()}
-    for name, spec in comm.items():
+    for name in {name for acc in reports.values() for name in acc}:
+        spec = layout.group(name)
+        if spec is None or spec.trivial:
+            continue
         members = [role_holder.get(r) for r in spec.members]
         if any(w is None or w not in reports or name not in reports[w] for w in members):
             continue

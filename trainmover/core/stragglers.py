@@ -29,6 +29,7 @@ scores ranks (1.0: as fast as the reference; 0.77: 1.3x slower).
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -120,34 +121,20 @@ class StragglerDetector:
             track.recent = (track.recent + [(index, w)])[-(self.s.min_windows + 4):]
             fresh.append((index, w))
         out = []
+        # judging changes no track's windows, so who is whose peer is settled once per call
+        peers = _Peers(self._tracks, self.s)
         for index, w in sorted(fresh, key=lambda x: (x[1].last, x[1].worker)):
-            verdict = self._judge(index, w)
+            verdict = self._judge(index, w, peers)
             if verdict is not None:
                 out.append(verdict)
         return out
 
-    def _peer_window(self, track: _Track, w: Window) -> Window | None:
-        """The peer's settled window nearest ``w``'s steps (at most two windows away)."""
-        near = [(abs(p.last - w.last), p) for i, p in track.recent
-                if i >= self.s.settle_windows and abs(p.last - w.last) <= 2 * self.s.window]
-        return min(near, key=lambda x: x[0])[1] if near else None
-
-    def _judge(self, index: int, w: Window) -> Verdict | None:
+    def _judge(self, index: int, w: Window, peers: _Peers) -> Verdict | None:
         track = self._tracks[w.worker]
         if index < self.s.settle_windows:
             return None
-        peers = []
-        for name, other in self._tracks.items():
-            if name == w.worker or not other.recent:
-                continue
-            role = other.recent[-1][1].role
-            if role.pp == w.role.pp and role.tp == w.role.tp:
-                p = self._peer_window(other, w)
-                if p is not None:
-                    peers.append(p.compute_s)
-        if peers:
-            ref, kind = median(peers), "peers"
-        else:
+        ref, kind = peers.reference(w.worker, w.role, w.last), "peers"
+        if ref is None:
             if index < self.s.settle_windows + self.s.baseline_windows:
                 return None    # the baseline is still being taken
             ref, kind = median(track.baseline), "baseline"
@@ -164,6 +151,60 @@ class StragglerDetector:
         return Verdict(w.worker, w.role.name, round(1.0 / median(track.ratios), 4), kind,
                        track.slow,
                        track.straggler, own - ref, w.last)
+
+
+class _Peers:
+    """The peers' windows a judged window is compared with, by peer position (pipeline stage,
+    tensor shard) and the step the window ends at: each position's values are collected and
+    sorted once per step, and a worker's reference is their median without its own value,
+    where asking every worker about every judged window cost O(N^2) per evaluation."""
+
+    def __init__(self, tracks: dict[str, _Track], settings: DetectorSettings):
+        self.tracks, self.s = tracks, settings
+        self.at: dict[tuple[int, int], list[str]] = {}   # peer position -> workers there
+        for name, track in tracks.items():
+            if track.recent:
+                self.at.setdefault(self._position(track), []).append(name)
+        # (position, step) -> the values there, sorted, and each worker's own (None: none)
+        self._seen: dict[tuple[tuple[int, int], int],
+                         tuple[list[float], dict[str, float | None]]] = {}
+
+    @staticmethod
+    def _position(track: _Track) -> tuple[int, int]:
+        role = track.recent[-1][1].role
+        return role.pp, role.tp
+
+    def _nearest(self, track: _Track, last: int) -> float | None:
+        """The track's settled window nearest the steps ending at ``last`` (at most two
+        windows away; the older one on a tie), as its compute seconds."""
+        near = [(abs(p.last - last), p) for i, p in track.recent
+                if i >= self.s.settle_windows and abs(p.last - last) <= 2 * self.s.window]
+        return min(near, key=lambda x: x[0])[1].compute_s if near else None
+
+    def reference(self, worker: str, role: Role, last: int) -> float | None:
+        """The median of the windows nearest ``last`` of ``role``'s peers but ``worker``
+        (None: no peer has one)."""
+        key = ((role.pp, role.tp), last)
+        if key not in self._seen:
+            each = {n: self._nearest(self.tracks[n], last) for n in self.at.get(key[0], ())}
+            self._seen[key] = sorted(v for v in each.values() if v is not None), each
+        values, each = self._seen[key]
+        # the worker's own value is left out (it has none here if its newest window is in
+        # another position)
+        return _median_without(values, each.get(worker))
+
+
+def _median_without(values: list[float], drop: float | None) -> float | None:
+    """``statistics.median`` of the sorted ``values`` less one value equal to ``drop`` (if
+    not None; it is one of them), in O(log n), with the same arithmetic."""
+    n = len(values) - (drop is not None)
+    if n == 0:
+        return None
+    gap = bisect_left(values, drop) if drop is not None else n
+
+    def at(k: int) -> float:
+        return values[k + (k >= gap)]
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 def worth_moving(excess_s_per_step: float, steps_left: int, migration_cost_s: float) -> bool:

@@ -15,11 +15,16 @@ Vocabulary
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 import re
 
 GROUP_KINDS = ("tp", "dp", "pp", "p2p")
+# a group name, parsed leniently (``Layout.group`` checks it against the name it builds);
+# digits bounded, as int() refuses very long ones and no layout is that large
+_GROUP_NAME = re.compile(r"(tp|dp|pp|p2p)\.(dp|pp|tp)([0-9]{1,9})\.(dp|pp|tp)([0-9]{1,9})"
+                         r"(?:\.pp([0-9]{1,9})-[0-9]{1,9})?")
 
 
 class StageKind(str, Enum):
@@ -153,22 +158,22 @@ class Layout:
 
     # --- groups -------------------------------------------------------------------------
     def tp_group(self, role: Role) -> GroupSpec:
-        return GroupSpec(f"tp.dp{role.dp}.pp{role.pp}", "tp",
+        return GroupSpec(_tp_name(role.dp, role.pp), "tp",
                          tuple(Role(role.dp, role.pp, t) for t in range(self.tp)))
 
     def dp_group(self, role: Role) -> GroupSpec:
-        return GroupSpec(f"dp.pp{role.pp}.tp{role.tp}", "dp",
+        return GroupSpec(_dp_name(role.pp, role.tp), "dp",
                          tuple(Role(d, role.pp, role.tp) for d in range(self.dp)))
 
     def pp_group(self, role: Role) -> GroupSpec:
-        return GroupSpec(f"pp.dp{role.dp}.tp{role.tp}", "pp",
+        return GroupSpec(_pp_name(role.dp, role.tp), "pp",
                          tuple(Role(role.dp, p, role.tp) for p in range(self.pp)))
 
     def p2p_group(self, dp: int, tp: int, stage: int) -> GroupSpec:
         """The pair (stage, stage + 1) of pipeline column (dp, tp)."""
         if not 0 <= stage < self.pp - 1:
             raise ValueError(f"no pipeline pair starts at stage {stage} in layout {self}")
-        return GroupSpec(f"p2p.dp{dp}.tp{tp}.pp{stage}-{stage + 1}", "p2p",
+        return GroupSpec(_p2p_name(dp, tp, stage), "p2p",
                          (Role(dp, stage, tp), Role(dp, stage + 1, tp)))
 
     def groups_of(self, role: Role) -> dict[str, GroupSpec]:
@@ -183,16 +188,60 @@ class Layout:
         return out
 
     def all_groups(self) -> dict[str, GroupSpec]:
-        """Every group of the layout, trivial ones included, keyed by group name."""
-        out: dict[str, GroupSpec] = {}
-        for role in self.roles():
-            for spec in self.groups_of(role).values():
-                out[spec.name] = spec
-        return out
+        """Every group of the layout, trivial ones included, keyed by group name. O(N): each
+        group is built once (``group`` builds one by name)."""
+        return {spec.name: spec for spec in self._groups_in_order(trivial=True)}
 
     def communicator_groups(self) -> dict[str, GroupSpec]:
-        """The groups that need a real communicator (two or more members)."""
-        return {n: g for n, g in self.all_groups().items() if not g.trivial}
+        """The groups that need a real communicator (two or more members). O(N)."""
+        return {spec.name: spec for spec in self._groups_in_order(trivial=False)}
+
+    def communicator_group_count(self) -> int:
+        """``len(communicator_groups())``, by arithmetic."""
+        d, p, t = self.dp, self.pp, self.tp
+        return (d * p if t > 1 else 0) + (p * t if d > 1 else 0) + \
+            (d * t if p > 1 else 0) + d * t * (p - 1)
+
+    def _groups_in_order(self, trivial: bool) -> Iterator[GroupSpec]:
+        """Each group once, ordered by its first role in global rank order, then tp, dp, pp,
+        p2p: the order the groups always came in (a new membership and the naive plan keep it)."""
+        dp, pp, tp = self.dp, self.pp, self.tp
+        tp_on, dp_on, pp_on = trivial or tp > 1, trivial or dp > 1, trivial or pp > 1
+        # one Role per rank, shared by its groups (members are slices of the rank order):
+        # building each group's roles afresh cost several times more at scale
+        roles = [Role(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)]
+        for rank, role in enumerate(roles):
+            d, p, t = role.dp, role.pp, role.tp
+            if t == 0 and tp_on:
+                yield GroupSpec(_tp_name(d, p), "tp", tuple(roles[rank:rank + tp]))
+            if d == 0 and dp_on:
+                yield GroupSpec(_dp_name(p, t), "dp", tuple(roles[rank::pp * tp]))
+            if p == 0 and pp_on:
+                yield GroupSpec(_pp_name(d, t), "pp", tuple(roles[rank:rank + pp * tp:tp]))
+            if p < pp - 1:
+                yield GroupSpec(_p2p_name(d, t, p), "p2p", (role, roles[rank + tp]))
+
+    def group(self, name: str) -> GroupSpec | None:
+        """The group called ``name`` (trivial or not), or None if the layout has none such:
+        O(group size), where looking it up in ``all_groups()`` builds every group first."""
+        m = _GROUP_NAME.fullmatch(name) if isinstance(name, str) else None
+        if m is None:
+            return None
+        kind, coords = m[1], {"dp": 0, "pp": 0, "tp": 0, m[2]: int(m[3]), m[4]: int(m[5])}
+        if m[6] is not None:
+            coords["pp"] = int(m[6])
+        role = Role(**coords)
+        if not (0 <= role.dp < self.dp and 0 <= role.pp < self.pp and 0 <= role.tp < self.tp):
+            return None
+        if kind == "p2p":
+            if role.pp >= self.pp - 1:
+                return None
+            spec = self.p2p_group(role.dp, role.tp, role.pp)
+        else:
+            spec = getattr(self, f"{kind}_group")(role)
+        # parsing was lenient (order of coordinates, a pair's end): only the name the layout
+        # itself writes for this group names it
+        return spec if spec.name == name else None
 
     def affected_groups(self, *roles: Role) -> dict[str, GroupSpec]:
         """Groups that must be rebuilt when the workers holding ``roles`` are replaced:
@@ -203,6 +252,22 @@ class Layout:
                 if not spec.trivial:
                     out[spec.name] = spec
         return dict(sorted(out.items()))
+
+
+def _tp_name(dp: int, pp: int) -> str:
+    return f"tp.dp{dp}.pp{pp}"
+
+
+def _dp_name(pp: int, tp: int) -> str:
+    return f"dp.pp{pp}.tp{tp}"
+
+
+def _pp_name(dp: int, tp: int) -> str:
+    return f"pp.dp{dp}.tp{tp}"
+
+
+def _p2p_name(dp: int, tp: int, stage: int) -> str:
+    return f"p2p.dp{dp}.tp{tp}.pp{stage}-{stage + 1}"
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:

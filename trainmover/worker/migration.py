@@ -219,8 +219,9 @@ class Migrations:
         if part.kind == "leaver":
             return [(transfer_spec(cmd.transfer_group, self.role), cmd.transfer_generation,
                      self.role)]
-        all_specs = self.layout.all_groups()
-        return [(all_specs[n], g, self.role) for n, g in sorted(cmd.groups.items())]
+        # each group by its name: O(its size), where building every group of the layout
+        # cost each stayer O(N) per migration
+        return [(self.layout.group(n), g, self.role) for n, g in sorted(cmd.groups.items())]
 
     def _build(self, part: Participation) -> None:
         """Phase 1 in a background thread; the builder gives this thread its own store client."""

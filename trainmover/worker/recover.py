@@ -78,7 +78,7 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
     report_failure(ctx, step, error, groups)
     if state is not None and state.buckets is not None:
         state.buckets.quarantine()   # before any transfer is staged through them
-    specs = ctx.cfg.layout.all_groups()
+    layout = ctx.cfg.layout
     while True:
         cmd = ctx.commands.next()
         if not isinstance(cmd, P.Recover):
@@ -92,7 +92,7 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
         AbortWatcher(ctx.stores, ctx.abort, cmd.epoch)
         try:
             built = abortably(ctx.abort, lambda: {
-                name: ctx.builder.build(specs[name], role, gen)
+                name: ctx.builder.build(layout.group(name), role, gen)
                 for name, gen in sorted(cmd.groups.items())})
             migrations.retired.extend(groups.install(built))
             if cmd.rollback_step is not None:

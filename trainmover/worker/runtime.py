@@ -121,7 +121,8 @@ class Runtime:
         elif isinstance(launch, Start):
             self.role = Role.parse(ctx.store.get(P.membership_key(ctx.name)).decode())
             t0 = time.perf_counter()
-            gens = {name: launch.generation for name in self.layout.communicator_groups()}
+            gens = {s.name: launch.generation
+                    for s in self.layout.groups_of(self.role).values()}
             self.comm_groups, times = build_comm_groups(ctx.builder, self.layout, self.role,
                                                         gens)
             ctx.events.emit("groups_built", generation=launch.generation,
