@@ -11,6 +11,7 @@ from mp_harness import run_processes, values
 from trainmover.comm.groups import (AbortSignal, CommError, GroupBuilder, StepAborted,
                                     StoreClients, build_comm_groups)
 from trainmover.core.topology import GroupSpec, Layout, Role
+from trainmover.train import transfer
 from trainmover.train.buckets import GradBuckets
 from trainmover.train.ddp import DataParallel
 from trainmover.train.state import StateError, TrainState, assemble
@@ -126,7 +127,12 @@ def test_assembly_refuses_a_name_held_by_two_stages():
         assemble(shards, Layout(1, 2, 1))
 
 
-def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=False):
+def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=False,
+              in_place_min=None):
+    if in_place_min is not None:
+        # the large tensors' in-place path, with tensors this small: a.weight (4,800 bytes)
+        # in place, the rest of the net packed through the buckets
+        transfer.IN_PLACE_MIN_BYTES = in_place_min
     signal = AbortSignal()
     builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30, abort_signal=signal)
     spec = GroupSpec("xfer.t", "xfer", (Role(0, 0, 0), Role(0, 0, 0)))
@@ -176,12 +182,16 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=Fals
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("use_buckets,epoch_aborted,layout_first",
-                         [(True, False, False), (False, False, False), (True, True, False),
-                          (True, False, True)],
-                         ids=["buckets", "plain", "after-an-epoch-abort", "layout-in-phase-1"])
-def test_live_transfer_moves_the_whole_state(use_buckets, epoch_aborted, layout_first):
-    res = values(run_processes(_transfer, 2, use_buckets, epoch_aborted, layout_first))
+@pytest.mark.parametrize("use_buckets,epoch_aborted,layout_first,in_place_min",
+                         [(True, False, False, None), (False, False, False, None),
+                          (True, True, False, None), (True, False, True, None),
+                          (True, False, False, 4000)],
+                         ids=["buckets", "plain", "after-an-epoch-abort", "layout-in-phase-1",
+                              "buckets-large-in-place"])
+def test_live_transfer_moves_the_whole_state(use_buckets, epoch_aborted, layout_first,
+                                             in_place_min):
+    res = values(run_processes(_transfer, 2, use_buckets, epoch_aborted, layout_first,
+                               in_place_min))
     (_, sent, a, _, rng_a, _), (resume, got, b, note, rng_b, allocated) = res[0], res[1]
     if layout_first:
         # the joiner's moments were allocated before the transfer (the leaver had stepped)

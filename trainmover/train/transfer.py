@@ -1,9 +1,9 @@
 """The state's wire transfer: a leaver (or a replica) sends a ``TrainState`` to a joiner over
 a point-to-point group, for a planned migration and a recovery from a replica.
 
-The sender needs no extra memory for parameters and moments: they travel through the
-gradient buckets when there are any (the gradients are zero at a step boundary), otherwise
-each tensor in place. Entries travel in flight together within ``TRANSFER_WINDOW_BYTES``,
+The sender needs no extra memory for parameters and moments: a large tensor (from
+``IN_PLACE_MIN_BYTES``) travels in place, smaller ones packed through the gradient buckets
+when there are any (the gradients are zero at a step boundary). Entries travel in flight together within ``TRANSFER_WINDOW_BYTES``,
 so the link does not wait for a round trip per entry and packing overlaps sending. Small
 entries (and the generators' states) travel packed in one message.
 """
@@ -63,11 +63,11 @@ def _optim_bytes(state: TrainState) -> int:
 
 
 def send_state(state: TrainState, group, peer: int, resume_step: int) -> dict:
-    """Leaver (or replica) side: the whole state and the step to resume at. Parameters and
-    moments go through the gradient buckets when there are any (at an iteration
-    boundary the gradients are zero: the buckets are zeroed again after use), so the
-    sender needs no extra memory; otherwise each tensor is sent in place. Small entries
-    travel packed."""
+    """Leaver (or replica) side: the whole state and the step to resume at. Large tensors
+    are sent in place; smaller parameters and moments go packed through the gradient
+    buckets when there are any (at an iteration boundary the gradients are zero: the
+    buckets are zeroed again after use), so the sender needs no extra memory. The
+    smallest entries travel packed in one message."""
     t0 = time.perf_counter()
     meta = state.meta()
     meta["resume_step"] = resume_step
@@ -115,9 +115,16 @@ def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
                                         if k.startswith("optim/")})
             for kind in kinds:
                 # each bucket has its own buffer: a kind's buckets travel together, and
-                # the next kind reuses the buffers once they are done
-                items = [(buf.numel() * buf.element_size(), buf, parts) for buf, parts
-                         in _bucket_parts(state, kind, tensors, by_param) if parts is not None]
+                # the next kind reuses the buffers once they are done. Only a bucket's small
+                # tensors are packed (at the front of its buffer); large ones travel in
+                # place (below), with no copy on either side: packing and unpacking them
+                # took about 40% of the transfer's time on a CPU (benchmarks/transfer_pair.py)
+                items = []
+                for buf, parts in _bucket_parts(state, kind, tensors, by_param):
+                    small = [(n, t) for n, t in parts or () if not _large(t)]
+                    if small:
+                        used = sum(t.numel() for _, t in small)
+                        items.append((used * buf.element_size(), buf[:used], small))
                 tags = range(tag, tag + len(items))
                 tag += len(items)
                 _pipelined(list(zip(tags, items)), group, peer, sending,
@@ -156,6 +163,16 @@ def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
                     offset += n
             nbytes += packed.numel()
     return nbytes
+
+
+# From this size an entry travels as its own message rather than packed with others: the
+# per-message cost (tens of microseconds) is then a few percent of its time on the link.
+IN_PLACE_MIN_BYTES = 1 << 20
+
+
+def _large(t: torch.Tensor) -> bool:
+    """Decided by size alone, so both sides decide alike whatever their tensors' strides."""
+    return t.numel() * t.element_size() >= IN_PLACE_MIN_BYTES
 
 
 def _bucket_parts(state: TrainState, kind: str, tensors: dict[str, torch.Tensor],
