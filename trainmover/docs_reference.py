@@ -311,7 +311,8 @@ BENCH_GROUPS = [
     ("Downtime: planned migration, crash, hang", [
         "quick", "downtime-eager", "downtime-failures-eager", "downtime-compiled",
         "downtime-failures-compiled", "downtime", "downtime-failures",
-        "downtime-before-after", "downtime-crash-before-after", "state_size"]),
+        "downtime-before-after", "downtime-crash-before-after", "state_size",
+        "state_size_inplace"]),
     ("Against torchft", ["torchft"]),
     ("Recovery sources and checkpoint cost", ["recovery_sources", "checkpoint_cost"]),
     ("Cost per step", [
