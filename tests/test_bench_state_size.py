@@ -53,8 +53,9 @@ def test_memory_estimate_and_steps():
 
 def test_the_cli_has_the_subcommand_with_its_defaults():
     args = make_parser().parse_args(["bench", "state-size"])
-    assert (args.sizes, args.repeats, args.scenarios, args.name, args.out) == \
-        ("10,100,500,2000", 3, "planned,crash", "state_size", "benchmarks/results")
+    assert (args.sizes, args.repeats, args.scenarios, args.strategies, args.name, args.out) == \
+        ("10,100,500,2000", 3, "planned,crash", "stop_and_copy,precopy", "state_size",
+         "benchmarks/results")
 
 
 def _run(scenario, downtime, strategy="stop_and_copy", state=10_400_000, digest="d0",
@@ -171,12 +172,17 @@ def test_end_to_end_smallest_size_one_repeat(tmp_path):
     result = ss.bench_state_size([10], repeats=1, out_dir=str(tmp_path), name="ss",
                                  scratch=str(tmp_path / "scratch"))
     assert (tmp_path / "ss.md").is_file() and (tmp_path / "ss.json").is_file()
-    rows = {r["scenario"]: r for r in result["rows"]}
-    assert set(rows) == {"planned", "crash"}
+    rows = {(r["scenario"], r["strategy"]): r for r in result["rows"]}
+    assert set(rows) == {("planned", "stop_and_copy"), ("planned", "precopy"),
+                         ("crash", "stop_and_copy")}
     for row in rows.values():
         assert row["failed"] == 0, row["errors"]
         assert row["weights_equal"] is True
         assert abs(row["state_bytes"] - 10e6) <= 0.15 * 10e6
         assert row["p2p_s"] > 0 and row["downtime_s"]["median"] is not None
         assert row["peak_rss_mb"]["joiner"] and row["peak_rss_mb"]["stayers"]
-    assert rows["planned"]["transfer_s"]["median"] > 0
+    assert rows["planned", "stop_and_copy"]["transfer_s"]["median"] > 0
+    # the pre-copy moved the parameters and moments before the switch, the rest at it
+    pre = rows["planned", "precopy"]
+    assert pre["pre_switch_bytes"] > 0.9 * pre["state_bytes"]
+    assert pre["switch_bytes"] < 0.1 * pre["state_bytes"]

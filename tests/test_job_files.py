@@ -70,6 +70,10 @@ backend = "gloo"
 count = 2
 recording_dir = "/tmp/rec"
 
+[migration]
+precopy = true
+precopy_chunk_mb = 16
+
 [health]
 heartbeat_timeout_s = 5.0
 
@@ -119,6 +123,7 @@ def test_a_job_file_sets_fields_of_every_section(tmp_path):
     assert cfg.data.rehearse is False and cfg.process.deterministic is False
     assert cfg.hosts.nproc_per_node == 4 and cfg.comm.backend == "gloo"
     assert cfg.standby.count == 2 and cfg.standby.recording_dir == "/tmp/rec"
+    assert cfg.migration.precopy is True and cfg.migration.precopy_chunk_mb == 16.0
     assert cfg.health.heartbeat_timeout_s == 5.0 and cfg.recovery.max_attempts == 2
     assert cfg.checkpoint.every == 7 and cfg.snapshot.every == 3
     assert cfg.straggler.policy == "migrate" and cfg.maintenance.rebalance_every_s == 30.0

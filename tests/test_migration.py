@@ -15,6 +15,7 @@ from trainmover.core.faults import Inject, WorkerFault
 from trainmover.recipes import get_recipe
 from trainmover.core.topology import Layout
 
+from test_failures import with_faults
 from test_warmup import check_joiners_warmed
 
 SEED = int(os.environ.get("TRAINMOVER_TEST_SEED", "7"))
@@ -196,3 +197,57 @@ def test_the_naive_baseline_migration_starts_its_joiner_at_the_switch_and_stays_
     assert summary["weights_sha256"] == base["weights_sha256"]
     (started,) = events_of(str(tmp_path / "moved"), "migration_started")
     assert started["naive"] is True
+
+
+def precopy_job(steps, standbys, **settings):
+    """DP2xPP3 with pre-copy, one parameter per step boundary (a chunk of one byte holds
+    one): the background phase spans as many steps as a stage has parameters (15-18)."""
+    return job(2, 3, 1, steps, standbys, migration_precopy=True,
+               migration_precopy_chunk_mb=1e-6, **settings)
+
+
+@pytest.mark.timeout(600)
+def test_precopied_migrations_of_a_first_middle_and_last_role_are_bit_identical(
+        tmp_path, reference_weights):
+    cfg = precopy_job(60, 3)   # the first stage has 32 parameters: 32 steps of pre-copy
+    layout = cfg.layout
+    names = {layout.role_of(i).name: f"w{i}" for i in range(layout.num_roles)}
+    targets = [names["dp0.pp0.tp0"], names["dp1.pp1.tp0"], names["dp0.pp2.tp0"]]
+    # one migration of three pairs: three pre-copies at once
+    moved = run_job(cfg, str(tmp_path / "moved"), quiet=True, timeout_s=400,
+                    injects=[Inject("migrate", 3, t) for t in targets])
+    (m,) = moved["migrations"]
+    assert m["status"] == "done" and sorted(p["leaver"] for p in m["pairs"]) == sorted(targets)
+    assert moved["weights_sha256"] == reference_weights(cfg)
+    run_dir = str(tmp_path / "moved")
+    assert events_of(run_dir, "precopy_abandoned") == []
+    sent = {e["worker"]: e for e in events_of(run_dir, "precopy_sent")}
+    assert sorted(sent) == sorted(targets)
+    for e in events_of(run_dir, "migration_switched"):
+        if e["part"] == "leaver":
+            # the joiner replayed steps after the copy, and the switch moved no parameter or
+            # moment: what is left (buffers, generators) is a small part of the state
+            assert e["precopy_steps"] > 0 and e["transfer_bytes"] < sent[e["worker"]]["bytes"] / 10
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault", ["stayer", "leaver", "joiner"])
+def test_a_failure_during_the_precopy_loses_nothing(tmp_path, reference_weights, fault):
+    """A crash while the state is pre-copied (the leaver, a stayer, or the joiner while it
+    replays the leaver's steps): the migration is given up or the role recovered, and the
+    job ends on the uninterrupted run's weights."""
+    # phase 1 takes ~5 steps here, then the 15 parameters of w1's stage go one per step:
+    # a crash at step 14 is well inside the pre-copy (checked below)
+    crash = {"stayer": Inject("crash", 14, "w3"), "leaver": Inject("crash", 14, "w1"),
+             "joiner": Inject("crash", 12, "joiner", "joiner_precopy")}[fault]
+    cfg = with_faults(precopy_job(34, 2), crash)
+    moved = run_job(cfg, str(tmp_path / "moved"), quiet=True, timeout_s=400,
+                    injects=[Inject("migrate", 3, "w1")])
+    assert moved["weights_sha256"] == reference_weights(precopy_job(34, 2)), moved["migrations"]
+    run_dir = str(tmp_path / "moved")
+    (fired,) = events_of(run_dir, "fault_injected")
+    started = events_of(run_dir, "precopy_started")
+    assert started and started[0]["time"] < fired["time"]
+    # the crash came before the switch: the pre-copy was still going on
+    switched = events_of(run_dir, "migration_switched")
+    assert all(e["time"] > fired["time"] for e in switched)

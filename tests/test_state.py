@@ -350,3 +350,94 @@ def test_a_sharded_dp_layout_has_no_replicas_and_every_role_holds_a_final_share(
     assert replicated.as_dict() == {"dp": 2, "pp": 2, "tp": 1}
     with pytest.raises(ValueError, match="dp_sharded"):
         Layout(2, 1, 1, dp_sharded="yes")
+
+
+# --- pre-copy with catch-up (train/precopy.py) -----------------------------------------------
+
+def _optimizer(kind: str, params):
+    if kind == "sgd-momentum":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-2, foreach=kind == "adamw-foreach")
+
+
+def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at):
+    """A leaver trains ``warm_steps`` steps, then pre-copies while it trains 6 more (chunks
+    of one parameter per boundary: the last ones are sent mid-way); the joiner replays.
+    ``give_up_at``: the step at which the leaver gives the pre-copy up (None: never)."""
+    from trainmover.train.precopy import PrecopyReceiver, PrecopySender
+
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30,
+                           abort_signal=AbortSignal())
+    spec = GroupSpec("xfer.p", "xfer", (Role(0, 0, 0), Role(0, 0, 0)))
+    channel = builder.build_ranked(spec, rank, 0, abortable=False)
+    torch.manual_seed(1 if rank == 0 else 2)       # the joiner starts from other weights
+    net = Net()
+    opt = _optimizer(kind, net.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    groups = build_comm_groups(builder, Layout(), Role(0, 0, 0))[0]
+    buckets = GradBuckets(list(net.parameters()), 4000, groups) if use_buckets else None
+    state = TrainState(net, opt, extra={"sched": sched}, buckets=buckets)
+
+    def train_step():
+        opt.zero_grad(set_to_none=buckets is None)
+        if buckets is not None:
+            buckets.restore_views()
+        net(torch.randn(4, 40)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+
+    if rank == 0:
+        for _ in range(warm_steps):
+            train_step()
+        posted = post_layout(state, channel, 1, precopy=True)
+        sender = PrecopySender(state, channel, 1, chunk_bytes=1, max_wait=1e9)
+        step = [warm_steps]
+        opt.register_step_pre_hook(
+            lambda o, args, kwargs: sender.before_optimizer(step[0], args, kwargs))
+        for step[0] in range(warm_steps, warm_steps + 6):
+            if step[0] == give_up_at:
+                sender._give_up("test")
+            sender.at_boundary(step[0])
+            train_step()
+        net.seen += 1                                 # a buffer: not kept by the replay
+        for work, _ in posted:
+            work.wait()
+        held = sender.finish()
+        info = send_state(state, channel, 1, resume_step=step[0] + 1, skip_params=held)
+        extra = (sorted(held), sender.steps, sender.failed)
+    else:
+        precopy = recv_layout(state, channel, 0)["precopy"]
+        receiver = PrecopyReceiver(state, channel, 0)
+        held = receiver.run()
+        _, info = recv_state(state, channel, 0, skip_params=held)
+        extra = (sorted(held), receiver.steps, precopy)
+    tensors, _ = state.entries()
+    digest = {k: v.reshape(-1).tolist() for k, v in tensors.items()}
+    return digest, info["bytes"], extra, opt.param_groups[0]["lr"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,use_buckets,warm_steps,give_up_at",
+                         [("adamw", True, 2, None), ("adamw-foreach", False, 2, None),
+                          ("sgd-momentum", True, 0, None), ("adamw", False, 0, None),
+                          ("adamw", True, 2, 5)],
+                         ids=["adamw-buckets", "adamw-foreach", "sgd-momentum-fresh",
+                              "adamw-fresh", "given-up"])
+def test_a_precopied_state_replayed_by_the_joiner_is_bit_identical(kind, use_buckets,
+                                                                    warm_steps, give_up_at):
+    res = values(run_processes(_precopy_pair, 2, kind, use_buckets, warm_steps, give_up_at))
+    (a, sent, (held_a, steps_a, why), lr_a), (b, got, (held_b, steps_b, said), lr_b) = \
+        res[0], res[1]
+    assert said is True and held_a == held_b and steps_a == steps_b
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+    assert lr_a == lr_b and sent == got
+    if give_up_at is None:
+        # every parameter was sent before the switch (one per boundary, 4 of them), and
+        # replayed for each step after its own chunk: the switch moved no parameter or moment
+        assert why is None
+        assert held_a == ["a.bias", "a.weight", "b.bias", "b.weight"] and steps_a == 6
+        # at the switch: the generator's state and the buffer (3 floats), nothing else
+        assert sent == torch.get_rng_state().numel() + 3 * 4
+    else:
+        assert held_a == [] and sent > 40 * 30 * 4 * 3    # the whole state at the switch

@@ -372,7 +372,7 @@ def main(args) -> int:
                     command)
         return 0
     if args.bench == "state-size":
-        from trainmover.bench.state_size import SCENARIOS, bench_state_size
+        from trainmover.bench.state_size import SCENARIOS, STRATEGIES, bench_state_size
 
         try:
             sizes = [float(x) for x in args.sizes.split(",")]
@@ -383,11 +383,17 @@ def main(args) -> int:
             if s not in SCENARIOS:
                 raise ValueError(f"--scenarios: unknown scenario {s!r} "
                                  f"(known: {', '.join(SCENARIOS)})")
+        strategies = args.strategies.split(",")
+        for s in strategies:
+            if s not in STRATEGIES:
+                raise ValueError(f"--strategies: unknown strategy {s!r} "
+                                 f"(known: {', '.join(STRATEGIES)})")
         if args.repeats < 1:
             raise ValueError(f"--repeats {args.repeats}: must be >= 1")
         command = (f"trainmover bench state-size --sizes {args.sizes} --repeats "
-                   f"{args.repeats} --scenarios {args.scenarios} --name {args.name} "
-                   f"--out {args.out}")
-        bench_state_size(sizes, args.repeats, scenarios, args.out, args.name, command)
+                   f"{args.repeats} --scenarios {args.scenarios} --strategies "
+                   f"{args.strategies} --name {args.name} --out {args.out}")
+        bench_state_size(sizes, args.repeats, scenarios, args.out, args.name, command,
+                         strategies=strategies)
         return 0
     raise ValueError(f"unknown benchmark {args.bench!r}")

@@ -23,11 +23,14 @@ cores. Per size, in order:
 5. the point-to-point time of the measured state's bytes over a gloo pair on this machine
    (``p2p_seconds``, after the jobs: they do not share the cores with it).
 
-Today's migration is stop-and-copy: the whole state moves at the switch (``strategy``
-``stop_and_copy``; bytes moved before the switch: 0). The ``strategy`` column and
-``downtime_over_stop_and_copy`` are there for a later strategy that moves bytes ahead of the
-switch (``precopy``): its rows come beside these, divided by the stop-and-copy rows of the
-same size and scenario.
+Two strategies of a planned migration (``--strategies``): ``stop_and_copy`` moves the whole
+state at the switch (bytes before the switch: 0); ``precopy`` (``migration.precopy``,
+``train/precopy.py``) moves parameters and moments during phase 1 and keeps them current by
+replaying the leaver's optimizer, so the switch moves the rest (bytes before the switch:
+the state and each replayed step's gradients). Its rows come beside the stop-and-copy rows of
+the same size, divided by them (``downtime_over_stop_and_copy``). A crash's recovery is the
+same with either, so it runs with stop-and-copy only. Every measured job trains the same
+steps, so that phase 1 of a pre-copy (a chunk of the state per step) fits.
 
 While a job runs, a sampler reads every worker's and standby's peak resident memory
 (``VmHWM`` of ``/proc/<pid>/status``, PIDs from the run's ``process_started`` events) every
@@ -51,9 +54,9 @@ from trainmover.core.topology import Layout
 
 SIZES_MB = (10, 100, 500, 2000)
 SCENARIOS = ("planned", "crash")
-STRATEGIES = ("stop_and_copy",)
-# the strategy's name in bench/downtime.py's runs
-RUN_STRATEGY = {"stop_and_copy": "trainmover"}
+STRATEGIES = ("stop_and_copy", "precopy")
+# the strategy's name in bench/downtime.py's runs (pre-copy: with migration.precopy on)
+RUN_STRATEGY = {"stop_and_copy": "trainmover", "precopy": "trainmover"}
 BYTES_PER_PARAM = 12          # fp32 parameter + AdamW's exp_avg and exp_avg_sq
 MB = 1_000_000
 VOCAB, SEQ_LEN, MLP_RATIO, HEAD_DIM = 256, 32, 4, 64
@@ -143,6 +146,11 @@ def memory_available() -> int | None:
     except OSError:
         pass
     return None
+
+
+def precopy_steps(model: ModelConfig, cfg: JobConfig) -> int:
+    """Step boundaries a pre-copy of this model's state takes (a chunk each)."""
+    return math.ceil(state_bytes_of(model) / (cfg.migration.precopy_chunk_mb * 2**20))
 
 
 def steps_for(warm_step: int, event_step: int = EVENT_STEP) -> int:
@@ -268,7 +276,15 @@ def _summarise_run(scenario: str, res: dict, run_dir: str, rss: dict[str, float]
            "rss_by_process": rss}
     if scenario == "planned":
         records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-        out.update(state_bytes=res.get("transfer_bytes"), switch_bytes=res.get("transfer_bytes"),
+        leaver = [e for e in events if e["event"] == "migration_switched"
+                  and e.get("part") == "leaver"]
+        pre = (leaver[0].get("precopy_bytes") or 0) + (leaver[0].get("precopy_grad_bytes") or 0) \
+            if leaver else 0
+        held = (leaver[0].get("precopy_bytes") or 0) if leaver else 0
+        out.update(state_bytes=(res.get("transfer_bytes") or 0) + held or None,
+                   switch_bytes=res.get("transfer_bytes"), pre_switch_bytes=pre,
+                   precopy_steps=leaver[0].get("precopy_steps") if leaver else None,
+                   precopy_abandoned=any(e["event"] == "precopy_abandoned" for e in events),
                    transfer_s=phases.get("transfer_s"), joiner_recv_s=phases.get("joiner_recv_s"),
                    phase1_slowdown_s=phases.get("phase1_slowdown_s"),
                    phase1=phase_one_steps(events, records, res.get("event_step") or 0),
@@ -285,7 +301,7 @@ def _summarise_run(scenario: str, res: dict, run_dir: str, rss: dict[str, float]
                    survivor_recovery_s=sent[0].get("duration_s") if sent else None,
                    joiner_restore_s=joined[0].get("prepare_s") if joined else None,
                    detection_latency_s=res.get("detection_latency_s"))
-    out["pre_switch_bytes"] = 0        # stop-and-copy moves nothing ahead of the switch
+    out.setdefault("pre_switch_bytes", 0)   # a recovery moves nothing ahead of the switch
     return out
 
 
@@ -298,6 +314,9 @@ def _drop_final(run_dir: str) -> None:
 def measure(strategy: str, scenario: str, cfg: JobConfig, steps: int, run_dir: str) -> dict:
     from trainmover.bench.downtime import _downtime_run, _failure_run
 
+    if strategy == "precopy":
+        cfg = JobConfig.from_dict(cfg.to_dict())
+        cfg.migration.precopy = True
     with PeakRss(run_dir) as rss:
         if scenario == "planned":
             res = _downtime_run(RUN_STRATEGY[strategy], cfg, EVENT_STEP, LEAVER, run_dir,
@@ -477,8 +496,9 @@ def bench_state_size(sizes: list[float] = SIZES_MB, repeats: int = 3, scenarios=
               "calibrations": {}, "baselines": {}, "stopped_at": None, "rows": [],
               "runs": [], **context}
     # per size: the calibration, the runs, the uninterrupted run, the bandwidth
-    line = BenchLine("bench state-size", len(sizes) * (3 + repeats * len(scenarios) *
-                                                      len(strategies)))
+    runs_per_size = repeats * sum(1 for sc in scenarios for st in strategies
+                                  if sc == "planned" or st == "stop_and_copy")
+    line = BenchLine("bench state-size", len(sizes) * (3 + runs_per_size))
 
     def save() -> None:
         result["wall_s"] = round(time.monotonic() - t_start, 1)
@@ -508,7 +528,8 @@ def bench_state_size(sizes: list[float] = SIZES_MB, repeats: int = 3, scenarios=
             line.finish(f"  {tag}: {why}")
             save()
             continue
-        info["steps"] = steps = steps_for(cal["warm_step"])
+        info["steps"] = steps = steps_for(cal["warm_step"]) + (
+            precopy_steps(cfg.model, cfg) if "precopy" in strategies else 0)
         result["calibrations"][f"{size_mb:g}"] = {**cal, "steps": steps}
         line.finish(f"  {tag}: {info['params'] / 1e6:.1f} M parameters, standby warm at step "
                     f"{cal['warm_step']}, normal step {cal['normal_step_s'] or 0:.3f} s: "
@@ -517,6 +538,8 @@ def bench_state_size(sizes: list[float] = SIZES_MB, repeats: int = 3, scenarios=
         for rep in range(repeats):
             for scenario in scenarios:
                 for strategy in strategies:
+                    if scenario != "planned" and strategy != "stop_and_copy":
+                        continue     # a recovery is the same with either strategy
                     line.start(f"{tag}, {scenario}, {strategy}, round {rep + 1}")
                     run_dir = os.path.join(scratch, f"{size_mb:g}-{scenario}-{strategy}-r{rep}")
                     t0 = time.perf_counter()

@@ -262,6 +262,10 @@ def add_bench_parser(sub) -> None:
     ss.add_argument("--scenarios", default="planned,crash",
                     help="comma list from planned (a migration to the warm standby), crash "
                          "(SIGKILL, recovered from the data-parallel replica)")
+    ss.add_argument("--strategies", default="stop_and_copy,precopy",
+                    help="comma list of planned-migration strategies from stop_and_copy (the "
+                         "whole state at the switch), precopy (migration.precopy: moved "
+                         "during phase 1, kept current by replaying the optimizer)")
     ss.add_argument("--name", default="state_size", help="result file name under --out")
     ss.add_argument("--out", default="benchmarks/results",
                     help="directory of the result (NAME.json and NAME.md)")

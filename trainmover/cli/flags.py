@@ -16,7 +16,8 @@ from trainmover.recipes import RECIPES, get_recipe
 # the runtime flags of run, demo and launch -> the setting each overrides (JobConfig.override)
 RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
                  "checkpoint_every": "checkpoint_every", "keep_checkpoints": "checkpoint_keep",
-                 "snapshot_every": "snapshot_every", "stragglers": "straggler_policy",
+                 "snapshot_every": "snapshot_every", "precopy": "migration_precopy",
+                 "stragglers": "straggler_policy",
                  "rebalance_every": "maintenance_rebalance_every_s",
                  "dashboard": "dashboard_port", "dashboard_host": "dashboard_host",
                  "controller_restart": "controller_restart", "verify_every": "health_verify_every",
@@ -127,6 +128,11 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="a job without data-parallel replicas (dp 1) sends each role's state "
                         "to another host's memory every N steps (default 10; 0: off): a "
                         "failure replays at most N steps and reads no disk")
+    p.add_argument("--precopy", action="store_true", default=None,
+                   help="a planned migration copies the leaver's state to the joiner in the "
+                        "background and keeps it current by replaying the optimizer: the "
+                        "switch moves little more than one step's gradients "
+                        "(migration.precopy)")
     p.add_argument("--stragglers", choices=["off", "alert", "migrate"],
                    help="slow workers: not watched, reported (default), or also moved to a "
                         "warm standby when staying slow would cost more than moving")

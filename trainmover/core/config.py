@@ -395,6 +395,43 @@ class StandbyConfig:
 
 
 @dataclass
+class MigrationConfig:
+    """How a planned migration moves the leaver's state to the joiner.
+
+    Stop-and-copy (the default): at the switch the leaver sends its whole state, so the
+    switch takes (state bytes / bandwidth) on top of a step. With ``precopy``, the leaver
+    sends its parameters and optimizer state during phase 1, ``precopy_chunk_mb`` at each
+    step boundary while training goes on, and after each step the gradients its optimizer
+    applied to what was already sent; the joiner replays those updates on its copy. At the
+    switch only what the replay does not keep current moves: buffers, extra state, the
+    generators' states, settings, and the last step's gradients (replayed by the joiner).
+    The result is bit-identical for a script whose parameters and optimizer state change
+    only through the registered optimizer's ``step()`` (torch's optimizers, with or without
+    a GradScaler or an LR scheduler, on the same kind of device); otherwise, and for
+    DTensor (FSDP2) state or an optimizer stepped with arguments, the switch copies the
+    whole state (event ``precopy_refused``/``precopy_abandoned``)."""
+
+    # Copy the state in the background during phase 1 and keep it current by replaying the
+    # optimizer (see above). As --precopy.
+    precopy: bool = False
+    # Bytes of parameters and optimizer state (MiB) sent at each step boundary of phase 1:
+    # sent while the step's forward and backward run, and waited for before its optimizer
+    # step. Larger: a shorter phase 1, more load on the link during it.
+    precopy_chunk_mb: float = 64.0
+    # The longest the leaver waits, at a step boundary or before its optimizer step, for
+    # the joiner to have taken what was sent, as a fraction of the step's time; a joiner
+    # that lags this much for PRECOPY_LAG_STEPS steps in a row makes the leaver give the
+    # pre-copy up (the switch then copies the whole state): the job never waits long for it.
+    precopy_max_wait: float = 0.25
+
+    def validate(self) -> None:
+        if not isinstance(self.precopy, bool):
+            raise ValueError(f"migration.precopy must be true or false, got {self.precopy!r}")
+        _seconds("migration", precopy_chunk_mb=self.precopy_chunk_mb,
+                 precopy_max_wait=self.precopy_max_wait)
+
+
+@dataclass
 class HealthConfig:
     """Failure detection: workers beat every interval; one silent for the timeout is hung
     and fenced. A step is applied only after every worker voted (commit protocol)."""
@@ -768,6 +805,7 @@ class JobConfig:
     hosts: HostsConfig = field(default_factory=HostsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     standby: StandbyConfig = field(default_factory=StandbyConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -801,9 +839,9 @@ class JobConfig:
         return self.snapshot.every > 0 and self.layout.dp == 1
 
     def validate(self) -> "JobConfig":
-        for section in (self.process, self.comm, self.standby, self.health, self.recovery,
-                        self.checkpoint, self.snapshot, self.straggler, self.maintenance,
-                        self.dashboard, self.controller, self.agent):
+        for section in (self.process, self.comm, self.standby, self.migration, self.health,
+                        self.recovery, self.checkpoint, self.snapshot, self.straggler,
+                        self.maintenance, self.dashboard, self.controller, self.agent):
             section.validate()
         self.baseline.validate(self.checkpoint)
         self.hosts.validate(self.layout.num_roles, self.layout.tp)

@@ -11,8 +11,10 @@
 - the same kinds at a point of a migration or of a standby's life, the first time it is
   passed at or after step 12: ``prepare`` (a leaver or stayer starts phase 1), ``switch``
   (a leaver or stayer reached the switch boundary), ``joiner_prepare`` (a joiner starts
-  phase 1, for a migration or a recovery), ``joiner_start`` (a joiner has the role's state
-  and is about to train: a migration's leaver has left), ``standby`` (a standby registered
+  phase 1, for a migration or a recovery), ``joiner_precopy`` (a joiner replayed one of
+  the leaver's optimizer steps in a pre-copy, ``migration.precopy``; the step is the
+  leaver's), ``joiner_start`` (a joiner has the role's state and is about to train: a
+  migration's leaver has left), ``standby`` (a standby registered
   and waits; the step is not checked), ``recover`` (a survivor received its part of a
   recovery plan);
 - ``commerr@12:w3`` w3's own communicators fail (aborted) inside step 12;
@@ -102,10 +104,10 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
             continue
         standby_point = inj.kind in WORKER_KINDS and inj.arg in STANDBY_POINTS
         if inj.target == JOINER:
-            if inj.kind not in WORKER_KINDS or inj.arg not in ("joiner_prepare", "joiner_start"):
+            if inj.kind not in WORKER_KINDS or inj.arg not in JOINER_POINTS:
                 raise ValueError(f"inject {inj}: the target {JOINER!r} (whichever standby is "
-                                 f"promoted first) goes with the point 'joiner_prepare' or "
-                                 f"'joiner_start'")
+                                 f"promoted first) goes with a point of "
+                                 f"{', '.join(JOINER_POINTS)}")
             continue
         if inj.target not in workers and not (standby_point and inj.target in standbys):
             raise ValueError(f"inject {inj}: unknown worker {inj.target!r}")
@@ -142,9 +144,12 @@ def validate_injects(injects: list[Inject], steps: int, workers: list[str],
 STEP_POINTS = ("forward", "backward", "allreduce", "optimizer", "checkpoint")
 # passed at most once per migration or process, at a step only known approximately: they
 # fire the first time they are passed at or after the fault's step
-EVENT_POINTS = ("prepare", "switch", "joiner_prepare", "joiner_start", "standby", "recover")
+EVENT_POINTS = ("prepare", "switch", "joiner_prepare", "joiner_precopy", "joiner_start",
+                "standby", "recover")
 POINTS = STEP_POINTS + EVENT_POINTS
-STANDBY_POINTS = ("joiner_prepare", "joiner_start", "standby")   # passed by standbys only
+# passed by standbys only
+STANDBY_POINTS = ("joiner_prepare", "joiner_precopy", "joiner_start", "standby")
+JOINER_POINTS = ("joiner_prepare", "joiner_precopy", "joiner_start")
 # where a worker's own communicators are in use, so that failing them is meaningful
 COMMERR_POINTS = ("forward", "backward", "allreduce", "optimizer", "prepare", "switch")
 

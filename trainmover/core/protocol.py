@@ -538,6 +538,15 @@ class SwitchReport:
     first_step_s: float = 0.0
     rss_before: dict[str, float] | None = None
     rss_after: dict[str, float] | None = None
+    # with pre-copy (``migration.precopy``): bytes of state sent before the switch and of
+    # gradients for the joiner's replay, optimizer steps replayed, the leaver's waits for
+    # the joiner, whether it gave the pre-copy up; the joiner's time in the pre-copy
+    precopy_bytes: int = 0
+    precopy_grad_bytes: int = 0
+    precopy_steps: int = 0
+    precopy_wait_s: float = 0.0
+    precopy_abandoned: bool = False
+    precopy_s: float = 0.0
 
 
 # A planned migration's downtime is measured on every stayer from its own step-end times:

@@ -227,24 +227,12 @@ class TrainState:
             pname = self._param_names.get(id(p))
             if pname is None:
                 continue
-            # where each entry lives: AdamW keeps its step count on the CPU even for CUDA
-            # parameters (unless capturable), and refuses it anywhere else; a moment of a
-            # sharded parameter (FSDP2) is a DTensor placed like it
-            out[pname] = {k: [list(v.shape), str(v.dtype).removeprefix("torch."),
-                              "dtensor" if isinstance(v, _dtensor_type()) else
-                              "cpu" if v.device.type == "cpu" else "param"]
-                          for k, v in sorted(st.items()) if isinstance(v, torch.Tensor)}
+            out[pname] = optim_entries_layout(st)
         return out
 
     def _apply_meta(self, meta: dict) -> None:
         if self.optimizer is not None and meta.get("param_groups"):
-            if len(meta["param_groups"]) != len(self.optimizer.param_groups):
-                raise StateError(f"state has {len(meta['param_groups'])} optimizer param "
-                                 f"groups, this optimizer {len(self.optimizer.param_groups)}")
-            for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
-                # the settings travel as JSON, which has no tuples: Adam's betas stay one
-                g.update({k: tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list)
-                          else v for k, v in saved.items()})
+            self.apply_group_settings(meta["param_groups"])
         for key, saved in meta.get("extra", {}).items():
             if key not in self.extra:
                 raise StateError(f"state has extra entry {key!r}, which was not registered")
@@ -273,6 +261,24 @@ class TrainState:
             for key in [k for k, v in st.items()
                         if isinstance(v, torch.Tensor) and k not in layout[pname]]:
                 del st[key]
+        self.ensure_optim(layout, by_name)
+
+    def apply_group_settings(self, saved: list[dict]) -> None:
+        """The optimizer's param-group settings (lr, betas, weight decay, ...) from their
+        JSON form (``meta()``'s ``param_groups``)."""
+        if len(saved) != len(self.optimizer.param_groups):
+            raise StateError(f"state has {len(saved)} optimizer param groups, this optimizer "
+                             f"{len(self.optimizer.param_groups)}")
+        for g, values in zip(self.optimizer.param_groups, saved):
+            # the settings travel as JSON, which has no tuples: Adam's betas stay one
+            g.update({k: tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list)
+                      else v for k, v in values.items()})
+
+    def ensure_optim(self, layout: dict[str, dict[str, list]], by_name: dict | None = None
+                     ) -> None:
+        """Create (zeroed) the optimizer state entries of ``layout`` this optimizer lacks."""
+        if by_name is None:
+            by_name = {n: p for n, p in canonical_params(self.model)}
         for pname, entries in layout.items():
             if pname not in by_name:
                 raise StateError(f"state has optimizer entries for {pname!r}, which is not a "
@@ -322,6 +328,17 @@ class TrainState:
         _set_rng_states({k: v for k, v in tensors.items() if k.startswith("rng/")})
 
     # --- live transfer ---------------------------------------------------------------------
+
+
+def optim_entries_layout(st: dict) -> dict[str, list]:
+    """One parameter's optimizer state entries: key -> [shape, dtype, where]. Where each
+    lives: AdamW keeps its step count on the CPU even for CUDA parameters (unless
+    capturable), and refuses it anywhere else; a moment of a sharded parameter (FSDP2) is a
+    DTensor placed like it."""
+    return {k: [list(v.shape), str(v.dtype).removeprefix("torch."),
+                "dtensor" if isinstance(v, _dtensor_type()) else
+                "cpu" if v.device.type == "cpu" else "param"]
+            for k, v in sorted(st.items()) if isinstance(v, torch.Tensor)}
 
 
 def _jsonable(v) -> bool:

@@ -23,7 +23,7 @@ from trainmover.train.state import (_SMALL, TrainState, _as_bytes, _from_json_te
 LAYOUT_TAG = 1 << 20
 
 
-def post_layout(state: TrainState, group, peer: int) -> list:
+def post_layout(state: TrainState, group, peer: int, precopy: bool = False) -> list:
     """Leaver, in phase 1 (at a step boundary): the layout of its optimizer state (per
     parameter, each entry's shape and dtype), sent without waiting: [(work, tensor)], the
     works waited for at the switch. The joiner allocates the moments it lacks before the
@@ -33,8 +33,12 @@ def post_layout(state: TrainState, group, peer: int) -> list:
     step), so allocating it at the switch put the first touch of every page of it (AdamW:
     two moments, two thirds of the state) on the critical path. Where those pages were cold
     that was 1.7 of the 2.2 s a 390 MB state's transfer took (py-spy, one run); where the
-    host had backed them already, no measurable difference (three runs each way)."""
-    blob = _json_tensor({"optim_state": state._optim_layout()}).to(group.device)
+    host had backed them already, no measurable difference (three runs each way).
+
+    ``precopy``: the state is pre-copied from now on (``train/precopy.py``), which the
+    joiner learns here, before anything of it arrives."""
+    blob = _json_tensor({"optim_state": state._optim_layout(),
+                         "precopy": precopy}).to(group.device)
     head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
     # each tensor kept with its work: alive until the send completes
     return [(group.send(head, peer, tag=LAYOUT_TAG), head),
@@ -43,16 +47,18 @@ def post_layout(state: TrainState, group, peer: int) -> list:
 
 def recv_layout(state: TrainState, group, peer: int) -> dict:
     """Joiner, in phase 1: allocate (zeroed: every page touched now) the optimizer state
-    entries of the leaver's layout that this optimizer lacks. Returns the bytes allocated
-    and the seconds taken."""
+    entries of the leaver's layout that this optimizer lacks. Returns the bytes allocated,
+    the seconds taken and whether the leaver pre-copies its state."""
     t0 = time.perf_counter()
     head = torch.zeros(1, dtype=torch.int64, device=group.device)
     group.recv(head, peer, tag=LAYOUT_TAG).wait()
     blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
     group.recv(blob, peer, tag=LAYOUT_TAG + 1).wait()
     before = _optim_bytes(state)
-    state._match_optim(_from_json_tensor(blob)["optim_state"])
-    return {"bytes": _optim_bytes(state) - before, "seconds": time.perf_counter() - t0}
+    layout = _from_json_tensor(blob)
+    state._match_optim(layout["optim_state"])
+    return {"bytes": _optim_bytes(state) - before, "seconds": time.perf_counter() - t0,
+            "precopy": bool(layout.get("precopy"))}
 
 
 def _optim_bytes(state: TrainState) -> int:
@@ -62,12 +68,14 @@ def _optim_bytes(state: TrainState) -> int:
                for v in st.values() if isinstance(v, torch.Tensor))
 
 
-def send_state(state: TrainState, group, peer: int, resume_step: int) -> dict:
+def send_state(state: TrainState, group, peer: int, resume_step: int,
+               skip_params: frozenset[str] = frozenset()) -> dict:
     """Leaver (or replica) side: the whole state and the step to resume at. Large tensors
     are sent in place; smaller parameters and moments go packed through the gradient
     buckets when there are any (at an iteration boundary the gradients are zero: the
     buckets are zeroed again after use), so the sender needs no extra memory. The
-    smallest entries travel packed in one message."""
+    smallest entries travel packed in one message. ``skip_params``: parameters the joiner
+    already holds current (pre-copied): neither they nor their optimizer state travel."""
     t0 = time.perf_counter()
     meta = state.meta()
     meta["resume_step"] = resume_step
@@ -77,13 +85,15 @@ def send_state(state: TrainState, group, peer: int, resume_step: int) -> dict:
     head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
     group.send(head, peer, tag=0).wait()
     group.send(blob, peer, tag=1).wait()
-    tensors, _ = state.entries()
+    tensors = _unskipped(state, skip_params)
     nbytes = _move(state, group, peer, tensors, rng, sending=True)
     return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
 
 
-def recv_state(state: TrainState, group, peer: int) -> tuple[int, dict]:
-    """Joiner side: overwrites the whole state. Returns the step to resume at."""
+def recv_state(state: TrainState, group, peer: int,
+               skip_params: frozenset[str] = frozenset()) -> tuple[int, dict]:
+    """Joiner side: overwrites the whole state (but the ``skip_params``, as the sender's).
+    Returns the step to resume at."""
     t0 = time.perf_counter()
     head = torch.zeros(1, dtype=torch.int64, device=group.device)
     group.recv(head, peer, tag=0).wait()
@@ -92,10 +102,22 @@ def recv_state(state: TrainState, group, peer: int) -> tuple[int, dict]:
     meta = _from_json_tensor(blob)
     state._apply_meta(meta)
     rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
-    tensors, _ = state.entries()
+    tensors = _unskipped(state, skip_params)
     nbytes = _move(state, group, peer, tensors, rng, sending=False)
     _set_rng_states(rng)
     return int(meta["resume_step"]), {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def _unskipped(state: TrainState, skip_params: frozenset[str]) -> dict[str, torch.Tensor]:
+    """The entries that travel: all but a skipped parameter's own and its optimizer state's
+    (``optim/<key>/<param>``). Both sides decide alike from names alone (the receiver's
+    optimizer entries were made the sender's by the metadata first)."""
+    tensors, _ = state.entries()
+    if not skip_params:
+        return tensors
+    return {n: t for n, t in tensors.items()
+            if not (n.startswith("model/") and n[len("model/"):] in skip_params)
+            and not (n.startswith("optim/") and n.split("/", 2)[2] in skip_params)}
 
 
 def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],

@@ -97,6 +97,9 @@ def guard_optimizer(rt: Runtime, optimizer: torch.optim.Optimizer) -> None:
             for group in opt.param_groups:
                 for p in group["params"]:
                     p.grad = None
+        elif rt.loop is not None:
+            # a pre-copying leaver sends the gradients this step applies (train/precopy.py)
+            rt.loop.migrations.before_optimizer(cur.index, args, kwargs)
         return None
 
     optimizer.register_step_pre_hook(before_step)
@@ -136,6 +139,7 @@ class StepLoop:
                                        self.ctx.builder, self.ctx.stores, self.ctx.commands,
                                        self.ctx.events)
         self.migrations.state = rt.state
+        self.migrations.settings = cfg.migration
         self.migrations.on_point = lambda point, step: rt.fault_point(point, step)
         self.checkpointer = self._new_checkpointer() if cfg.checkpoint.every else None
         self.snapshotter = PeerSnapshotter(
@@ -188,7 +192,9 @@ class StepLoop:
                                 first_step_s=round(step_time_s, 4))
         else:
             mid = cmd.migration_id
-            start, report = M.joiner_receive(rt.state, rt.joining.channel)
+            start, report = M.joiner_receive(
+                rt.state, rt.joining.channel, rt.joining.precopy,
+                on_replay=lambda step: ctx.fault("joiner_precopy", step))
             report.update(build_s=rt.joining.build_s,
                           prepare_s=time.perf_counter() - rt.joining.t_start)
 

@@ -22,6 +22,7 @@ from trainmover.core.queues import SlotReader
 from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
 from trainmover.core.topology import GroupSpec, Layout, Role
+from trainmover.train import precopy as PC
 from trainmover.train.transfer import post_layout, recv_layout, recv_state, send_state
 
 # How often the command reader looks again while a forged value sits at its head.
@@ -127,6 +128,7 @@ class Participation:
     build_s: float = 0.0
     rss_before: dict = field(default_factory=dict)
     layout_sent: list | None = None    # a leaver's posted layout: ``post_layout``'s works
+    precopy: PC.PrecopySender | None = None   # a leaver's pre-copy (``migration.precopy``)
 
 
 LEAVE = "leave"
@@ -145,6 +147,7 @@ class Migrations:
         self.active: dict[int, Participation] = {}
         self.retired: list[Group] = []
         self.state = None   # the registered TrainState (what a leaver hands over)
+        self.settings = None   # the job's MigrationConfig (pre-copy)
         self.on_point = lambda point, step: None   # fault injection (faults.hit)
         self.stop_at: int | None = None   # a graceful stop's agreed step
         # when each recent step ended here (wall clock), and the switches whose step-end
@@ -260,7 +263,14 @@ class Migrations:
             raise RuntimeError(f"migration {mid}: preparing groups failed on {self.name}: {err}")
         if part.kind == "leaver" and part.layout_sent is None and \
                 part.command.transfer_group in part.built:
-            part.layout_sent = post_layout(self.state, part.built[part.command.transfer_group], 1)
+            channel = part.built[part.command.transfer_group]
+            part.precopy = self._precopy(part, channel)
+            part.layout_sent = post_layout(self.state, channel, 1,
+                                           precopy=part.precopy is not None)
+        if part.precopy is not None:
+            part.precopy.at_boundary(step)
+            if not part.precopy.copied:
+                return None    # ready once the joiner holds every parameter
         if not part.reported_ready:
             part.reported_ready = True
             store.set(P.mig_key(mid, "ready", self.name),
@@ -304,8 +314,11 @@ class Migrations:
                 part.layout_sent = post_layout(self.state, channel, 1)
             for work, _ in part.layout_sent:
                 work.wait()
-            sent = send_state(self.state, channel, 1, step)
+            held = part.precopy.finish() if part.precopy is not None else frozenset()
+            sent = send_state(self.state, channel, 1, step, skip_params=held)
             report.update(transfer_s=sent["seconds"], transfer_bytes=sent["bytes"])
+            if part.precopy is not None:
+                report.update(part.precopy.report())
             channel.shutdown()
             self.groups.shutdown()
         else:
@@ -326,9 +339,32 @@ class Migrations:
                        P.write_message(P.SwitchReport(**report)))
         self.store.add(P.mig_key(mid, "switched_count"), 1)
         self.events.emit("migration_switched", migration_id=mid, step=step, part=part.kind,
-                         **{k: v for k, v in report.items() if k.endswith("_s")})
+                         **{k: v for k, v in report.items()
+                            if k.endswith("_s") or k.startswith(("transfer_", "precopy_"))})
         del self.active[mid]
         return LEAVE if part.kind == "leaver" else None
+
+    def _precopy(self, part: Participation, channel: Group) -> PC.PrecopySender | None:
+        """A leaver's pre-copy, when the job asks for it and the state can be replayed."""
+        cfg = self.settings
+        if cfg is None or not cfg.precopy or part.command.naive:
+            return None
+        why = PC.refusal(self.state)
+        if why is not None:
+            self.events.emit("precopy_refused", migration_id=part.migration_id, reason=why,
+                             level="warning")
+            return None
+        return PC.PrecopySender(
+            self.state, channel, 1, int(cfg.precopy_chunk_mb * 2**20), cfg.precopy_max_wait,
+            emit=lambda event, **f: self.events.emit(event, migration_id=part.migration_id,
+                                                     **f))
+
+    def before_optimizer(self, step: int, args, kwargs) -> None:
+        """A committed step's optimizer is about to run (the registered optimizer's
+        pre-hook): a pre-copying leaver sends the gradients it applies."""
+        for part in self.active.values():
+            if part.precopy is not None:
+                part.precopy.before_optimizer(step, args, kwargs)
 
     def _post_step_ends(self, step: int) -> None:
         """Once the steps through ``DOWNTIME_STEPS_AFTER`` past a switch have ended, post
@@ -381,19 +417,20 @@ def joiner_build(builder: GroupBuilder, layout: Layout, role: Role, command: P.A
     return CommGroups.from_groups(role, layout, built), channel, time.perf_counter() - t0
 
 
-def joiner_allocate(state, channel: Group, events: EventLog, migration_id: int) -> None:
+def joiner_allocate(state, channel: Group, events: EventLog, migration_id: int) -> bool:
     """Phase 1, once the script registered its state: the optimizer state entries the
     leaver's layout names (``recv_layout``), allocated before the switch. A leaver gone or
     a migration dropped meanwhile closes the channel: reported, and left to the switch
-    (which fails the same way) and the controller."""
+    (which fails the same way) and the controller. Returns whether the leaver pre-copies."""
     try:
         got = recv_layout(state, channel, 0)
     except Exception as exc:  # noqa: BLE001 - phase 1 of a migration that will not happen
         events.emit("optimizer_state_not_allocated", migration_id=migration_id,
                     error=str(exc)[:300], level="warning")
-        return
+        return False
     events.emit("optimizer_state_allocated", migration_id=migration_id, bytes=got["bytes"],
-                seconds=round(got["seconds"], 4))
+                seconds=round(got["seconds"], 4), precopy=got["precopy"])
+    return got["precopy"]
 
 
 def joiner_ready(store, events: EventLog, name: str, migration_id: int, build_s: float,
@@ -407,13 +444,23 @@ def joiner_ready(store, events: EventLog, name: str, migration_id: int, build_s:
                 prepare_s=round(prepare_s, 4))
 
 
-def joiner_receive(state, channel: Group) -> tuple[int, dict]:
-    """Phase 2: the leaver sends its state at the switch boundary; that step is ours next."""
+def joiner_receive(state, channel: Group, precopy: bool = False,
+                   on_replay=lambda step: None) -> tuple[int, dict]:
+    """Phase 2: the leaver sends its state at the switch boundary; that step is ours next.
+    With ``precopy`` (the leaver said so in phase 1), first the pre-copy: chunks of the state
+    and the leaver's optimizer steps, replayed here, until the switch's header."""
     t0 = time.perf_counter()
-    start_step, got = recv_state(state, channel, 0)
+    held, replayed = frozenset(), 0
+    if precopy:
+        receiver = PC.PrecopyReceiver(state, channel, 0, on_replay)
+        held = receiver.run()
+        replayed = receiver.steps
+    t1 = time.perf_counter()
+    start_step, got = recv_state(state, channel, 0, skip_params=held)
     channel.shutdown()
     return start_step, {"recv_s": time.perf_counter() - t0, "transfer_s": got["seconds"],
-                        "transfer_bytes": got["bytes"]}
+                        "transfer_bytes": got["bytes"], "precopy_steps": replayed,
+                        "precopy_s": t1 - t0}
 
 
 def joiner_started(store, events: EventLog, name: str, migration_id: int, report: dict,

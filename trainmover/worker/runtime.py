@@ -93,6 +93,7 @@ class Joining:
     channel: Group | None
     t_start: float
     build_s: float = 0.0
+    precopy: bool = False   # the leaver pre-copies its state (``joiner_allocate``)
 
 
 class Runtime:
@@ -317,7 +318,8 @@ class Runtime:
             # whose cached sharding decisions would hold an earlier run's destroyed groups
             self.torch_groups.rebind_meshes()
         if isinstance(launch, Join) and isinstance(launch.command, P.AssignMigration):
-            M.joiner_allocate(self.state, self.joining.channel, self.ctx.events,
+            self.joining.precopy = M.joiner_allocate(self.state, self.joining.channel,
+                                                     self.ctx.events,
                               launch.command.migration_id)
             M.joiner_ready(self.ctx.store, self.ctx.events, self.name,
                            launch.command.migration_id, self.joining.build_s,
