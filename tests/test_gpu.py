@@ -104,3 +104,32 @@ def test_each_process_is_placed_on_its_own_gpu_where_there_are_enough(tmp_path):
         assert len(set(placed.values())) == 3
     else:
         assert set(placed.values()) <= set(range(gpus))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["adamw", "adamw-fused", "sgd-momentum"])
+def test_a_precopy_replayed_on_cuda_is_bit_identical(kind):
+    """The joiner's replay of the leaver's optimizer steps on CUDA (torch's default AdamW
+    there is the foreach one; the fused one too), over gloo through host memory."""
+    from mp_harness import run_processes, values
+    from test_state import _precopy_pair, check_precopy_pair
+
+    res = values(run_processes(_precopy_pair, 2, kind, True, 2, None, "cuda"))
+    check_precopy_pair(res, None)
+
+
+@pytest.mark.timeout(900)
+def test_a_precopied_migration_on_gpu_matches_the_uninterrupted_run(tmp_path):
+    gpus = torch.cuda.device_count()
+    dp, pp, standbys = layout_for(gpus)
+    cfg = gpu_job(dp, pp, standbys)
+    plain = run_job(cfg, str(tmp_path / "plain"), quiet=True, timeout_s=600)
+    moved_cfg = type(cfg).from_dict(cfg.to_dict())
+    moved_cfg.override(migration_precopy=True, migration_precopy_chunk_mb=0.1)
+    moved = run_job(moved_cfg, str(tmp_path / "moved"), quiet=True, timeout_s=600,
+                    injects=[Inject("migrate", 4, "w1")])
+    assert [m["status"] for m in moved["migrations"]] == ["done"], moved["migrations"]
+    assert moved["weights_sha256"] == plain["weights_sha256"]
+    events = read_jsonl(str(tmp_path / "moved" / "events.jsonl"))
+    assert [e for e in events if e["event"] == "precopy_sent"]
+    assert not [e for e in events if e["event"] in ("precopy_abandoned", "precopy_refused")]

@@ -357,21 +357,26 @@ def test_a_sharded_dp_layout_has_no_replicas_and_every_role_holds_a_final_share(
 def _optimizer(kind: str, params):
     if kind == "sgd-momentum":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
-    return torch.optim.AdamW(params, lr=1e-2, foreach=kind == "adamw-foreach")
+    if kind == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+    # "adamw": torch's default implementation for the device (foreach on CUDA)
+    return torch.optim.AdamW(params, lr=1e-2, foreach=True if kind == "adamw-foreach" else None)
 
 
-def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at):
+def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at, device="cpu"):
     """A leaver trains ``warm_steps`` steps, then pre-copies while it trains 6 more (chunks
     of one parameter per boundary: the last ones are sent mid-way); the joiner replays.
     ``give_up_at``: the step at which the leaver gives the pre-copy up (None: never)."""
     from trainmover.train.precopy import PrecopyReceiver, PrecopySender
 
-    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30,
-                           abort_signal=AbortSignal())
+    device = torch.device(device)
+    # gloo (staged through host memory on CUDA: NCCL refuses two ranks on one GPU)
+    builder = GroupBuilder(StoreClients(address), device, 30, abort_signal=AbortSignal(),
+                           backend="gloo")
     spec = GroupSpec("xfer.p", "xfer", (Role(0, 0, 0), Role(0, 0, 0)))
     channel = builder.build_ranked(spec, rank, 0, abortable=False)
     torch.manual_seed(1 if rank == 0 else 2)       # the joiner starts from other weights
-    net = Net()
+    net = Net().to(device)
     opt = _optimizer(kind, net.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     groups = build_comm_groups(builder, Layout(), Role(0, 0, 0))[0]
@@ -382,7 +387,7 @@ def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at):
         opt.zero_grad(set_to_none=buckets is None)
         if buckets is not None:
             buckets.restore_views()
-        net(torch.randn(4, 40)).pow(2).sum().backward()
+        net(torch.randn(4, 40).to(device)).pow(2).sum().backward()
         opt.step()
         sched.step()
 
@@ -404,7 +409,9 @@ def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at):
             work.wait()
         held = sender.finish()
         info = send_state(state, channel, 1, resume_step=step[0] + 1, skip_params=held)
-        extra = (sorted(held), sender.steps, sender.failed)
+        from trainmover.train.state import _rng_states
+        rng = sum(v.numel() for v in _rng_states().values())    # the CPU's (and CUDA's)
+        extra = (sorted(held), sender.steps, sender.failed, rng)
     else:
         precopy = recv_layout(state, channel, 0)["precopy"]
         receiver = PrecopyReceiver(state, channel, 0)
@@ -414,6 +421,24 @@ def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at):
     tensors, _ = state.entries()
     digest = {k: v.reshape(-1).tolist() for k, v in tensors.items()}
     return digest, info["bytes"], extra, opt.param_groups[0]["lr"]
+
+
+def check_precopy_pair(res: dict, give_up_at) -> None:
+    (a, sent, (held_a, steps_a, why, rng), lr_a), (b, got, (held_b, steps_b, said), lr_b) = \
+        res[0], res[1]
+    assert said is True and held_a == held_b and steps_a == steps_b
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+    assert lr_a == lr_b and sent == got
+    if give_up_at is None:
+        # every parameter was sent before the switch (one per boundary, 4 of them), and
+        # replayed for each step after its own chunk: the switch moved no parameter or moment
+        assert why is None
+        assert held_a == ["a.bias", "a.weight", "b.bias", "b.weight"] and steps_a == 6
+        # at the switch: the generators' states and the buffer (3 floats), nothing else
+        assert sent == rng + 3 * 4
+    else:
+        assert held_a == [] and sent > 40 * 30 * 4 * 3    # the whole state at the switch
 
 
 @pytest.mark.timeout(120)
@@ -426,18 +451,4 @@ def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at):
 def test_a_precopied_state_replayed_by_the_joiner_is_bit_identical(kind, use_buckets,
                                                                     warm_steps, give_up_at):
     res = values(run_processes(_precopy_pair, 2, kind, use_buckets, warm_steps, give_up_at))
-    (a, sent, (held_a, steps_a, why), lr_a), (b, got, (held_b, steps_b, said), lr_b) = \
-        res[0], res[1]
-    assert said is True and held_a == held_b and steps_a == steps_b
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k] != b[k]] == []
-    assert lr_a == lr_b and sent == got
-    if give_up_at is None:
-        # every parameter was sent before the switch (one per boundary, 4 of them), and
-        # replayed for each step after its own chunk: the switch moved no parameter or moment
-        assert why is None
-        assert held_a == ["a.bias", "a.weight", "b.bias", "b.weight"] and steps_a == 6
-        # at the switch: the generator's state and the buffer (3 floats), nothing else
-        assert sent == torch.get_rng_state().numel() + 3 * 4
-    else:
-        assert held_a == [] and sent > 40 * 30 * 4 * 3    # the whole state at the switch
+    check_precopy_pair(res, give_up_at)

@@ -281,7 +281,10 @@ def _summarise_run(scenario: str, res: dict, run_dir: str, rss: dict[str, float]
         pre = (leaver[0].get("precopy_bytes") or 0) + (leaver[0].get("precopy_grad_bytes") or 0) \
             if leaver else 0
         held = (leaver[0].get("precopy_bytes") or 0) if leaver else 0
+        joined = [e for e in events if e["event"] == "joiner_started" and "migration_id" in e]
         out.update(state_bytes=(res.get("transfer_bytes") or 0) + held or None,
+                   joiner_switch_recv_s=joined[0].get("switch_recv_s") if joined else None,
+                   precopy_slack_s=joined[0].get("precopy_slack_s") if joined else None,
                    switch_bytes=res.get("transfer_bytes"), pre_switch_bytes=pre,
                    precopy_steps=leaver[0].get("precopy_steps") if leaver else None,
                    precopy_abandoned=any(e["event"] == "precopy_abandoned" for e in events),
@@ -421,6 +424,8 @@ def size_rows(size: dict, runs: list[dict], baseline: str | None,
                if p2p and p2p["seconds"] > 0 else None,
                "transfer_s": _spread_of(_values(ok, "transfer_s")),
                "joiner_recv_s": _spread_of(_values(ok, "joiner_recv_s")),
+               "joiner_switch_recv_s": _spread_of(_values(ok, "joiner_switch_recv_s")),
+               "precopy_slack_s": _spread_of(_values(ok, "precopy_slack_s")),
                "normal_step_s": _spread_of(_values(ok, "normal_step_s")),
                "phase1_step_ratio": _spread_of([r["phase1"]["ratio"] for r in ok
                                                 if r.get("phase1") and
@@ -612,8 +617,9 @@ def state_size_table(r: dict) -> str:
              "| state (MB, measured) | model | scenario | strategy | downtime (s) | over "
              "stop-and-copy | weights equal | MB at switch / before | point-to-point (s, "
              "GB/s) | downtime / point-to-point | leaver transfer (s) | joiner receive (s) | "
+             "pre-copy: joiner at the switch (s) / waited for it | "
              "stayer step in phase 1 / normal | peak RSS MiB leaver / joiner / stayer | "
-             "runs (failed) |", "|" + "---|" * 15]
+             "runs (failed) |", "|" + "---|" * 16]
     for row in r["rows"]:
         mod = row["model"]
         model = f"d{mod['d_model']} x {mod['n_layers']} ({row['params'] / 1e6:.1f} M)"
@@ -622,7 +628,7 @@ def state_size_table(r: dict) -> str:
         head = f"| {state} | {model} | {row['scenario']} | {row['strategy']} |"
         if row.get("skipped") or not row.get("downtime_s"):
             why = row.get("skipped") or "; ".join(row.get("errors") or []) or "no result"
-            lines.append(head + f" not measured: {why} |" + " |" * 9 +
+            lines.append(head + f" not measured: {why} |" + " |" * 10 +
                          f" {row['runs']} ({row['failed']}) |")
             continue
         noisy = row.get("within_noise")
@@ -636,10 +642,12 @@ def state_size_table(r: dict) -> str:
         p2p = (f"{row['p2p_s']:.3f} ({row['p2p_gb_per_s']:.2f})" if row.get("p2p_s") else "-")
         ratio = ("within noise" if noisy else _f(row.get("downtime_over_p2p"), 1))
         phase1 = _f(row.get("phase1_step_ratio"), 2)
+        switch = (f"{_f(row.get('joiner_switch_recv_s'))} / {_f(row.get('precopy_slack_s'))}"
+                  if row.get("joiner_switch_recv_s") else "-")
         lines.append(head + f" {down} | {over} | {weights} | "
                      f"{_mb(row.get('switch_bytes'))} / {_mb(row.get('pre_switch_bytes'))} | "
                      f"{p2p} | {ratio} | {_f(row.get('transfer_s'))} | "
-                     f"{_f(row.get('joiner_recv_s'))} | {phase1} | "
+                     f"{_f(row.get('joiner_recv_s'))} | {switch} | {phase1} | "
                      f"{_rss(row.get('peak_rss_mb'))} | {row['runs']} ({row['failed']}) |")
     lines += ["", "How to read it: state is the bytes the leaver sent (planned) or the "
               "replica sent the joiner (crash), measured; the model is width x depth "
@@ -650,7 +658,11 @@ def state_size_table(r: dict) -> str:
               "buffer over a gloo pair on this machine, after the jobs (round trip with a "
               "one-byte acknowledgement). The joiner's receive time runs from its receive "
               "call, made once it is ready, so it includes waiting for the leaver to reach the "
-              "switch boundary; a recovery reports neither side's transfer time. Phase 1: "
+              "switch boundary (with pre-copy: the whole background phase); a recovery "
+              "reports neither side's transfer time. Pre-copy, the joiner at the switch: its "
+              "receive from the leaver's switch header to the state complete, and how long it "
+              "had waited for that header after replaying the last step (positive: the "
+              "replay was off the switch's critical path). Phase 1: "
               "the stayer's own step times from the request to the switch over its normal "
               "steps before. Peak RSS: VmHWM sampled every "
               f"{RSS_POLL_S:g} s (stayer: the largest of the stayers; crash: the crashed "

@@ -547,6 +547,10 @@ class SwitchReport:
     precopy_wait_s: float = 0.0
     precopy_abandoned: bool = False
     precopy_s: float = 0.0
+    # the joiner: the switch's transfer after the pre-copy, and how long it had waited for
+    # the leaver's switch after its last replay (None: it replayed nothing)
+    switch_recv_s: float = 0.0
+    precopy_slack_s: float | None = None
 
 
 # A planned migration's downtime is measured on every stayer from its own step-end times:

@@ -314,6 +314,11 @@ class PrecopyReceiver:
         self.by_name = dict(self.params)
         self.held: list[str] = []
         self.steps = 0
+        # when the last replay ended and when the switch's header came: the time between is
+        # how long the joiner waited for the leaver (>= 0: the replay was off the switch's
+        # critical path)
+        self.replayed_at: float | None = None
+        self.switch_at: float | None = None
         # where the replayed gradients are received: the gradient buckets' views when the
         # state has buckets (no extra memory), else one buffer per parameter
         self._grads: dict[int, torch.Tensor] = \
@@ -328,6 +333,7 @@ class PrecopyReceiver:
             elif kind == "grads":
                 self._replay(msg)
             elif kind == "switch":
+                self.switch_at = time.perf_counter()
                 return frozenset() if msg.get("full") else frozenset(self.held)
             else:
                 raise StateError(f"pre-copy: unknown message {kind!r} from the leaver")
@@ -367,4 +373,11 @@ class PrecopyReceiver:
             for p, g in zip(every, before):
                 p.grad = g
         self.steps += 1
+        self.replayed_at = time.perf_counter()
         self.on_replay(msg["step"])
+
+    def slack_s(self) -> float | None:
+        """How long the joiner, caught up, waited for the switch's header (see __init__)."""
+        if self.replayed_at is None or self.switch_at is None:
+            return None
+        return self.switch_at - self.replayed_at

@@ -154,10 +154,6 @@ def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
                 for size, _, parts in items:
                     nbytes += size
                     bucketed.update(name for name, _ in parts)
-            for buf in state.buckets.buffers:
-                # the gradients are zero at a step boundary (the step that follows
-                # accumulates into them, with or without a zero_grad that sets them to None)
-                buf.zero_()
         small = [(n, t) for n, t in tensors.items()
                  if n not in bucketed and t.numel() < _SMALL] + sorted(rng.items())
         # a tensor travels on the group's device (NCCL takes no CPU tensor; a user's
@@ -184,6 +180,12 @@ def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
                     _as_bytes(t).copy_(packed[offset:offset + n])
                     offset += n
             nbytes += packed.numel()
+        if state.buckets is not None:
+            for buf in state.buckets.buffers:
+                # the gradients are zero at a step boundary (the step that follows
+                # accumulates into them, with or without a zero_grad that sets them to
+                # None); last, off the wire's way: the buffers staged small entries
+                buf.zero_()
     return nbytes
 
 

@@ -450,17 +450,21 @@ def joiner_receive(state, channel: Group, precopy: bool = False,
     With ``precopy`` (the leaver said so in phase 1), first the pre-copy: chunks of the state
     and the leaver's optimizer steps, replayed here, until the switch's header."""
     t0 = time.perf_counter()
-    held, replayed = frozenset(), 0
+    held, replayed, slack = frozenset(), 0, None
     if precopy:
         receiver = PC.PrecopyReceiver(state, channel, 0, on_replay)
         held = receiver.run()
-        replayed = receiver.steps
+        replayed, slack = receiver.steps, receiver.slack_s()
     t1 = time.perf_counter()
     start_step, got = recv_state(state, channel, 0, skip_params=held)
     channel.shutdown()
-    return start_step, {"recv_s": time.perf_counter() - t0, "transfer_s": got["seconds"],
-                        "transfer_bytes": got["bytes"], "precopy_steps": replayed,
-                        "precopy_s": t1 - t0}
+    report = {"recv_s": time.perf_counter() - t0, "transfer_s": got["seconds"],
+              "transfer_bytes": got["bytes"]}
+    if precopy:
+        # the switch's own part: from the leaver's header to the state complete
+        report.update(precopy_steps=replayed, precopy_s=t1 - t0,
+                      switch_recv_s=time.perf_counter() - t1, precopy_slack_s=slack)
+    return start_step, report
 
 
 def joiner_started(store, events: EventLog, name: str, migration_id: int, report: dict,
@@ -469,4 +473,6 @@ def joiner_started(store, events: EventLog, name: str, migration_id: int, report
     store.set(P.mig_key(migration_id, "switched", name), P.write_message(P.SwitchReport(**report)))
     store.add(P.mig_key(migration_id, "switched_count"), 1)
     events.emit("joiner_started", migration_id=migration_id, step=start_step,
-                first_step_s=round(first_step_s, 4), recv_s=round(report["recv_s"], 4))
+                first_step_s=round(first_step_s, 4), recv_s=round(report["recv_s"], 4),
+                **{k: report[k] for k in ("precopy_steps", "switch_recv_s", "precopy_slack_s")
+                   if k in report})
