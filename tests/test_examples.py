@@ -282,3 +282,45 @@ def test_launch_refuses_a_bad_command_before_starting_anything(tmp_path, command
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert not (tmp_path / "run").exists()
+
+
+# A script that changes its parameters outside the optimizer (a clamp after every step):
+# what a pre-copy's replay cannot follow, caught by the joiner's check
+CLAMPING = '''
+import torch
+import trainmover
+
+rt = trainmover.init()
+torch.manual_seed(0)
+model = rt.data_parallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                             torch.nn.Linear(32, 1)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+rt.register(model=model, optimizer=opt)
+for step in rt.steps(30):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + rt.dp_rank))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.05, 0.05)
+'''
+
+
+@pytest.mark.timeout(400)
+def test_a_precopy_the_script_outruns_is_caught_and_the_role_recovered(tmp_path):
+    script = tmp_path / "clamping.py"
+    script.write_text(CLAMPING)
+    base, base_summary = launch(tmp_path / "base", ["--nproc", "2"], script)
+    assert base.returncode == 0, base.stderr[-3000:]
+    res, summary = launch(tmp_path / "run", ["--nproc", "2"], script, (),
+                          ["--standbys", "2", "--precopy", "--inject", "migrate@3:w1"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    (diverged,) = events(tmp_path / "run", "precopy_diverged")
+    assert diverged["entry"].startswith("model/") and not events(tmp_path / "run",
+                                                                 "precopy_verified")
+    # the joiner failed before applying anything of its own; its role came back from the
+    # replica, and the job ends where the uninterrupted one does
+    (r,) = summary["recoveries"]
+    assert r["failures"] == {diverged["worker"]: "crash"}, r
+    assert summary["weights_sha256"] == base_summary["weights_sha256"]

@@ -221,6 +221,10 @@ def test_precopied_migrations_of_a_first_middle_and_last_role_are_bit_identical(
     assert moved["weights_sha256"] == reference_weights(cfg)
     run_dir = str(tmp_path / "moved")
     assert events_of(run_dir, "precopy_abandoned") == []
+    # each joiner checked its replayed copy against its leaver's checksums
+    assert sorted(e["worker"] for e in events_of(run_dir, "precopy_verified")) == \
+        sorted(p["joiner"] for p in m["pairs"])
+    assert events_of(run_dir, "precopy_unverified") == []
     sent = {e["worker"]: e for e in events_of(run_dir, "precopy_sent")}
     assert sorted(sent) == sorted(targets)
     for e in events_of(run_dir, "migration_switched"):

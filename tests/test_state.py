@@ -363,11 +363,13 @@ def _optimizer(kind: str, params):
     return torch.optim.AdamW(params, lr=1e-2, foreach=True if kind == "adamw-foreach" else None)
 
 
-def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at, device="cpu"):
+def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at, device="cpu",
+                  edit_outside=False):
     """A leaver trains ``warm_steps`` steps, then pre-copies while it trains 6 more (chunks
     of one parameter per boundary: the last ones are sent mid-way); the joiner replays.
-    ``give_up_at``: the step at which the leaver gives the pre-copy up (None: never)."""
-    from trainmover.train.precopy import PrecopyReceiver, PrecopySender
+    ``give_up_at``: the step at which the leaver gives the pre-copy up (None: never).
+    ``edit_outside``: the leaver's script changes a parameter outside the optimizer."""
+    from trainmover.train.precopy import PrecopyReceiver, PrecopySender, checksums
 
     device = torch.device(device)
     # gloo (staged through host memory on CUDA: NCCL refuses two ranks on one GPU)
@@ -390,6 +392,9 @@ def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at, devi
         net(torch.randn(4, 40).to(device)).pow(2).sum().backward()
         opt.step()
         sched.step()
+        if edit_outside:
+            with torch.no_grad():
+                net.b.bias.clamp_(-0.01, 0.01)     # what no replay of the optimizer repeats
 
     if rank == 0:
         for _ in range(warm_steps):
@@ -420,12 +425,13 @@ def _precopy_pair(rank, address, kind, use_buckets, warm_steps, give_up_at, devi
         extra = (sorted(held), receiver.steps, precopy)
     tensors, _ = state.entries()
     digest = {k: v.reshape(-1).tolist() for k, v in tensors.items()}
-    return digest, info["bytes"], extra, opt.param_groups[0]["lr"]
+    return digest, info["bytes"], extra + (checksums(state, held),), opt.param_groups[0]["lr"]
 
 
 def check_precopy_pair(res: dict, give_up_at) -> None:
-    (a, sent, (held_a, steps_a, why, rng), lr_a), (b, got, (held_b, steps_b, said), lr_b) = \
-        res[0], res[1]
+    (a, sent, (held_a, steps_a, why, rng, sums_a), lr_a), \
+        (b, got, (held_b, steps_b, said, sums_b), lr_b) = res[0], res[1]
+    assert sums_a == sums_b and (len(sums_a) > len(held_a) if held_a else not sums_a)
     assert said is True and held_a == held_b and steps_a == steps_b
     assert sorted(a) == sorted(b)
     assert [k for k in a if a[k] != b[k]] == []
@@ -452,3 +458,14 @@ def test_a_precopied_state_replayed_by_the_joiner_is_bit_identical(kind, use_buc
                                                                     warm_steps, give_up_at):
     res = values(run_processes(_precopy_pair, 2, kind, use_buckets, warm_steps, give_up_at))
     check_precopy_pair(res, give_up_at)
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_changes_a_parameter_outside_the_optimizer_is_caught_by_the_checksums():
+    from trainmover.train.precopy import first_difference
+
+    res = values(run_processes(_precopy_pair, 2, "adamw", True, 2, None, "cpu", True))
+    (a, _, (held, _, why, _, sums_a), _), (b, _, (_, _, _, sums_b), _) = res[0], res[1]
+    assert why is None and held            # the pre-copy itself went through
+    assert a["model/b.bias"] != b["model/b.bias"]      # the replay could not follow the edit
+    assert first_difference(sums_a, sums_b) == "model/b.bias"

@@ -392,6 +392,22 @@ def test_nanogpt_survives_migration_crash_and_hang_bit_identically(tmp_path, nan
     assert summary["weights_sha256"] == nanogpt_torchrun
 
 
+@pytest.mark.timeout(400)
+def test_nanogpt_precopied_migration_ends_on_the_torchrun_weights(tmp_path, nanogpt_torchrun):
+    """A pre-copy (migration.precopy) through the public API, one parameter per step: the
+    optimizer stepped through a GradScaler (which may skip a step), torch's DDP, the script's
+    learning-rate schedule written into the param groups each step, dropout and a stateful
+    loader (state the switch moves, not the replay)."""
+    run_dir, summary, _ = _with_fault(tmp_path, NANOGPT, (
+        "--precopy", "--migration.precopy_chunk_mb=0.000001"), "migrate@3:w1")
+    assert summary["weights_sha256"] == nanogpt_torchrun
+    (sent,) = events(run_dir, "precopy_sent")
+    assert not events(run_dir, "precopy_abandoned") and not events(run_dir, "precopy_refused")
+    assert events(run_dir, "precopy_verified")
+    (leaver,) = [e for e in events(run_dir, "migration_switched") if e["part"] == "leaver"]
+    assert leaver["precopy_steps"] > 0 and leaver["transfer_bytes"] < sent["bytes"] / 2
+
+
 @pytest.mark.slow   # the default suite compares a run with faults to torchrun directly
 @pytest.mark.timeout(300)
 def test_nanogpt_under_trainmover_ends_with_the_weights_of_the_plain_script_under_torchrun(

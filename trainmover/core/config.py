@@ -423,12 +423,19 @@ class MigrationConfig:
     # that lags this much for PRECOPY_LAG_STEPS steps in a row makes the leaver give the
     # pre-copy up (the switch then copies the whole state): the job never waits long for it.
     precopy_max_wait: float = 0.25
+    # The joiner checks its replayed copy against the leaver's (per-entry checksums the
+    # leaver writes to the store after the switch) before it votes on its first step: a
+    # script that changed registered state outside the optimizer is caught there (the
+    # joiner fails, the step is aborted and the role recovered, event ``precopy_diverged``). How long it waits for the
+    # leaver's checksums before it trains on unverified (event ``precopy_unverified``).
+    precopy_verify_timeout_s: float = 10.0
 
     def validate(self) -> None:
         if not isinstance(self.precopy, bool):
             raise ValueError(f"migration.precopy must be true or false, got {self.precopy!r}")
         _seconds("migration", precopy_chunk_mb=self.precopy_chunk_mb,
-                 precopy_max_wait=self.precopy_max_wait)
+                 precopy_max_wait=self.precopy_max_wait,
+                 precopy_verify_timeout_s=self.precopy_verify_timeout_s)
 
 
 @dataclass

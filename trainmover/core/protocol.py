@@ -47,6 +47,8 @@ MIGRATION_KEYS = {
     "outcome": "a leaver's point of no return: 'handover' (leaver) or 'abort' (controller), "
                "decided by one compare-and-set",
     "steps": "StepEnds: a stayer's step-end times around the switch (the downtime)",
+    "precopy_sums": "a pre-copying leaver's checksums of the state its joiner replayed, per "
+                    "entry (per role)",
     # per migration
     "ready_count": "participants done with phase 1",
     "switched_count": "participants switched",

@@ -36,7 +36,7 @@ import torch
 from trainmover.train.state import (StateError, TrainState, _as_bytes, _dtensor_type,
                                     _from_json_tensor, _json_tensor, _jsonable,
                                     canonical_params, optim_entries_layout)
-from trainmover.train.transfer import _large
+from trainmover.train.transfer import _large, skipped
 
 # The pre-copy's tags on the channel, clear of the layout's and the switch transfer's.
 PRECOPY_TAG = 1 << 21
@@ -64,6 +64,37 @@ def refusal(state: TrainState) -> str | None:
 
 def _settings(state: TrainState) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
+
+
+def checksums(state: TrainState, params: frozenset[str]) -> dict[str, int]:
+    """Per entry of ``params`` (each parameter and its optimizer state), the sum of its
+    words (int64, wrapping): any changed word changes it. What the leaver's state and the
+    joiner's replayed copy must agree on after the switch (``MigrationConfig``)."""
+    tensors, _ = state.entries()
+    out = {}
+    with torch.no_grad():
+        for name in sorted(tensors):
+            if skipped(name, params):
+                out[name] = _word_sum(tensors[name])
+    return out
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _word_sum(t: torch.Tensor) -> int:
+    t = t.detach().contiguous().reshape(-1)
+    if t.numel() == 0:
+        return 0
+    return int(t.view(_WORDS[t.element_size()]).sum(dtype=torch.int64).item())
+
+
+def first_difference(mine: dict[str, int], theirs: dict[str, int]) -> str | None:
+    """The first entry on which two ``checksums`` disagree (None: they agree)."""
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            return name
+    return None
 
 
 class _Channel:

@@ -115,9 +115,13 @@ def _unskipped(state: TrainState, skip_params: frozenset[str]) -> dict[str, torc
     tensors, _ = state.entries()
     if not skip_params:
         return tensors
-    return {n: t for n, t in tensors.items()
-            if not (n.startswith("model/") and n[len("model/"):] in skip_params)
-            and not (n.startswith("optim/") and n.split("/", 2)[2] in skip_params)}
+    return {n: t for n, t in tensors.items() if not skipped(n, skip_params)}
+
+
+def skipped(name: str, skip_params: frozenset[str]) -> bool:
+    """Whether entry ``name`` is a skipped parameter's own or its optimizer state's."""
+    return (name.startswith("model/") and name[len("model/"):] in skip_params) or \
+        (name.startswith("optim/") and name.split("/", 2)[2] in skip_params)
 
 
 def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],

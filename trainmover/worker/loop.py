@@ -192,9 +192,13 @@ class StepLoop:
                                 first_step_s=round(step_time_s, 4))
         else:
             mid = cmd.migration_id
-            start, report = M.joiner_receive(
+            start, report, held = M.joiner_receive(
                 rt.state, rt.joining.channel, rt.joining.precopy,
                 on_replay=lambda step: ctx.fault("joiner_precopy", step))
+            if held:
+                self.migrations.pending_check = M.PrecopyCheck(
+                    rt.state, held, ctx.store, P.mig_key(mid, "precopy_sums", rt.role.name),
+                    ctx.events, self.cfg.migration.precopy_verify_timeout_s)
             report.update(build_s=rt.joining.build_s,
                           prepare_s=time.perf_counter() - rt.joining.t_start)
 
@@ -315,6 +319,11 @@ class StepLoop:
                 cur.metrics = {"loss": None}
                 cur.commit = self.vote_on(cur)
             step_time = time.perf_counter() - cur.t_start
+            if not cur.commit and self.migrations.pending_check is not None:
+                # a recovery may load other state into the copy: nothing left to check
+                self.migrations.pending_check = None
+                ctx.events.emit("precopy_unverified", level="warning",
+                                reason="the first step after the switch was not committed")
             if not cur.commit:
                 if cur.rehearsal and not ctx.abort.is_set():
                     self._rehearsed = (cur.batch_digest,)
@@ -441,6 +450,9 @@ class StepLoop:
             return False    # not committed anywhere: the step runs again (no vote needed)
         if self.meter is not None:
             self.meter.before_vote(cur.index, cur.t_start, self.rt.comm_groups)
+        check, self.migrations.pending_check = self.migrations.pending_check, None
+        if check is not None:
+            check()        # a pre-copied joiner's copy: wrong, it must not vote (raises)
         if self.vote is None:
             return True
         if self.ctx.abort.is_set():

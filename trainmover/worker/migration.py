@@ -10,6 +10,7 @@ state belongs to. Nothing here runs inside a step.
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -148,6 +149,7 @@ class Migrations:
         self.retired: list[Group] = []
         self.state = None   # the registered TrainState (what a leaver hands over)
         self.settings = None   # the job's MigrationConfig (pre-copy)
+        self.pending_check = None   # a joiner's PrecopyCheck, until its first vote
         self.on_point = lambda point, step: None   # fault injection (faults.hit)
         self.stop_at: int | None = None   # a graceful stop's agreed step
         # when each recent step ended here (wall clock), and the switches whose step-end
@@ -319,6 +321,11 @@ class Migrations:
             report.update(transfer_s=sent["seconds"], transfer_bytes=sent["bytes"])
             if part.precopy is not None:
                 report.update(part.precopy.report())
+            if held:
+                # after the transfer, off the switch's path: what the joiner's replayed copy
+                # must equal (it checks before its first optimizer step)
+                self.store.set(P.mig_key(mid, "precopy_sums", self.role.name),
+                               P.encode(PC.checksums(self.state, held)))
             channel.shutdown()
             self.groups.shutdown()
         else:
@@ -445,10 +452,11 @@ def joiner_ready(store, events: EventLog, name: str, migration_id: int, build_s:
 
 
 def joiner_receive(state, channel: Group, precopy: bool = False,
-                   on_replay=lambda step: None) -> tuple[int, dict]:
+                   on_replay=lambda step: None) -> tuple[int, dict, frozenset[str]]:
     """Phase 2: the leaver sends its state at the switch boundary; that step is ours next.
     With ``precopy`` (the leaver said so in phase 1), first the pre-copy: chunks of the state
-    and the leaver's optimizer steps, replayed here, until the switch's header."""
+    and the leaver's optimizer steps, replayed here, until the switch's header. Returns the
+    step, the report and the parameters the replay kept current (to be checked)."""
     t0 = time.perf_counter()
     held, replayed, slack = frozenset(), 0, None
     if precopy:
@@ -464,7 +472,52 @@ def joiner_receive(state, channel: Group, precopy: bool = False,
         # the switch's own part: from the leaver's header to the state complete
         report.update(precopy_steps=replayed, precopy_s=t1 - t0,
                       switch_recv_s=time.perf_counter() - t1, precopy_slack_s=slack)
-    return start_step, report
+    return start_step, report, held
+
+
+class PrecopyDiverged(RuntimeError):
+    """The joiner's replayed copy differs from the leaver's state: the script changes
+    registered state outside the optimizer (``MigrationConfig``)."""
+
+
+class PrecopyCheck:
+    """The joiner's check of its replayed copy against the leaver's checksums, before it
+    votes on its first step (``StepLoop.vote_on``): a copy that differs must not commit a
+    step whose gradients it took part in, so the joiner fails before the vote and the step
+    is aborted everywhere. Its own checksums are taken in a thread meanwhile (nothing it
+    sums changes before that step's optimizer)."""
+
+    def __init__(self, state, held: frozenset[str], store, key: str, events: EventLog,
+                 timeout_s: float):
+        self.store, self.key, self.events, self.timeout_s = store, key, events, timeout_s
+        self._mine: list = []
+        self._thread = threading.Thread(
+            target=lambda: self._mine.append(PC.checksums(state, held)), daemon=True,
+            name="precopy-check")
+        self._thread.start()
+
+    def __call__(self) -> None:
+        self._thread.join()
+        try:
+            self.store.raw.wait([self.key], timedelta(seconds=self.timeout_s))
+        except Exception:  # noqa: BLE001 - not there in time: judged below
+            pass
+        raw = self.store.valid(self.key)
+        if raw is None or not self._mine:
+            self.events.emit("precopy_unverified", level="warning",
+                             reason="the leaver's checksums did not come" if raw is None
+                             else "this copy's checksums failed")
+            return
+        mine, theirs = self._mine[0], json.loads(raw)
+        bad = PC.first_difference(mine, theirs)
+        if bad is not None:
+            self.events.emit("precopy_diverged", entry=bad, level="error")
+            raise PrecopyDiverged(
+                f"pre-copy: the replayed copy of {bad!r} differs from the leaver's: the "
+                f"script changes registered state outside the optimizer's step(), which a "
+                f"pre-copy cannot follow (set migration.precopy = false for it); this role "
+                f"is recovered like any failed worker's")
+        self.events.emit("precopy_verified", entries=len(mine))
 
 
 def joiner_started(store, events: EventLog, name: str, migration_id: int, report: dict,
