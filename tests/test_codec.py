@@ -89,7 +89,8 @@ COMMANDS = [
     P.AssignRecovery(4, "dp1.pp0.tp0", 2, 12, {}, P.StateSource("replica", "rxfer.w0.s1", 4)),
     P.AssignRecovery(5, "dp0.pp0.tp0", 3, 10, {"pp.dp0.tp0": 4},
                      P.StateSource("checkpoint", step=10)),
-    P.Recover(4, 2, 12, None, {"dp.pp0.tp0": 3}, P.SendState("s1", "rxfer.w0.s1", 4)),
+    P.Recover(4, 2, 12, None, {"dp.pp0.tp0": 3}, [P.SendState("s1", "rxfer.w0.s1", 4),
+                                                   P.SendState("s2", "rxfer.w0.s2", 4, 1, 2)]),
     P.Recover(5, 3, 10, 10, {}),
 ]
 
@@ -107,7 +108,7 @@ def test_commands_round_trip(cmd):
     ('{"type": "prepare", "migration_id": 1, "groups": {"g": "x"}}', "Prepare.groups"),
     ('{"type": "prepare", "groups": {}}', "missing 1 required"),
     ('{"type": "recover", "recovery_id": 1, "epoch": 1, "resume_step": 1, "rollback_step": null,'
-     ' "groups": {}, "send_state": {"joiner": 5}}', "SendState.joiner"),
+     ' "groups": {}, "send_states": [{"joiner": 5}]}', "SendState.joiner"),
     ('{"type": "assign_recovery", "recovery_id": 1, "role": "r", "epoch": 1, "resume_step": 1,'
      ' "groups": {}, "source": {"kind": "disk"}}', "state source kind 'disk'"),
     ("[1, 2]", "unknown command type"),

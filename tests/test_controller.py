@@ -159,6 +159,22 @@ def test_recovery_from_a_replica_rebuilds_the_failed_roles_and_dirty_groups():
     assert "w2" not in plan.stayers  # dp0.pp1.tp0: no rebuilt group
 
 
+def test_a_striped_recovery_takes_shares_from_up_to_max_sources_live_replicas():
+    m = membership(Layout(4, 1, 1), standbys=2)           # w0..w3: four replicas
+    one = C.plan_recovery(m, 1, ["w1"], set(), checkpoint_step=None)
+    assert one.senders("dp1.pp0.tp0") == ["w0"] and one.stripes == {}
+    plan = C.plan_recovery(m, 1, ["w1"], set(), checkpoint_step=None, max_sources=2)
+    assert plan.sources == {"dp1.pp0.tp0": "replica:w0"}
+    assert plan.senders("dp1.pp0.tp0") == ["w0", "w2"]
+    # two failures: neither a dead worker nor the other failed role serves as a source
+    both = C.plan_recovery(m, 1, ["w1", "w2"], set(), checkpoint_step=None, max_sources=4)
+    assert both.senders("dp1.pp0.tp0") == ["w0", "w3"]
+    assert both.senders("dp2.pp0.tp0") == ["w0", "w3"]
+    # a rollback (a role without a replica) takes no stripes
+    m2 = membership(Layout(1, 2, 1), standbys=1)
+    assert C.plan_recovery(m2, 1, ["w0"], set(), 8, max_sources=4).stripes == {}
+
+
 def test_recovery_without_a_replica_rolls_everyone_back_to_the_checkpoint():
     m = membership(Layout(1, 3, 2))
     plan = C.plan_recovery(m, 1, ["w2"], set(), checkpoint_step=40)

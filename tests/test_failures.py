@@ -64,6 +64,39 @@ def test_crash_recovers_from_a_replica_bit_identical(tmp_path, baseline, point):
     assert max(rec["detection_latency_s"].values()) < 1.0
 
 
+def dp3(standbys: int):
+    return job(dp=3, pp=1, standbys=standbys, train_global_batch=12)   # 12: 3 x 2 micro
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_role_is_restored_from_two_replicas_at_once(tmp_path, reference_weights):
+    """DP3: the crashed role's state comes from its two live replicas, a share from each
+    (``recovery.stripe_sources``), and the job ends on the uninterrupted run's weights."""
+    cfg = with_faults(dp3(1), Inject("crash", 6, "w1", "allreduce"))
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    rec = check_recovered(summary, "crash", "replica:")
+    assert rec["stripes"] == {"dp1.pp0.tp0": ["w2"]}      # beside replica:w0
+    (got,) = [e for e in read_jsonl(str(tmp_path / "run" / "events.jsonl"))
+              if e["event"] == "state_received"]
+    assert got["sources"] == 2 and all(n > 0 for n in got["shares"])
+    assert summary["weights_sha256"] == reference_weights(dp3(1))
+
+
+@pytest.mark.timeout(300)
+def test_one_replica_restores_two_failed_roles_of_its_column(tmp_path, reference_weights):
+    """DP3, w1 and w2 crash in the same step: w0, the one live replica, sends the state to
+    both joiners, one after the other (a replica once got one order to send, the second
+    joiner's overwriting the first's, and that joiner waited in vain)."""
+    cfg = with_faults(dp3(2), Inject("crash", 6, "w1", "allreduce"),
+                      Inject("crash", 6, "w2", "allreduce"))
+    summary = run_job(cfg, str(tmp_path / "run"), quiet=True, timeout_s=300)
+    recs = summary["recoveries"]
+    assert [r["status"] for r in recs] == ["done"] * len(recs)
+    assert {w for r in recs for w in r["failures"]} == {"w1", "w2"}
+    assert all(s == "replica:w0" for r in recs for s in r["sources"].values())
+    assert summary["weights_sha256"] == reference_weights(dp3(2))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("watchdog", [True, False], ids=["step-watchdog", "heartbeat-timeout"])
 def test_hang_is_detected_within_the_bound_and_fenced(tmp_path, baseline, watchdog):

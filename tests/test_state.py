@@ -469,3 +469,43 @@ def test_a_script_that_changes_a_parameter_outside_the_optimizer_is_caught_by_th
     assert why is None and held            # the pre-copy itself went through
     assert a["model/b.bias"] != b["model/b.bias"]      # the replay could not follow the edit
     assert first_difference(sums_a, sums_b) == "model/b.bias"
+
+
+def _striped(rank, address, use_buckets):
+    """Ranks 0 and 1: replicas of one role (the same training), each sending its share of
+    the state; rank 2: the joiner, receiving both shares at once."""
+    from trainmover.train.transfer import recv_striped
+
+    builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30,
+                           abort_signal=AbortSignal())
+    role = Role(0, 0, 0)
+    if rank < 2:
+        channels = [builder.build_ranked(GroupSpec(f"rx.{rank}", "xfer", (role, role)), 0, 0,
+                                         abortable=False)]
+    else:
+        channels = [builder.build_ranked(GroupSpec(f"rx.{i}", "xfer", (role, role)), 1, 0,
+                                         abortable=False) for i in range(2)]
+    net, opt, sched = trained(1 if rank < 2 else 2, 3 if rank < 2 else 0)
+    groups = build_comm_groups(builder, Layout(), role)[0]
+    buckets = GradBuckets(list(net.parameters()), 4000, groups) if use_buckets else None
+    state = TrainState(net, opt, extra={"sched": sched}, buckets=buckets)
+    torch.manual_seed(7)
+    if rank < 2:
+        info = send_state(state, channels[0], 1, resume_step=9, part=(rank, 2))
+        out = None
+    else:
+        out, info = recv_striped(state, channels, 0)
+    tensors, _ = state.entries()
+    return (out, info["bytes"], {k: v.reshape(-1).tolist() for k, v in tensors.items()},
+            torch.randint(0, 10**9, (1,)).item())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("use_buckets", [True, False], ids=["buckets", "plain"])
+def test_a_striped_recovery_takes_a_share_from_each_replica(use_buckets):
+    res = values(run_processes(_striped, 3, use_buckets))
+    (_, sent0, a, rng0), (_, sent1, a1, _), (step, got, b, rng_b) = res[0], res[1], res[2]
+    assert step == 9 and a == a1
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+    assert rng_b == rng0                   # the generators' states came with share 0
+    assert sent0 > 0 and sent1 > 0 and sent0 + sent1 == got

@@ -269,7 +269,8 @@ class Recovery:
             self._start_replacements(rec, short)
         try:
             plan = C.plan_recovery(m, rec.recovery_id, sorted(rec.failures), dirty, ckpt,
-                                   snapshot_step=snap)
+                                   snapshot_step=snap,
+                                   max_sources=ctx.cfg.recovery.stripe_sources)
         except C.RecoveryImpossible as exc:
             raise JobFailed(f"cannot recover from {sorted(rec.failures)}: {exc}. Committed "
                             f"progress (step {rec.last_committed}) and checkpoints are intact.")
@@ -284,21 +285,26 @@ class Recovery:
                          dirty_groups=sorted(dirty), **plan.describe())
         ctx.progress.say(
             "recovery: " + ", ".join(f"{p.leaver} -> {p.joiner} ({p.role}, state from "
-                                     f"{plan.sources[p.role.name]})" for p in plan.pairs)
+                                     f"{plan.sources[p.role.name]}"
+                                     + "".join(f"+{w}" for w in plan.stripes.get(p.role.name, []))
+                                     + ")" for p in plan.pairs)
             + f"; rebuilding {len(plan.generations)}/{plan.groups_total} groups; resuming at "
               f"step {resume}")
-        senders = {}
+        senders: dict[str, list[P.SendState]] = {}
         for p in plan.pairs:
-            src = plan.sources[p.role.name]
-            replica = src.split(":", 1)[1] if src.startswith("replica:") else None
-            channel = C.recovery_channel(replica, p.joiner) if replica else None
-            if replica:
-                senders[replica] = P.SendState(p.joiner, channel, rec.recovery_id)
+            # a share of the state from each replica sending it (one, unless striped); a
+            # replica serving several joiners sends to one after the other
+            replicas = plan.senders(p.role.name)
+            channels = [C.recovery_channel(r, p.joiner) for r in replicas]
+            for i, (r, channel) in enumerate(zip(replicas, channels)):
+                senders.setdefault(r, []).append(
+                    P.SendState(p.joiner, channel, rec.recovery_id, i, len(replicas)))
             ctx.send(p.joiner, P.AssignRecovery(
                 rec.recovery_id, p.role.name, new_epoch, resume,
                 {s.name: plan.generations[s.name] for s in m.layout.groups_of(p.role).values()
                  if s.name in plan.generations},
-                P.StateSource("replica", channel, rec.recovery_id) if channel
+                P.StateSource("replica", channels[0], rec.recovery_id,
+                              more_groups=channels[1:] or None) if channels
                 else P.StateSource(plan.rollback_source, step=plan.rollback_step,
                                    address=snapshot_at.get(p.role.name))))
         from_snapshot = plan.rollback_source == "snapshot"
@@ -449,9 +455,8 @@ class Recovery:
         self.retention.recovery_done(
             rec.recovery_id, list(range(rec.epoch - len(rec.abandoned), rec.epoch + 1)),
             sorted(set(ctx.membership.workers) | set(rec.failures)), sorted(rec.failures),
-            [(C.recovery_channel(src.split(":", 1)[1], p.joiner), rec.recovery_id)
-             for p in rec.plan.pairs
-             if (src := rec.plan.sources[p.role.name]).startswith("replica:")])
+            [(C.recovery_channel(r, p.joiner), rec.recovery_id)
+             for p in rec.plan.pairs for r in rec.plan.senders(p.role.name)])
         if t_commit is not None:
             src = ", ".join(sorted(set(rec.plan.sources.values())))
             ctx.progress.say(

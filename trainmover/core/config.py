@@ -527,9 +527,14 @@ class RecoveryConfig:
     # out) before the job stops, resumable, instead of trying again: a joiner that fails the
     # same way every time (a script that cannot load the state) must not loop for ever.
     max_attempts: int = 5
+    # A failed role restored from live data-parallel replicas takes its state from up to
+    # this many of them at once, an equal share from each (striped: each link carries 1/k
+    # of the bytes); 1: from one replica.
+    stripe_sources: int = 4
 
     def validate(self) -> None:
         _seconds("recovery", report_timeout_s=self.report_timeout_s)
+        _positive("recovery", stripe_sources=self.stripe_sources)
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"recovery.max_attempts must be a positive integer, got "
                              f"{self.max_attempts!r}")

@@ -291,7 +291,8 @@ class RecoveryPlan:
 
     ``sources`` maps each failed role to where its state comes from: ``replica:<worker>``
     (a live data-parallel replica, which holds exactly the same state after a committed
-    step), ``snapshot`` (the in-memory peer snapshot) or ``checkpoint`` (on disk). If any
+    step; ``stripes`` names the further replicas that send a share of it beside that
+    one), ``snapshot`` (the in-memory peer snapshot) or ``checkpoint`` (on disk). If any
     role has no replica, every role rolls back to the newer of the newest complete snapshot
     and checkpoint (``rollback_step``; a snapshot on a tie: no disk is read), since the
     survivors are ahead of it."""
@@ -304,6 +305,15 @@ class RecoveryPlan:
     stayers: dict[str, list[str]]           # live worker -> its groups being rebuilt
     groups_total: int
     rollback_source: str | None = None      # "snapshot" | "checkpoint", with rollback_step
+    # role -> the further live replicas sending a share of its state (striped recovery)
+    stripes: dict[str, list[str]] = field(default_factory=dict)
+
+    def senders(self, role: str) -> list[str]:
+        """Every replica sending ``role``'s state, share 0 first ([] without a replica)."""
+        src = self.sources[role]
+        if not src.startswith("replica:"):
+            return []
+        return [src.split(":", 1)[1]] + self.stripes.get(role, [])
 
     @property
     def failed(self) -> list[str]:
@@ -317,7 +327,8 @@ class RecoveryPlan:
         return {"recovery_id": self.recovery_id,
                 "pairs": [{"failed": p.leaver, "joiner": p.joiner, "role": p.role.name}
                           for p in self.pairs],
-                "sources": self.sources, "rollback_step": self.rollback_step,
+                "sources": self.sources, "stripes": self.stripes,
+                "rollback_step": self.rollback_step,
                 "rollback_source": self.rollback_source,
                 "groups_rebuilt": len(self.generations), "groups_total": self.groups_total,
                 "rebuilt_groups": sorted(self.generations)}
@@ -338,10 +349,11 @@ def replica_of(m: Membership, role: Role, exclude: set[str]) -> str | None:
 
 def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set[str],
                   checkpoint_step: int | None, busy: set[str] = frozenset(),
-                  snapshot_step: int | None = None) -> RecoveryPlan:
+                  snapshot_step: int | None = None, max_sources: int = 1) -> RecoveryPlan:
     """Decide joiners, state sources and the groups to rebuild after ``failed`` workers died.
     ``snapshot_step`` and ``checkpoint_step``: the newest complete peer snapshot and disk
-    checkpoint, if any.
+    checkpoint, if any. ``max_sources``: a role restored from replicas takes its state from
+    up to this many of them at once, a share from each (``stripes``; O(DP) a role).
 
     Rebuilt: every group of a failed role, plus every *dirty* group (one on which some
     survivor had an operation in flight when the step was aborted: its sequence of
@@ -373,6 +385,15 @@ def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set
             rollback, rollback_source = checkpoint_step, "checkpoint"
         sources = {r: rollback_source for r in sources}  # everyone goes back together
     layout = m.layout
+    stripes = {}
+    if rollback is None and max_sources > 1:
+        for p in pairs:
+            first = sources[p.role.name].split(":", 1)[1]
+            more = [w for dp in range(layout.dp) if dp != p.role.dp
+                    and (w := m.holder(Role(dp, p.role.pp, p.role.tp))) is not None
+                    and w not in dead and w != first]
+            if more:
+                stripes[p.role.name] = more[:max_sources - 1]
     rebuild = dict(layout.affected_groups(*[p.role for p in pairs]))
     for name in sorted(dirty):
         spec = layout.group(name)
@@ -381,7 +402,7 @@ def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set
     generations = {name: m.next_generation[name] for name in rebuild}
     return RecoveryPlan(recovery_id, pairs, sources, rollback, generations,
                         _members(m, rebuild, dead), layout.communicator_group_count(),
-                        rollback_source)
+                        rollback_source, stripes)
 
 
 

@@ -395,6 +395,9 @@ class StateSource:
     transfer_generation: int | None = None
     step: int | None = None
     address: str | None = None          # "snapshot": the holder, host:port
+    # "replica", striped: the channels from the further replicas, share 1 on (share 0
+    # comes on ``transfer_group``; all at ``transfer_generation``)
+    more_groups: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("replica", "snapshot", "checkpoint"):
@@ -415,11 +418,14 @@ class AssignRecovery:
 
 @dataclass(frozen=True)
 class SendState:
-    """To the live replica of a failed role: send the state to its joiner."""
+    """To a live replica of a failed role: send the state to its joiner (share ``part`` of
+    ``parts``: a striped recovery takes a share from each of several replicas)."""
 
     joiner: str
     transfer_group: str
     transfer_generation: int
+    part: int = 0
+    parts: int = 1
 
 
 @dataclass(frozen=True)
@@ -433,7 +439,7 @@ class Recover:
     resume_step: int
     rollback_step: int | None
     groups: dict[str, int]
-    send_state: SendState | None = None
+    send_states: list[SendState] | None = None   # one per joiner this replica serves
     rollback_from: str | None = None
 
 

@@ -3,12 +3,15 @@ a point-to-point group, for a planned migration and a recovery from a replica.
 
 The sender needs no extra memory for parameters and moments: a large tensor (from
 ``IN_PLACE_MIN_BYTES``) travels in place, smaller ones packed through the gradient buckets
-when there are any (the gradients are zero at a step boundary). Entries travel in flight together within ``TRANSFER_WINDOW_BYTES``,
-so the link does not wait for a round trip per entry and packing overlaps sending. Small
-entries (and the generators' states) travel packed in one message.
+when there are any (the gradients are zero at a step boundary). Entries travel in flight
+together within ``TRANSFER_WINDOW_BYTES``, so the link does not wait for a round trip per
+entry and packing overlaps sending. Small entries (and the generators' states) travel
+packed in one message. A striped recovery (``recv_striped``) takes a share of the entries
+from each of several replicas at once, one channel each.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -69,25 +72,89 @@ def _optim_bytes(state: TrainState) -> int:
 
 
 def send_state(state: TrainState, group, peer: int, resume_step: int,
-               skip_params: frozenset[str] = frozenset()) -> dict:
+               skip_params: frozenset[str] = frozenset(), part: tuple[int, int] = (0, 1)
+               ) -> dict:
     """Leaver (or replica) side: the whole state and the step to resume at. Large tensors
     are sent in place; smaller parameters and moments go packed through the gradient
     buckets when there are any (at an iteration boundary the gradients are zero: the
     buckets are zeroed again after use), so the sender needs no extra memory. The
     smallest entries travel packed in one message. ``skip_params``: parameters the joiner
-    already holds current (pre-copied): neither they nor their optimizer state travel."""
+    already holds current (pre-copied): neither they nor their optimizer state travel.
+    ``part``: (i, k) of a striped recovery: this sender's share (``_share``) only, each
+    share as its own message set (no bucket staging: the joiner receives every share at
+    once), the generators' states with share 0."""
     t0 = time.perf_counter()
+    i, k = part
     meta = state.meta()
     meta["resume_step"] = resume_step
-    rng = _rng_states()
-    meta["rng"] = {k: v.numel() for k, v in rng.items()}
+    rng = _rng_states() if i == 0 else {}
+    meta["rng"] = {name: v.numel() for name, v in rng.items()}
     blob = _json_tensor(meta).to(group.device)
     head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
     group.send(head, peer, tag=0).wait()
     group.send(blob, peer, tag=1).wait()
     tensors = _unskipped(state, skip_params)
-    nbytes = _move(state, group, peer, tensors, rng, sending=True)
+    if k > 1:
+        tensors = _share(tensors, i, k)
+    nbytes = _move(state, group, peer, tensors, rng, sending=True, staged=k == 1)
     return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def _share(tensors: dict[str, torch.Tensor], i: int, k: int) -> dict[str, torch.Tensor]:
+    """Share ``i`` of ``k`` of the entries: those whose first byte, in name order, falls in
+    the i-th k-th of their bytes (whole entries, so shares are near equal for a model of
+    many tensors). Every sender and the joiner decide alike from names and sizes."""
+    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    total, at, out = sum(sizes.values()), 0, {}
+    for name in sorted(tensors):
+        if (at * k // total if total else 0) == i:
+            out[name] = tensors[name]
+        at += sizes[name]
+    return out
+
+
+def recv_striped(state: TrainState, groups: list, peer: int) -> tuple[int, dict]:
+    """Joiner side of a striped recovery: a share of the state from each of ``groups``
+    (share i from the i-th sender), all at once, each on its own thread. The metadata is
+    share 0's (every sender's is the same state's)."""
+    t0 = time.perf_counter()
+    metas = [_recv_meta(g, peer) for g in groups]
+    steps = {m["resume_step"] for m in metas}
+    if len(steps) != 1:
+        raise RuntimeError(f"striped recovery: the replicas sent the states of steps "
+                           f"{sorted(steps)}")
+    state._apply_meta(metas[0])
+    rng = {name: torch.zeros(n, dtype=torch.uint8) for name, n in metas[0]["rng"].items()}
+    tensors = _unskipped(state, frozenset())
+    k = len(groups)
+    counts, errors = [0] * k, []
+
+    def receive(i: int) -> None:
+        try:
+            counts[i] = _move(state, groups[i], peer, _share(tensors, i, k),
+                              rng if i == 0 else {}, sending=False, staged=False)
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receive, args=(i,), daemon=True,
+                                name=f"recv-share-{i}") for i in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    _set_rng_states(rng)
+    return int(metas[0]["resume_step"]), {"bytes": sum(counts), "shares": counts,
+                                          "seconds": time.perf_counter() - t0}
+
+
+def _recv_meta(group, peer: int) -> dict:
+    head = torch.zeros(1, dtype=torch.int64, device=group.device)
+    group.recv(head, peer, tag=0).wait()
+    blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
+    group.recv(blob, peer, tag=1).wait()
+    return _from_json_tensor(blob)
 
 
 def recv_state(state: TrainState, group, peer: int,
@@ -95,11 +162,7 @@ def recv_state(state: TrainState, group, peer: int,
     """Joiner side: overwrites the whole state (but the ``skip_params``, as the sender's).
     Returns the step to resume at."""
     t0 = time.perf_counter()
-    head = torch.zeros(1, dtype=torch.int64, device=group.device)
-    group.recv(head, peer, tag=0).wait()
-    blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
-    group.recv(blob, peer, tag=1).wait()
-    meta = _from_json_tensor(blob)
+    meta = _recv_meta(group, peer)
     state._apply_meta(meta)
     rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
     tensors = _unskipped(state, skip_params)
@@ -125,17 +188,19 @@ def skipped(name: str, skip_params: frozenset[str]) -> bool:
 
 
 def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
-          rng: dict[str, torch.Tensor], sending: bool) -> int:
+          rng: dict[str, torch.Tensor], sending: bool, staged: bool = True) -> int:
     """Both sides walk the same entries in the same order (names sorted; the receiver
     allocated what it lacked from the sender's layout first), each entry with its own
     tag, several in flight at once (``_pipelined``): packing the next bucket overlaps
-    sending the last, and the link never waits for a round trip between entries."""
+    sending the last, and the link never waits for a round trip between entries.
+    ``staged``: small entries may be packed through the gradient buckets (not when several
+    transfers run at once on one process: they would share the buffers)."""
     tag, nbytes = 2, 0
     by_param = {id(p): n for n, p in canonical_params(state.model)} \
         if state.model is not None else {}
     bucketed: set[str] = set()
     with torch.no_grad():
-        if state.buckets is not None:
+        if state.buckets is not None and staged:
             # kinds of per-parameter tensors: the parameter itself and each moment
             kinds = ["model"] + sorted({k.split("/")[1] for k in tensors
                                         if k.startswith("optim/")})

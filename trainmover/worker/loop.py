@@ -182,7 +182,7 @@ class StepLoop:
         cmd = launch.command
         if isinstance(cmd, P.AssignRecovery):
             t0 = rt.joining.t_start
-            start = R.joiner_restore(ctx, rt.role, cmd, rt.state, rt.joining.channel)
+            start = R.joiner_restore(ctx, rt.role, cmd, rt.state, rt.joining.channels)
             prepare_s = time.perf_counter() - t0
 
             def first(step_time_s: float) -> None:

@@ -26,7 +26,7 @@ from trainmover.core.snapshots import SnapshotUnavailable
 from trainmover.core.topology import Role
 from trainmover.train.checkpoint import CheckpointCorrupt, load_local
 from trainmover.train.snapshot import fetch_snapshot
-from trainmover.train.transfer import recv_state, send_state
+from trainmover.train.transfer import recv_state, recv_striped, send_state
 from trainmover.worker.liveness import AbortWatcher, is_step_failure
 from trainmover.worker.migration import transfer_spec
 
@@ -99,12 +99,19 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
                 state.load(rollback_state(ctx, role.name, cmd.rollback_step,
                                           cmd.rollback_from))
             sent = None
-            if cmd.send_state:
-                s = cmd.send_state
-                channel = abortably(ctx.abort, lambda: ctx.builder.build_ranked(
-                    transfer_spec(s.transfer_group, role), 0, s.transfer_generation))
-                sent = send_state(state, channel, 1, cmd.resume_step)
-                channel.shutdown()
+            if cmd.send_states:
+                # every channel first, in the one global name order of group builds (no
+                # build waits on a transfer), then the transfers one after the other: each
+                # joiner receives its shares from every sender at once
+                sends = sorted(cmd.send_states, key=lambda s: s.transfer_group)
+                channels = abortably(ctx.abort, lambda: [ctx.builder.build_ranked(
+                    transfer_spec(s.transfer_group, role), 0, s.transfer_generation)
+                    for s in sends])
+                sent = {"bytes": 0}
+                for s, channel in zip(sends, channels):
+                    sent["bytes"] += send_state(state, channel, 1, cmd.resume_step,
+                                                part=(s.part, s.parts))["bytes"]
+                    channel.shutdown()
         except Exception as err:  # noqa: BLE001 - sorted by is_step_failure
             # a corrupt checkpoint file is marked so, a snapshot that cannot be had is
             # reported: the controller plans again from an older source
@@ -141,30 +148,41 @@ def rollback_state(ctx, role_name: str, step: int, holder: str | None) -> dict:
 
 # --- the joiner ----------------------------------------------------------------------------------
 
-def joiner_build(ctx, role: Role, command: P.AssignRecovery) -> tuple[CommGroups, Group | None]:
+def joiner_build(ctx, role: Role, command: P.AssignRecovery) -> tuple[CommGroups, list[Group]]:
     """Build the failed role's groups (at the generations the plan gives) and, when the state
-    comes from a live replica, the channel from it."""
+    comes from live replicas, the channel from each (share 0's first)."""
     source = command.source
     specs = {s.name: s for s in ctx.cfg.layout.groups_of(role).values()}
-    if source.kind == "replica":
-        specs[source.transfer_group] = transfer_spec(source.transfer_group, role)
+    names = [source.transfer_group] + list(source.more_groups or []) \
+        if source.kind == "replica" else []
+    for name in names:
+        specs[name] = transfer_spec(name, role)
     built = {}
     for name, spec in sorted(specs.items()):
         if spec.kind == "xfer":
             built[name] = ctx.builder.build_ranked(spec, 1, source.transfer_generation)
         else:
             built[name] = ctx.builder.build(spec, role, command.groups.get(name, 0))
-    channel = built.pop(source.transfer_group, None)
-    return CommGroups.from_groups(role, ctx.cfg.layout, built), channel
+    channels = [built.pop(name) for name in names]
+    return CommGroups.from_groups(role, ctx.cfg.layout, built), channels
 
 
-def joiner_restore(ctx, role: Role, command: P.AssignRecovery, state, channel: Group | None) -> int:
-    """Take the role's state from the replica (over ``channel``) or the checkpoint; returns
-    the step to resume at, checked against the plan's."""
+def joiner_restore(ctx, role: Role, command: P.AssignRecovery, state,
+                   channels: list[Group]) -> int:
+    """Take the role's state from the replicas (a share over each of ``channels``: striped)
+    or the checkpoint; returns the step to resume at, checked against the plan's."""
     source = command.source
-    if channel is not None:
-        start_step, _ = recv_state(state, channel, 0)
-        channel.shutdown()
+    if len(channels) > 1:
+        start_step, got = recv_striped(state, channels, 0)
+        for channel in channels:
+            channel.shutdown()
+        ctx.events.emit("state_received", sources=len(channels), bytes=got["bytes"],
+                        shares=got["shares"], seconds=round(got["seconds"], 4))
+    elif channels:
+        start_step, got = recv_state(state, channels[0], 0)
+        channels[0].shutdown()
+        ctx.events.emit("state_received", sources=1, bytes=got["bytes"],
+                        seconds=round(got["seconds"], 4))
     else:
         start_step = source.step
         state.load(rollback_state(ctx, role.name, start_step,

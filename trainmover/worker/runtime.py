@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterator
 
@@ -94,6 +94,8 @@ class Joining:
     t_start: float
     build_s: float = 0.0
     precopy: bool = False   # the leaver pre-copies its state (``joiner_allocate``)
+    # a recovery's channels from the replicas sending the state, share 0 first
+    channels: list = field(default_factory=list)
 
 
 class Runtime:
@@ -133,15 +135,18 @@ class Runtime:
             cmd = launch.command
             self.role = Role.parse(cmd.role)
             ctx.fault("joiner_prepare")
+            channels = []
             if isinstance(cmd, P.AssignRecovery):
-                self.comm_groups, channel = R.joiner_build(ctx, self.role, cmd)
+                self.comm_groups, channels = R.joiner_build(ctx, self.role, cmd)
+                channel = channels[0] if channels else None
             else:
                 # the job's current failure epoch (each recovery starts one): the joiner
                 # votes and watches for aborts in it, never in an epoch aborted before it
                 ctx.epoch = cmd.epoch
                 self.comm_groups, channel, _ = M.joiner_build(
                     ctx.builder, self.layout, self.role, cmd)
-            self.joining = Joining(channel, t_init, time.perf_counter() - t_init)
+            self.joining = Joining(channel, t_init, time.perf_counter() - t_init,
+                                   channels=channels)
         ctx.events.fixed["role"] = self.role.name
         self.torch_groups = self._torch_groups() if ctx.cfg.has_torch_groups() else None
         self.groups = GroupView(self.comm_groups, self.torch_groups)
