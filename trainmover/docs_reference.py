@@ -312,9 +312,10 @@ BENCH_GROUPS = [
         "quick", "downtime-eager", "downtime-failures-eager", "downtime-compiled",
         "downtime-failures-compiled", "downtime", "downtime-failures",
         "downtime-before-after", "downtime-crash-before-after", "state_size",
-        "state_size_inplace"]),
+        "state_size_inplace", "state_size_precopy", "state_size_precopy_2gb"]),
     ("Against torchft", ["torchft"]),
-    ("Recovery sources and checkpoint cost", ["recovery_sources", "checkpoint_cost"]),
+    ("Recovery sources and checkpoint cost", ["recovery_sources", "striped_recovery",
+                                              "checkpoint_cost"]),
     ("Cost per step", [
         "step", "example_overhead", "example_overhead_torch_ddp", "example_overhead_torch_fsdp",
         "example_overhead_torch_fsdp-before-future-wait", "example_overhead_torch_fsdp_tp",
@@ -365,6 +366,7 @@ def _bench_renderer(stem: str, r: dict):
         "step": ("trainmover bench step", None),
         "store_keys": ("python benchmarks/store_keys.py", None),
         "control_cpu": ("python benchmarks/control_cpu.py", None),
+        "striped_recovery": ("python benchmarks/striped_recovery.py", None),
     }
     for prefix in sorted(table, key=len, reverse=True):   # the longest name that fits
         if stem == prefix or stem.startswith(prefix + "_"):

@@ -79,14 +79,15 @@ def checksums(state: TrainState, params: frozenset[str]) -> dict[str, int]:
     return out
 
 
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
 def _word_sum(t: torch.Tensor) -> int:
-    t = t.detach().contiguous().reshape(-1)
-    if t.numel() == 0:
-        return 0
-    return int(t.view(_WORDS[t.element_size()]).sum(dtype=torch.int64).item())
+    """Its bytes as 8-byte words, summed (int64, wrapping), the last few bytes beside them.
+    8-byte words: a sum in the words' own type runs at memory speed (23 GB/s on one core
+    here), where widening 4-byte words to int64 ran at 1 GB/s: two seconds on a joiner's
+    first step at 2 GB of state."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    total = int(raw[:whole].view(torch.int64).sum().item()) if whole else 0
+    return total + sum((int(b) + 1) << (8 * i) for i, b in enumerate(raw[whole:].tolist()))
 
 
 def first_difference(mine: dict[str, int], theirs: dict[str, int]) -> str | None:
