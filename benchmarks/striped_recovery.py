@@ -72,7 +72,8 @@ def table(r: dict) -> str:
         lines.append(f"| {c['state_bytes'] / 1e6:.1f} | {c['sources']} | "
                      f"{fmt_spread(c['downtime_s'])} | {fmt_spread(c['receive_s'])} | "
                      f"{sent} | {c['runs']} |")
-    lines += ["", __doc__.split("What to expect where: ")[1].strip().replace("\n", " ")]
+    lines += ["", "What to expect where: " +
+              __doc__.split("What to expect where: ")[1].strip().replace("\n", " ")]
     return "\n".join(lines) + "\n"
 
 
