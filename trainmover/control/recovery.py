@@ -285,9 +285,7 @@ class Recovery:
                          dirty_groups=sorted(dirty), **plan.describe())
         ctx.progress.say(
             "recovery: " + ", ".join(f"{p.leaver} -> {p.joiner} ({p.role}, state from "
-                                     f"{plan.sources[p.role.name]}"
-                                     + "".join(f"+{w}" for w in plan.stripes.get(p.role.name, []))
-                                     + ")" for p in plan.pairs)
+                                     f"{'+'.join(self._sources(plan, p))})" for p in plan.pairs)
             + f"; rebuilding {len(plan.generations)}/{plan.groups_total} groups; resuming at "
               f"step {resume}")
         senders: dict[str, list[P.SendState]] = {}
@@ -318,6 +316,11 @@ class Recovery:
         ctx.epoch = new_epoch
         ctx.committed = resume - 1
         ctx.reached("recovery")
+
+    @staticmethod
+    def _sources(plan: C.RecoveryPlan, p: C.Pair) -> list[str]:
+        """Where a pair's state comes from, as said: "replica:w0", then any striped ones."""
+        return [plan.sources[p.role.name]] + plan.stripes.get(p.role.name, [])
 
     def newest_checkpoint(self, at_most: int | None = None) -> int | None:
         """The newest complete checkpoint (of a step up to ``at_most``) that looks intact;
