@@ -50,12 +50,17 @@ def layout_for(gpus: int) -> tuple[int, int, int]:
     return 2, 2, 2           # shared GPUs, gloo through host memory
 
 
+def plain_run(tmp_path):
+    """The job for this machine's GPUs and its uninterrupted run."""
+    cfg = gpu_job(*layout_for(torch.cuda.device_count()))
+    return cfg, run_job(cfg, str(tmp_path / "plain"), quiet=True, timeout_s=600)
+
+
 @pytest.mark.timeout(900)
 def test_migration_and_crash_on_gpu_match_the_uninterrupted_run(tmp_path):
     gpus = torch.cuda.device_count()
     dp, pp, standbys = layout_for(gpus)
-    cfg = gpu_job(dp, pp, standbys)
-    plain = run_job(cfg, str(tmp_path / "plain"), quiet=True, timeout_s=600)
+    cfg, plain = plain_run(tmp_path)
     eventful = type(cfg).from_dict(cfg.to_dict())
     apply_worker_faults(eventful, [Inject("crash", 36, "w1", "backward")])
     moved = run_job(eventful, str(tmp_path / "events"), quiet=True, timeout_s=600,
@@ -120,10 +125,7 @@ def test_a_precopy_replayed_on_cuda_is_bit_identical(kind):
 
 @pytest.mark.timeout(900)
 def test_a_precopied_migration_on_gpu_matches_the_uninterrupted_run(tmp_path):
-    gpus = torch.cuda.device_count()
-    dp, pp, standbys = layout_for(gpus)
-    cfg = gpu_job(dp, pp, standbys)
-    plain = run_job(cfg, str(tmp_path / "plain"), quiet=True, timeout_s=600)
+    cfg, plain = plain_run(tmp_path)
     moved_cfg = type(cfg).from_dict(cfg.to_dict())
     moved_cfg.override(migration_precopy=True, migration_precopy_chunk_mb=0.1)
     moved = run_job(moved_cfg, str(tmp_path / "moved"), quiet=True, timeout_s=600,

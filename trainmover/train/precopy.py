@@ -34,9 +34,9 @@ import time
 import torch
 
 from trainmover.train.state import (StateError, TrainState, _as_bytes, _dtensor_type,
-                                    _from_json_tensor, _json_tensor, _jsonable,
-                                    canonical_params, optim_entries_layout)
-from trainmover.train.transfer import _large, skipped
+                                    _json_tensor, _jsonable, canonical_params,
+                                    optim_entries_layout)
+from trainmover.train.transfer import _large, recv_json, skipped
 
 # The pre-copy's tags on the channel, clear of the layout's and the switch transfer's.
 PRECOPY_TAG = 1 << 21
@@ -105,7 +105,6 @@ class _Channel:
         self.group, self.peer = group, peer
         self.tag = PRECOPY_TAG
         self.works: list = []     # (work, tensor kept alive until it is done)
-        self.bytes = 0
 
     def _next(self) -> int:
         self.tag += 1
@@ -120,12 +119,9 @@ class _Channel:
         self.post(blob)
 
     def recv_json(self) -> dict:
-        dev = self.group.device
-        head = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.group.recv(head, self.peer, tag=self._next()).wait()
-        blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=dev)
-        self.group.recv(blob, self.peer, tag=self._next()).wait()
-        return _from_json_tensor(blob)
+        out = recv_json(self.group, self.peer, self.tag)    # a header and a blob: two tags
+        self.tag += 2
+        return out
 
     def send_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Large ones in place (no copy; not to be changed until ``settle``), the small ones
@@ -138,7 +134,6 @@ class _Channel:
         if small:
             self.post(torch.cat([_as_bytes(t.contiguous()).to(self.group.device)
                                  for t in small]))
-        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
 
     def recv_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Into ``tensors`` (the twin of ``send_tensors``, the same list in the same order)."""
@@ -165,7 +160,6 @@ class _Channel:
                 n = t.numel() * t.element_size()
                 _as_bytes(t).copy_(packed[offset:offset + n])
                 offset += n
-        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
 
     def settle(self) -> None:
         works, self.works = self.works, []
@@ -313,19 +307,12 @@ class PrecopySender:
         (none if the pre-copy was given up)."""
         self._settle(budget=False)
         full = self.failed is not None
-        if not full:
-            try:
-                self.channel.send_json({"kind": "switch", "full": False})
-                self.channel.settle()
-            except Exception as exc:  # noqa: BLE001 - the switch's transfer fails the same way
-                self._give_up(f"the channel to the joiner failed: {str(exc)[:200]}")
-                return frozenset()
-        elif self.next > 0 or self.steps:
-            try:
-                self.channel.send_json({"kind": "switch", "full": True})
-                self.channel.settle()
-            except Exception:  # noqa: BLE001 - the switch's transfer fails the same way
-                return frozenset()
+        try:
+            self.channel.send_json({"kind": "switch", "full": full})
+            self.channel.settle()
+        except Exception as exc:  # noqa: BLE001 - the switch's transfer fails the same way
+            self._give_up(f"the channel to the joiner failed: {str(exc)[:200]}")
+            return frozenset()
         return frozenset() if full else frozenset(n for n, _ in self.params[:self.next])
 
     def report(self) -> dict:

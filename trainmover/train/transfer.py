@@ -53,12 +53,8 @@ def recv_layout(state: TrainState, group, peer: int) -> dict:
     entries of the leaver's layout that this optimizer lacks. Returns the bytes allocated,
     the seconds taken and whether the leaver pre-copies its state."""
     t0 = time.perf_counter()
-    head = torch.zeros(1, dtype=torch.int64, device=group.device)
-    group.recv(head, peer, tag=LAYOUT_TAG).wait()
-    blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
-    group.recv(blob, peer, tag=LAYOUT_TAG + 1).wait()
+    layout = recv_json(group, peer, LAYOUT_TAG)
     before = _optim_bytes(state)
-    layout = _from_json_tensor(blob)
     state._match_optim(layout["optim_state"])
     return {"bytes": _optim_bytes(state) - before, "seconds": time.perf_counter() - t0,
             "precopy": bool(layout.get("precopy"))}
@@ -118,7 +114,7 @@ def recv_striped(state: TrainState, groups: list, peer: int) -> tuple[int, dict]
     (share i from the i-th sender), all at once, each on its own thread. The metadata is
     share 0's (every sender's is the same state's)."""
     t0 = time.perf_counter()
-    metas = [_recv_meta(g, peer) for g in groups]
+    metas = [recv_json(g, peer) for g in groups]
     steps = {m["resume_step"] for m in metas}
     if len(steps) != 1:
         raise RuntimeError(f"striped recovery: the replicas sent the states of steps "
@@ -149,11 +145,12 @@ def recv_striped(state: TrainState, groups: list, peer: int) -> tuple[int, dict]
                                           "seconds": time.perf_counter() - t0}
 
 
-def _recv_meta(group, peer: int) -> dict:
+def recv_json(group, peer: int, tag: int = 0) -> dict:
+    """A JSON value sent as its length (on ``tag``) and its bytes (on ``tag + 1``)."""
     head = torch.zeros(1, dtype=torch.int64, device=group.device)
-    group.recv(head, peer, tag=0).wait()
+    group.recv(head, peer, tag=tag).wait()
     blob = torch.zeros(int(head.item()), dtype=torch.uint8, device=group.device)
-    group.recv(blob, peer, tag=1).wait()
+    group.recv(blob, peer, tag=tag + 1).wait()
     return _from_json_tensor(blob)
 
 
@@ -162,7 +159,7 @@ def recv_state(state: TrainState, group, peer: int,
     """Joiner side: overwrites the whole state (but the ``skip_params``, as the sender's).
     Returns the step to resume at."""
     t0 = time.perf_counter()
-    meta = _recv_meta(group, peer)
+    meta = recv_json(group, peer)
     state._apply_meta(meta)
     rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
     tensors = _unskipped(state, skip_params)
