@@ -43,7 +43,7 @@ from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
-from trainmover.core.proc import PR_SET_PDEATHSIG, pid_alive, prctl
+from trainmover.core.proc import PR_SET_PDEATHSIG, pid_alive, prctl, raise_open_files
 from trainmover.core.queues import SlotReader
 
 
@@ -347,6 +347,9 @@ class Agent:
         # (else they are forked once the store is up: the fork server imports torch meanwhile)
         run_key = jobfile.run_key(self.run_dir)
         if self.listen_fd is not None:
+            # four connections a worker: a soft limit of 1024 descriptors would refuse the
+            # workers of a job past ~250 of them
+            raise_open_files()
             # served from a thread of this process for the job's lifetime (torch-free: the
             # store is up before the fork server has imported torch)
             self.store_server = kvserver.serve(run_key, listen_fd=self.listen_fd,

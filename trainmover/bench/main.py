@@ -312,6 +312,13 @@ def main(args) -> int:
 
         bench_view(args.steps, args.repeats, args.recipe, args.out)
         return 0
+    if args.bench == "control":
+        from trainmover.bench.control import bench_control, parse_sizes
+
+        bench_control(parse_sizes(args.workers), args.repeats, args.compute_s, WARMUP_STEPS,
+                      args.steady, WARMUP_STEPS, args.standbys, args.timeout_s, args.out,
+                      args.name)
+        return 0
     if args.bench == "soak":
         from trainmover.bench.soak import bench_soak
 

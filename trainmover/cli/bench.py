@@ -270,3 +270,23 @@ def add_bench_parser(sub) -> None:
     ss.add_argument("--out", default="benchmarks/results",
                     help="directory of the result (NAME.json and NAME.md)")
     ss.set_defaults(fn=cmd_bench)
+    ctl = bsub.add_parser("control", help="the control plane against the number of workers: "
+                                          "simulated hosts of 8 workers on the real store, "
+                                          "agents, worker control code and controller; step "
+                                          "overhead, store load, controller round, a crash")
+    ctl.add_argument("--workers", default="256,1024,4096",
+                     help="comma list of job sizes (multiples of 8: hosts of 8 workers, "
+                          "DP x PP8 x TP8 from 128 on)")
+    ctl.add_argument("--repeats", type=int, default=3,
+                     help="runs of each size, interleaved (median, min, max)")
+    ctl.add_argument("--compute-s", type=float, default=0.2,
+                     help="a simulated step's compute (seconds)")
+    ctl.add_argument("--steady", type=int, default=10,
+                     help="steps measured after the warm-up, before the crash")
+    ctl.add_argument("--standbys", type=int, default=2, help="standby workers of the job")
+    ctl.add_argument("--timeout-s", type=float, default=600.0,
+                     help="the most one simulated job may take")
+    ctl.add_argument("--name", default="control", help="result file name under --out")
+    ctl.add_argument("--out", default="benchmarks/results",
+                     help="directory of the result (NAME.json and NAME.md)")
+    ctl.set_defaults(fn=cmd_bench)

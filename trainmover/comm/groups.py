@@ -105,6 +105,11 @@ class AbortSignal:
         if self.native is not None:
             self.native.set(reason)
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the signal is set or ``timeout_s`` passed; whether it is set (the
+        control-plane simulator's stand-in for a step's compute, cut short by an abort)."""
+        return self._event.wait(timeout_s)
+
     def clear(self) -> None:
         self.reason = ""
         self._event.clear()

@@ -14,7 +14,7 @@ import threading
 import time
 
 from trainmover.core.kvstore import (FRAME, MAGIC, NO_REPLY, NO_REPLY_OPS, NONCE_BYTES,
-                                     MAC_BYTES, REQUEST, Op, Status, StoreLimits, as_int,
+                                     MAC_BYTES, REFUSED, REQUEST, Op, Status, StoreLimits, as_int,
                                      encode_answer, handshake_mac, parse_fields, store_key)
 
 # With every descriptor taken by authenticated clients, the listener stays readable: the
@@ -190,6 +190,7 @@ class KVServer:
             return
         client_nonce, mac = bytes(conn.inbuf[:NONCE_BYTES]), bytes(conn.inbuf[NONCE_BYTES:need])
         if not hmac.compare_digest(mac, handshake_mac(self._key, b"client", conn.nonce, client_nonce)):
+            self._send(conn, REFUSED)     # said, so the client does not try again
             self._close(conn)
             return
         del conn.inbuf[:need]

@@ -13,11 +13,14 @@ pose as the store either)::
 
     server -> client   MAGIC, server nonce Ns (32 bytes)
     client -> server   client nonce Nc (32 bytes), HMAC(key, "client" Ns Nc)
-    server -> client   HMAC(key, "server" Ns Nc)
+    server -> client   HMAC(key, "server" Ns Nc), or ``REFUSED`` for a wrong proof
 
 A connection that has not completed it within ``handshake_timeout_s`` is closed, and only
 ``max_pending`` of them are kept (the oldest goes first): unauthenticated peers cost a few
-file descriptors, never the server's attention. The key is per run (derived from the
+file descriptors, never the server's attention. A client whose connection is closed
+before it was answered (the oldest pending one in a burst of thousands of workers
+connecting at once) connects again until its connect timeout; one answered ``REFUSED``
+does not. The key is per run (derived from the
 secret and the run id), so nothing from another run or resume of the job gets in. What it
 does not do: encrypt, or authenticate each message after the handshake. On one host only
 root can read or inject loopback traffic; across hosts the job's network is trusted as
@@ -55,6 +58,9 @@ from enum import IntEnum
 MAGIC = b"TMKV1"
 NONCE_BYTES = 32
 MAC_BYTES = 32
+# The server's answer to a wrong proof: no HMAC is all zeros (but by a 2^-256 chance), so a
+# client tells "refused" from a connection dropped before it was answered, which it retries.
+REFUSED = bytes(MAC_BYTES)
 FRAME = struct.Struct(">I")
 # a request: op, timeout (ms), a number (add's delta), the count of byte-string fields
 REQUEST = struct.Struct(">BIqI")
@@ -210,21 +216,28 @@ class KVClient:
                                    else connect_timeout_s)
 
     def _connect(self, key: bytes, timeout_s: float) -> socket.socket:
-        """Connect and authenticate, retrying a refused connection until ``timeout_s`` (the
-        server may not listen yet: TCPStore's clients wait for it the same way)."""
+        """Connect and authenticate, retrying until ``timeout_s`` a connection refused (the
+        server may not listen yet: TCPStore's clients wait for it the same way) or dropped
+        before the handshake was answered (the server keeps ``max_pending`` unauthenticated
+        connections: in a burst of thousands, the oldest are closed). A store that answers
+        ``REFUSED``, or a proof of another key, is not retried."""
         deadline = time.monotonic() + timeout_s
         delay = 0.01
         while True:
             try:
-                sock = socket.create_connection((self.host, self.port),
-                                                timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as exc:
+                return self._handshake(key, deadline)
+            except StoreRefused:
+                raise
+            except (StoreClosed, OSError) as exc:
                 if time.monotonic() + delay > deadline:
                     raise StoreClosed(f"cannot connect to the store at {self.host}:{self.port}"
                                       f" within {timeout_s} s: {exc}") from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _handshake(self, key: bytes, deadline: float) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port),
+                                        timeout=max(0.1, deadline - time.monotonic()))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
@@ -234,20 +247,16 @@ class KVClient:
             server_nonce, client_nonce = hello[len(MAGIC):], os.urandom(NONCE_BYTES)
             sock.sendall(client_nonce + handshake_mac(key, b"client", server_nonce, client_nonce))
             proof = _recv_exactly(sock, MAC_BYTES)
+            if proof == REFUSED:
+                raise StoreRefused(f"the store at {self.host}:{self.port} refused this client "
+                                   f"(not this run's key)")
             if not hmac.compare_digest(proof, handshake_mac(key, b"server", server_nonce,
                                                    client_nonce)):
                 raise StoreRefused(f"the store at {self.host}:{self.port} does not hold this "
                                    f"run's key")
-        except StoreRefused:
+        except BaseException:
             sock.close()
             raise
-        except StoreClosed as exc:     # it hung up on the proof: not this run's key
-            sock.close()
-            raise StoreRefused(f"the store at {self.host}:{self.port} refused this client "
-                               f"(not this run's key?)") from exc
-        except OSError as exc:
-            sock.close()
-            raise StoreClosed(f"store handshake with {self.host}:{self.port}: {exc}") from exc
         return sock
 
     @property

@@ -64,3 +64,23 @@ def rss_mb() -> dict:
     except OSError:
         pass
     return out
+
+
+def raise_open_files(at_least: int = 0) -> int:
+    """Let this process open as many descriptors as its hard limit allows (the soft limit
+    is often 1024, and the job's store holds four connections a worker: a job of 256
+    workers would reach it), or ``at_least`` where a privileged process may raise the hard
+    limit too (the control-plane benchmark's tens of thousands of connections). Returns the
+    limit in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for want in ([at_least] if at_least > hard else []) + [hard]:
+        if want == resource.RLIM_INFINITY or want <= soft:
+            return soft
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)))
+            return want
+        except (ValueError, OSError):
+            continue
+    return soft

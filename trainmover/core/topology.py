@@ -284,3 +284,8 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def reporter_role(layout: Layout) -> Role:
+    """The role that writes metrics.jsonl: it holds the loss (last stage) and is unique."""
+    return Role(0, layout.pp - 1, 0)

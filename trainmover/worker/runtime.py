@@ -45,7 +45,7 @@ from trainmover.comm.record import load_into, load_recording, rewind, sandbox_gr
 from trainmover.core import protocol as P
 from trainmover.core.identity import DATA_KEY, data_mismatch
 from trainmover.core.config import JobConfig
-from trainmover.core.topology import Layout, Role
+from trainmover.core.topology import Layout, Role, reporter_role
 from trainmover.train.ddp import DataParallel
 from trainmover.train.loader import DataUnsupported, RegisteredData
 from trainmover.train.state import TrainState
@@ -66,11 +66,6 @@ class ShadowDone(BaseException):
 class ShadowInterrupted(ShadowDone):
     """Ends a shadow run early: the standby was assigned a role before the structure it was
     warming had been recorded."""
-
-
-def reporter_role(layout: Layout) -> Role:
-    """The role that writes metrics.jsonl: it holds the loss (last stage) and is unique."""
-    return Role(0, layout.pp - 1, 0)
 
 
 def init() -> "Runtime":

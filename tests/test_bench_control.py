@@ -1,0 +1,30 @@
+"""``trainmover bench control``'s small case: a job of 256 simulated workers (32 hosts)
+on the real store, agents, worker control code and controller trains, loses a worker,
+is recovered from a data-parallel replica onto a standby, and trains on; the figures the
+benchmark reports come out of it."""
+import pytest
+
+from trainmover.bench.control import layout_for, parse_sizes, run_once
+
+
+@pytest.mark.timeout(240)
+def test_a_simulated_job_of_256_workers_trains_recovers_and_is_measured(tmp_path):
+    row = run_once(256, compute_s=0.1, warmup=3, steady=6, after=3, standbys=2,
+                   timeout_s=180, work_dir=str(tmp_path))
+    assert row["workers"] == 256 and row["hosts"] == 32
+    assert row["layout"] == {"dp": 4, "pp": 8, "tp": 8}
+    # every worker's steady steps were recorded: 256 x (steady - 1)
+    assert row["samples"] == 256 * 5
+    assert 0 < row["vote_p50_ms"] <= row["vote_p99_ms"]
+    assert row["root_store_rps"] > 256 * 4 * 0.5     # the beats alone: 4 a second each
+    assert row["controller_round_ms"] > 0
+    # the crash was detected, planned and recovered from, then steps were committed again
+    assert 0 < row["crash_to_plan_s"] < row["recovery_downtime_s"] < 60
+
+
+def test_sizes_are_checked_before_anything_starts():
+    assert parse_sizes("256,1024") == [256, 1024]
+    assert layout_for(64).dp == 2 and layout_for(16384).pp == 8
+    for bad in ("12", "256,x", "", "8"):
+        with pytest.raises(ValueError):
+            parse_sizes(bad)

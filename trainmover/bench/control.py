@@ -1,0 +1,348 @@
+"""``trainmover bench control``: the control plane at thousands of workers, measured on the
+code that runs in jobs.
+
+One run per size N: the job's real store (``core/kvserver.py``, in its own process as a
+job's is in host 0's agent), the real controller (``control/coordinator.py``, here in a
+thread, its agent and process starts replaced: ``SimCoordinator``), and N/8 simulated hosts
+of 8 workers each (``bench/control_sim.py``: real agents and real worker control code, the
+compute and tensors stood in for). The job trains ``steady`` steps, then a worker crashes
+and is recovered from a data-parallel replica onto a standby, then trains on.
+
+Reported per size: the per-step control overhead (a step's time less its compute, every
+worker's steady steps: p50, p99), the root store's requests per second and CPU share, the
+controller's supervision round (p50, p99, max) and CPU share, the crash's control time
+(from the fault to the recovery plan, and to the first step committed after it less that
+step's compute), and the simulator's own CPU share: where it nears one core, the figures
+are the simulator's limit, not the control plane's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from trainmover.bench.report import git_commit, machine_description, write_result
+from trainmover.control.coordinator import Coordinator
+from trainmover.core import decisions as C
+from trainmover.core import jobfile, rundir
+from trainmover.core import protocol as P
+from trainmover.core.auth import create_secret
+from trainmover.core.config import JobConfig
+from trainmover.core.events import EventLog, read_jsonl
+from trainmover.core.topology import Layout
+from trainmover.control.context import worker_names
+
+WORKERS_PER_HOST = 8
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def layout_for(workers: int) -> Layout:
+    """DP x PP8 x TP8 from 128 workers on (TP inside a host of 8), smaller below."""
+    if workers % WORKERS_PER_HOST or workers < 2 * WORKERS_PER_HOST:
+        raise ValueError(f"--workers {workers}: a multiple of {WORKERS_PER_HOST}, at least "
+                         f"{2 * WORKERS_PER_HOST} (two data-parallel replicas of a host)")
+    pp = min(8, workers // (2 * WORKERS_PER_HOST))
+    while workers % (pp * WORKERS_PER_HOST):
+        pp -= 1
+    return Layout(dp=workers // (pp * WORKERS_PER_HOST), pp=pp, tp=WORKERS_PER_HOST)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``--workers``: checked before anything starts (a bad size names itself)."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--workers {text!r}: a comma list of integers") from None
+    if not sizes:
+        raise ValueError("--workers: no size given")
+    for n in sizes:
+        layout_for(n)
+    return sizes
+
+
+def sim_config(workers: int, standbys: int) -> JobConfig:
+    """A job of ``workers`` on hosts of 8, its settings the defaults but for what the
+    simulation needs: no checkpoints or snapshots (nothing to write), no fork server (no
+    processes), steps without end (the benchmark stops the job)."""
+    cfg = JobConfig(name=f"control-{workers}", layout=layout_for(workers))
+    cfg.hosts.nnodes = workers // WORKERS_PER_HOST
+    cfg.hosts.nproc_per_node = WORKERS_PER_HOST
+    cfg.standby.count = standbys
+    cfg.train.steps = 10 ** 9
+    cfg.checkpoint.every = 0
+    cfg.snapshot.every = 0
+    cfg.agent.fork_server = False
+    return cfg
+
+
+class SimCoordinator(Coordinator):
+    """The job's controller, unchanged but for its start: the store is served by its own
+    process, and the hosts' agents are the simulator's (every host's first processes are
+    queued in the store, as a job's hosts other than 0 find theirs). Each supervision
+    round (``_poll`` and the ``_flush`` after it) is timed, with the thread's CPU time."""
+
+    def __init__(self, cfg: JobConfig, run_dir: str, spec: dict, timeout_s: float):
+        super().__init__(cfg, run_dir, quiet=True, timeout_s=timeout_s)
+        self.spec = spec
+        self.rounds: list[list[float]] = []     # [start (epoch s), wall_s, cpu_s]
+        self.store_proc: subprocess.Popen | None = None
+        self.store_stats = os.path.join(run_dir + ".store", "stats.txt")
+
+    def _prepare(self) -> None:
+        ctx, cfg = self.ctx, self.cfg
+        rundir.create(self.run_dir)
+        os.makedirs(os.path.join(self.run_dir, "logs"))
+        self._secret = create_secret(self.run_dir)
+        jobfile.write_job(self.run_dir, cfg, self._secret)
+        self._run_key = jobfile.start_run(self.run_dir, self._secret)
+        ctx.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), worker="coordinator")
+        listener = socket.create_server(("127.0.0.1", 0), backlog=4096)
+        ctx.store_addr = f"127.0.0.1:{listener.getsockname()[1]}"
+        os.makedirs(os.path.dirname(self.store_stats), exist_ok=True)
+        self.store_proc = subprocess.Popen(
+            [sys.executable, "-m", "trainmover.bench.control_store", "--run-dir", self.run_dir,
+             "--listen-fd", str(listener.fileno()), "--stats", self.store_stats],
+            pass_fds=[listener.fileno()])
+        listener.close()
+        ctx.procs.nnodes = cfg.hosts.nnodes
+        workers = worker_names(cfg.layout.num_roles)
+        standbys = worker_names(cfg.standby.count, "s")
+        ctx.membership = C.Membership.initial(cfg.layout, workers, standbys)
+        ctx.outbox.extend(("agent", *ctx.spawn_request(n, standby=False)) for n in workers)
+        ctx.outbox.extend(("agent", *ctx.spawn_request(n, standby=True)) for n in standbys)
+        self._agent_proc = subprocess.Popen(
+            [sys.executable, "-m", "trainmover.bench.control_sim", "--run-dir", self.run_dir,
+             "--store", ctx.store_addr, "--spec", json.dumps(self.spec)],
+            stdout=open(os.path.join(self.run_dir, "logs", "sim.log"), "ab"),
+            stderr=subprocess.STDOUT)
+        self._connect()
+        for name, role in ctx.membership.workers.items():
+            ctx.put(P.membership_key(name), role.name)
+
+    def _poll(self) -> bool:
+        at, t, cpu = time.time(), time.perf_counter(), time.thread_time()
+        try:
+            return super()._poll()
+        finally:
+            self.rounds.append([at, time.perf_counter() - t, time.thread_time() - cpu])
+
+    def _flush(self, force: bool = False) -> None:
+        t, cpu = time.perf_counter(), time.thread_time()
+        super()._flush(force)
+        if self.rounds:
+            self.rounds[-1][1] += time.perf_counter() - t
+            self.rounds[-1][2] += time.thread_time() - cpu
+
+    def _stop_all(self) -> None:
+        try:
+            super()._stop_all()     # every agent shut down; then the simulator exits
+        finally:
+            if self.store_proc is not None:
+                self.store_proc.kill()
+                self.store_proc.wait()
+
+
+class CpuSampler:
+    """(time, CPU seconds) of some processes every ``interval_s``, from /proc."""
+
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.25):
+        self.pids, self.interval_s = pids, interval_s
+        self.samples: dict[str, list[tuple[float, float]]] = {k: [] for k in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = time.time()
+            for name, pid in self.pids.items():
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    self.samples[name].append((now, (int(fields[11]) + int(fields[12]))
+                                               / CLOCK_TICKS))
+                except (OSError, IndexError, ValueError):
+                    pass
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def rate(samples: list[tuple[float, float]], t0: float, t1: float) -> float | None:
+    """The growth per second of a sampled counter between ``t0`` and ``t1`` (the samples
+    nearest inside them)."""
+    inside = [s for s in samples if t0 <= s[0] <= t1]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: int,
+             standbys: int, timeout_s: float, work_dir: str) -> dict:
+    """One simulated job of ``workers``: ``warmup`` + ``steady`` steps, a crash, ``after``
+    more steps. Returns the row of figures (module doc)."""
+    cfg = sim_config(workers, standbys)
+    run_dir = tempfile.mkdtemp(prefix=f"control-{workers}-", dir=work_dir)
+    os.rmdir(run_dir)
+    crash_step = warmup + steady
+    crashed = f"w{workers // 2 + 1}"       # a middle host's, not the reporter
+    spec = {"compute_s": compute_s, "crashes": {crashed: crash_step},
+            "samples_path": os.path.join(run_dir + ".store", "samples.json")}
+    coord = SimCoordinator(cfg, run_dir, spec, timeout_s)
+    box: dict = {}
+
+    def run():
+        try:
+            box["summary"] = coord.run()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="controller", daemon=True)
+    t_start = time.time()
+    thread.start()
+    coord.started.wait()
+    sampler = None
+    target = crash_step + after
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        if sampler is None and coord.store_proc is not None and coord._agent_proc is not None:
+            sampler = CpuSampler({"store": coord.store_proc.pid, "sim": coord._agent_proc.pid})
+        if coord.progress.last_step >= target and not coord.recovery.active and \
+                not coord.recovery.awaiting:
+            break
+        time.sleep(0.2)
+    coord.stop()
+    thread.join(timeout=120)
+    if sampler is not None:
+        sampler.stop()
+    if "error" in box:
+        raise RuntimeError(f"the simulated job of {workers} workers failed: "
+                           f"{box['error']}") from box["error"]
+    if coord.progress.last_step < target:
+        raise RuntimeError(f"the simulated job of {workers} workers reached step "
+                           f"{coord.progress.last_step} of {target} in {timeout_s} s "
+                           f"(run dir {run_dir})")
+    return _figures(coord, run_dir, spec, sampler, workers, warmup, crash_step,
+                    compute_s, time.time() - t_start)
+
+
+def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSampler,
+             workers: int, warmup: int, crash_step: int, compute_s: float,
+             wall_s: float) -> dict:
+    with open(spec["samples_path"]) as f:
+        rows = json.load(f)["rows"]
+    # the steady steps: after the warm-up, before the step the crash interrupts
+    steady = [r for r in rows if r[1] == 0 and warmup <= r[2] < crash_step - 1]
+    overhead = [r[4] for r in steady]
+    vote = [r[5] for r in steady]
+    t0, t1 = min(r[3] for r in steady), max(r[3] for r in steady)
+    with open(coord.store_stats) as f:
+        served = [tuple(map(float, line.split())) for line in f if line.strip()]
+    rounds = [r for r in coord.rounds if t0 <= r[0] <= t1]   # the steady window's
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    fault = next(e["time"] for e in events if e["event"] == "fault_injected")
+    planned = next(e["time"] for e in events if e["event"] == "recovery_planned")
+    done = next(e for e in events if e["event"] == "recovery_done")
+    span = t1 - t0
+    return {
+        "workers": workers, "hosts": workers // WORKERS_PER_HOST,
+        "layout": coord.cfg.layout.as_dict(), "compute_s": compute_s,
+        "steady_steps": crash_step - 1 - warmup, "samples": len(overhead),
+        "vote_p50_ms": 1000 * quantile(overhead, 0.5),
+        "vote_p99_ms": 1000 * quantile(overhead, 0.99),
+        "vote_call_p50_ms": 1000 * quantile(vote, 0.5),
+        "root_store_rps": rate(served, t0, t1),
+        "store_cpu_share": rate(sampler.samples["store"], t0, t1),
+        "sim_cpu_share": rate(sampler.samples["sim"], t0, t1),
+        "controller_round_ms": 1000 * quantile([r[1] for r in rounds], 0.5),
+        "controller_round_p99_ms": 1000 * quantile([r[1] for r in rounds], 0.99),
+        "controller_round_max_ms": 1000 * max(r[1] for r in rounds),
+        "controller_cpu_share": sum(r[2] for r in rounds) / span if span > 0 else None,
+        "crash_to_plan_s": planned - fault,
+        "crash_to_resumed_s": done["downtime_s"] - compute_s,
+        "recovery_downtime_s": done["downtime_s"],
+        "migration_control_s": None,      # not simulated yet
+        "wall_s": wall_s,
+    }
+
+
+def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int, steady: int,
+                  after: int, standbys: int, timeout_s: float, out_dir: str,
+                  name: str = "control", keep: bool = False) -> dict:
+    work_dir = tempfile.mkdtemp(prefix="tm-control-")
+    rows = []
+    try:
+        for rep in range(repeats):
+            for n in sizes:
+                t = time.time()
+                row = run_once(n, compute_s, warmup, steady, after, standbys, timeout_s,
+                               work_dir)
+                row["repeat"] = rep
+                rows.append(row)
+                print(f"control: {n} workers, repeat {rep + 1}/{repeats}: step overhead p50 "
+                      f"{row['vote_p50_ms']:.1f} ms, p99 {row['vote_p99_ms']:.1f} ms, store "
+                      f"{row['root_store_rps']:.0f} req/s, controller round "
+                      f"{row['controller_round_ms']:.1f} ms, crash to resumed "
+                      f"{row['crash_to_resumed_s']:.2f} s ({time.time() - t:.0f} s)",
+                      flush=True)
+    finally:
+        if not keep:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    result = {"benchmark": "control", "commit": git_commit(), "machine": machine_description(),
+              "command": "trainmover bench control " + " ".join(sys.argv[3:]),
+              "settings": {"compute_s": compute_s, "warmup": warmup, "steady": steady,
+                           "after": after, "standbys": standbys, "repeats": repeats},
+              "results": rows}
+    write_result(out_dir, name, result, control_table(result))
+    return result
+
+
+COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (ms)", 1),
+           ("root_store_rps", "root store req/s", 0), ("store_cpu_share", "store CPU", 2),
+           ("controller_round_ms", "controller round p50 (ms)", 1),
+           ("controller_round_p99_ms", "p99 (ms)", 1),
+           ("controller_cpu_share", "controller CPU", 2),
+           ("crash_to_plan_s", "crash to plan (s)", 2),
+           ("crash_to_resumed_s", "crash to resumed (s)", 2),
+           ("sim_cpu_share", "simulator CPU", 2)]
+
+
+def control_table(result: dict) -> str:
+    by_size: dict[int, list[dict]] = {}
+    for row in result["results"]:
+        by_size.setdefault(row["workers"], []).append(row)
+    lines = [f"# bench control: the control plane against the number of workers",
+             "", f"Command: `{result['command']}`; commit {result['commit']}; "
+             f"{result['machine']['cores']} cores. Median (min-max) over "
+             f"{result['settings']['repeats']} run(s); a step computes "
+             f"{result['settings']['compute_s']} s.", "",
+             "| workers (hosts) | " + " | ".join(c[1] for c in COLUMNS) + " |",
+             "|---|" + "---|" * len(COLUMNS)]
+    for n, rows in sorted(by_size.items()):
+        cells = []
+        for key, _, digits in COLUMNS:
+            values = [r[key] for r in rows if r[key] is not None]
+            if not values:
+                cells.append("-")
+                continue
+            med = statistics.median(values)
+            cells.append(f"{med:.{digits}f}" if len(values) == 1 else
+                         f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})")
+        lines.append(f"| {n} ({rows[0]['hosts']}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,330 @@
+"""The simulated hosts of ``trainmover bench control``: thousands of agents and workers as
+greenlets (gevent) in one process, speaking the job's real protocol to its real store and
+controller. Run by the benchmark (``python -m trainmover.bench.control_sim``), never by a job.
+
+What runs as in a job, and what stands in for it:
+- as in a job: each host's agent (``agent.main.Agent``: its request queue, heartbeat, fencing
+  check, process and exit records), and each worker's control code: its heartbeat
+  (``worker.liveness.Heartbeat``), abort watcher, commit vote (``CommitVote``) and command
+  channel (``worker.migration.CommandChannel``), each with its own authenticated store
+  client, writing signed messages, as a worker's threads do;
+- stood in for: a step's compute (a wait of ``compute_s``, cut short by an abort); a process
+  (a greenlet whose store connections are closed when it is "killed"); tensors (none: a state
+  transfer takes no time); a group's rendezvous (each member sets an address the size of
+  gloo's and reads every member's in one request: gloo's bytes in fewer requests); the
+  failure report's accounting (every group clean: the step's collectives are not simulated).
+
+Each worker records, per committed step, its *control overhead*: the time from one decision
+it saw to the next, less the step's compute. That is what the control plane adds to a step
+(the vote, and the skew of the step starts its decisions fan out), and what the benchmark
+reports. One process runs every simulated host: its CPU is the simulator's limit, reported
+beside the figures (``sim_cpu_share``).
+"""
+from gevent import monkey
+
+monkey.patch_all()   # before anything imports socket, threading or time's sleep
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import gevent  # noqa: E402
+
+from trainmover.agent.main import Agent, Child  # noqa: E402
+from trainmover.comm.groups import AbortSignal  # noqa: E402
+from trainmover.core import jobfile, kvstore  # noqa: E402
+from trainmover.core import protocol as P  # noqa: E402
+from trainmover.core.auth import AuthStore  # noqa: E402
+from trainmover.core.events import EventLog, JsonlWriter  # noqa: E402
+from trainmover.core.proc import PR_SET_PDEATHSIG, prctl, raise_open_files  # noqa: E402
+from trainmover.core.topology import Role, reporter_role  # noqa: E402
+from trainmover.worker.liveness import AbortWatcher, CommitVote, Heartbeat  # noqa: E402
+from trainmover.worker.migration import CommandChannel  # noqa: E402
+
+
+@dataclass
+class SimSpec:
+    """The simulation's own settings (the job's are its job.json)."""
+
+    compute_s: float                                   # a step's simulated compute
+    crashes: dict[str, int] = field(default_factory=dict)   # worker -> step it crashes at
+    samples_path: str = ""                             # where the overheads are written
+
+
+class SimStores:
+    """What the worker classes take as ``stores`` (``comm.groups.StoreClients``): one
+    authenticated client per greenlet, as a worker has one per thread."""
+
+    def __init__(self, host: str, port: int, run_key: bytes, timeout_s: float):
+        self.host, self.port, self.run_key, self.timeout_s = host, port, run_key, timeout_s
+        self.on_reject = None
+        self.closed = False
+        self._local = threading.local()
+        self._clients: list[kvstore.KVClient] = []
+
+    def get(self) -> AuthStore:
+        store = getattr(self._local, "store", None)
+        if store is None:
+            if self.closed:
+                raise kvstore.StoreClosed("the simulated process was killed")
+            raw = kvstore.connect(self.host, self.port, self.run_key, self.timeout_s)
+            self._clients.append(raw)
+            store = self._local.store = AuthStore(raw, self.run_key)
+        return store
+
+    def close(self) -> None:
+        """The process is gone: its connections close (its peers see them go)."""
+        self.closed = True
+        for client in self._clients:
+            client.close()
+
+
+class Crash(Exception):
+    """A simulated worker dies here (SIGKILL's exit code)."""
+
+
+class SimProcess:
+    """A simulated worker as its agent sees a process (``subprocess.Popen``'s methods)."""
+
+    def __init__(self, worker: "SimWorker"):
+        self.pid = os.getpid()       # heartbeats are keyed by it, as a process's by its own
+        self.returncode: int | None = None
+        self.worker = worker
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout=None) -> int | None:
+        return self.returncode
+
+    def exit(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self.worker.stores.close()
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self.worker.greenlet.kill(block=False)
+            self.exit(-signal.SIGKILL)
+
+    def send_signal(self, sig) -> None:
+        if sig in (signal.SIGTERM, signal.SIGKILL) and self.returncode is None:
+            self.worker.greenlet.kill(block=False)
+            self.exit(-sig)
+        # SIGSTOP/SIGCONT: not simulated (a hang is a later addition)
+
+
+class SimChild(Child):
+    def __post_init__(self) -> None:
+        self.pidfd = None            # no process to watch: exits are seen at the next poll
+
+
+class Samples:
+    """The workers' per-step records: (worker, epoch, step, time, overhead_s, vote_s)."""
+
+    def __init__(self):
+        self.rows: list[tuple] = []
+
+    def add(self, *row) -> None:
+        self.rows.append(row)
+
+
+class SimWorker:
+    """One worker or standby: its control code as in a job, its compute and tensors
+    stood in for (module doc)."""
+
+    def __init__(self, agent: "SimAgent", req: P.AgentSpawn):
+        self.agent, self.cfg = agent, agent.cfg
+        self.name, self.standby = req.name, req.standby
+        self.layout = self.cfg.layout
+        self.stores = SimStores(agent.host, agent.port, agent.run_key,
+                                self.cfg.comm.group_timeout_s)
+        self.proc = SimProcess(self)
+        self.role: Role | None = None
+        self.epoch, self.step = 0, 0
+        self.generations: dict[str, int] = {}
+        self.collectives = 0
+        self.greenlet = gevent.spawn(self._run)
+
+    def _run(self) -> None:
+        code = 0
+        try:
+            self._main()
+        except gevent.GreenletExit:
+            return
+        except Crash:
+            code = -signal.SIGKILL
+        except Exception as exc:  # noqa: BLE001 - the process "exits" with an error
+            if not self.stores.closed:
+                print(f"simulator: {self.name}: {type(exc).__name__}: {exc}", file=sys.stderr,
+                      flush=True)
+            code = 1
+        self.proc.exit(code)
+
+    # --- a worker's life ------------------------------------------------------------------
+    def _main(self) -> None:
+        store = self.stores.get()
+        cfg = self.cfg
+        Heartbeat(self.stores, self.name, cfg.health.heartbeat_interval_s)
+        self.commands = CommandChannel(self.stores, self.name)
+        if self.standby:
+            store.set(P.standby_state_key(self.name),
+                      P.write_message(P.StandbyReport("warm")))
+            cmd = self.commands.next()
+            if not isinstance(cmd, P.AssignRecovery):
+                raise RuntimeError(f"{type(cmd).__name__} is not simulated yet")
+            self._join(cmd)
+        else:
+            self.role = Role.parse(store.get(P.membership_key(self.name)).decode())
+        while self.step < cfg.train.steps:
+            self._train()
+        store.set(P.finished_key(self.name), "1")
+
+    def _train(self) -> None:
+        """Steps of one epoch, until the job's end or a failed step (then recovered)."""
+        spec, cfg, store = self.agent.spec, self.cfg, self.stores.get()
+        reporter = self.role == reporter_role(self.layout)
+        metrics = JsonlWriter(os.path.join(self.agent.run_dir, "metrics.jsonl")) \
+            if reporter else None
+        abort = AbortSignal()
+        AbortWatcher(self.stores, abort, self.epoch)
+        vote = CommitVote(self.stores, self.layout.num_roles, self.epoch,
+                          self.name if reporter else None, voter=self.name)
+        last = time.time()
+        while self.step < cfg.train.steps:
+            if spec.crashes.get(self.name) == self.step:
+                EventLog(os.path.join(self.agent.run_dir, "events.jsonl"),
+                         worker=self.name).emit("fault_injected", kind="crash",
+                                                step=self.step, point="compute")
+                raise Crash()
+            aborted = abort.wait(spec.compute_s)
+            t_vote = time.time()
+            ok = not aborted and vote(self.step, {"loss": 0.0, "epoch": self.epoch,
+                                                  "step_time_s": t_vote - last})
+            now = time.time()
+            if not ok:
+                self._recover(store)
+                return
+            self.agent.samples.add(self.name, self.epoch, self.step, now,
+                                   now - last - spec.compute_s, now - t_vote)
+            if metrics is not None:
+                metrics.write({"step": self.step, "loss": 0.0, "epoch": self.epoch,
+                               "worker": self.name, "step_time_s": round(now - last, 6)})
+            last = now
+            self.collectives += 1
+            self.step += 1
+            if self.step % cfg.straggler.window == 0:
+                self._perf(store)
+            self.commands.poll()         # nothing else is simulated between steps yet
+
+    def _perf(self, store) -> None:
+        """The straggler detector's measurements, as a worker writes them every window."""
+        step_s = self.agent.spec.compute_s
+        store.set(P.perf_key(self.name), P.write_message(P.StepPerf(
+            self.role.name, self.step - self.cfg.straggler.window, self.step - 1, 0, step_s,
+            step_s, {"dp": 0.0}, recent=[P.PerfWindow(self.step - self.cfg.straggler.window,
+                                                      self.step - 1, step_s)])))
+
+    def _groups(self) -> dict[str, int]:
+        """Each of this role's groups of more than one member -> its rank in it."""
+        return {spec.name: spec.members.index(self.role)
+                for spec in self.layout.groups_of(self.role).values() if spec.size > 1}
+
+    def _recover(self, store) -> None:
+        """A survivor's side (``worker/recover.py``): report, wait for the plan, rebuild,
+        send state if asked, resume."""
+        accounting = {name: {"coll": self.collectives, "sent": 0, "recv": 0, "pending": 0,
+                             "generation": self.generations.get(name, 0)}
+                      for name in self._groups()}
+        store.set(P.failure_key(self.epoch, self.name), P.write_message(
+            P.FailureReport(self.step, "aborted", False, accounting)))
+        store.add(P.failure_count_key(self.epoch), 1)
+        while True:
+            cmd = self.commands.next()
+            if isinstance(cmd, P.Recover):
+                break
+        self._rebuild(cmd.groups)
+        for send in cmd.send_states or []:
+            self._rendezvous(send.transfer_group, send.transfer_generation, 0, 2)
+        store.add(P.recovered_count_key(cmd.recovery_id), 1)
+        self.epoch, self.step = cmd.epoch, cmd.resume_step
+
+    def _join(self, cmd: P.AssignRecovery) -> None:
+        """A standby promoted by a recovery: the role's groups, its state's channels."""
+        self.role = Role.parse(cmd.role)
+        self._rebuild(cmd.groups)
+        src = cmd.source
+        if src.kind == "replica":
+            for channel in [src.transfer_group, *(src.more_groups or [])]:
+                self._rendezvous(channel, src.transfer_generation, 1, 2)
+        self.stores.get().add(P.recovered_count_key(cmd.recovery_id), 1)
+        self.epoch, self.step = cmd.epoch, cmd.resume_step
+
+    def _rebuild(self, groups: dict[str, int]) -> None:
+        for name, generation in sorted(groups.items()):
+            spec = self.layout.group(name)
+            self._rendezvous(name, generation, spec.members.index(self.role), spec.size)
+            self.generations[name] = generation
+        self.collectives = 0
+
+    def _rendezvous(self, group: str, generation: int, rank: int, size: int) -> None:
+        """A group build's store traffic: this member's address in, every member's out."""
+        raw = self.stores.get().raw
+        keys = P.rendezvous_keys(group, generation, size)
+        raw.set(keys[rank], b"a" * (154 + 8 * size))
+        raw.multi_get(keys, timeout=self.cfg.comm.group_timeout_s)
+
+
+class SimAgent(Agent):
+    """A host's agent as in a job, its processes simulated workers."""
+
+    def __init__(self, run_dir: str, host: str, port: int, cfg, node: int, spec: SimSpec,
+                 samples: Samples, run_key: bytes):
+        super().__init__(run_dir, host, port, cfg, node=node)
+        self.spec, self.samples, self.run_key = spec, samples, run_key
+
+    def spawn(self, req: P.AgentSpawn) -> None:
+        old = self.children.get(req.name)
+        if old is not None and old.incarnation >= req.incarnation:
+            return
+        if old is not None and old.proc.poll() is None:
+            self._kill(old)
+        worker = SimWorker(self, req)
+        self.children[req.name] = SimChild(req.name, req.incarnation, worker.proc)
+        self.store.set(P.agent_proc_key(req.name),
+                       P.write_message(P.ProcRecord(worker.proc.pid, req.incarnation)))
+
+    def _wait(self, timeout_s: float) -> None:
+        time.sleep(timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trainmover.bench.control_sim")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--store", required=True, help="HOST:PORT")
+    p.add_argument("--spec", required=True, help="SimSpec as JSON")
+    args = p.parse_args(argv)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)     # never outlives the benchmark
+    raise_open_files(1 << 20)
+    spec = SimSpec(**json.loads(args.spec))
+    cfg = jobfile.read_job(args.run_dir)
+    run_key = jobfile.run_key(args.run_dir)
+    host, _, port = args.store.rpartition(":")
+    samples = Samples()
+    agents = [SimAgent(args.run_dir, host, int(port), cfg, node, spec, samples, run_key)
+              for node in range(cfg.hosts.nnodes)]
+    jobs = [gevent.spawn(a.serve, []) for a in agents]
+    gevent.joinall(jobs)
+    with open(spec.samples_path, "w") as f:
+        json.dump({"rows": samples.rows,
+                   "cpu_s": sum(os.times()[:2])}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
