@@ -38,7 +38,7 @@ FAMILIES = {
     "commit votes": lambda s, j: [P.commit_key(0, s + k, "votes") for k in (2, 3, 4)],
     "commit ballots": lambda s, j: [P.commit_key(0, s + k, "ballots") for k in (3, 4)],
     "commit metrics": lambda s, j: [P.commit_key(0, s + k, "metrics") for k in (2, 3)],
-    "heartbeat": lambda s, j: [P.heartbeat_key(w, pid) for w, pid in j["pids"].items()],
+    "heartbeat": lambda s, j: [P.agent_key(0, "hb")],
     "agent queue": lambda s, j: [P.agent_request_key(0, j["agent_head"] + k)
                                  for k in range(1, 4)],
     "agent counters": lambda s, j: [P.agent_key(0, "req/count"), P.agent_key(0, "req/done"),

@@ -4,6 +4,7 @@ frozen worker must not look alive through it, and a restarted controller must no
 stopped by it (docs/security.md)."""
 import os
 import signal
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -85,49 +86,55 @@ def rejected(ctx, key):
 
 
 def test_only_genuine_newer_beats_move_a_heartbeat(monkeypatch, server):
-    """A process stops beating (frozen); whatever anyone else writes at its heartbeat key is
-    no beat: junk, an unsigned beat, a counter bumped (the old heartbeat's attack), a genuine
-    beat copied from another process's key, its own older beat put back. It is found hung
-    after the heartbeat timeout, and the forged values are reported once for the key. Its
-    next genuine beat counts again."""
+    """A process stops beating (frozen): its host's agent goes on writing the host's beat,
+    that process's count standing still. Whatever anyone else writes at the host's key is
+    no beat: junk, an unsigned beat with the count moved on, a beat signed for another run,
+    a counter bumped (the old heartbeat's attack), the host's own older beat put back. It is
+    found hung after the heartbeat timeout while its neighbour lives on, and the forged
+    values are reported once for the key. Its next genuine beat counts again."""
     clock = Clock()
     monkeypatch.setattr(H, "time", clock)
     ctx = controller_ctx(server, {"s0": 41, "s1": 42})
     health = H.Health(ctx)
-    beater, attacker = AuthStore(client(server), KEY), client(server)
-    key = P.heartbeat_key("s0", 41)
+    agent, attacker = AuthStore(client(server), KEY), client(server)
+    key = P.agent_key(0, "hb")
+    seq = iter(range(1, 10**6))
 
-    def beat(seq, name="s0", pid=41):
-        beater.set(P.heartbeat_key(name, pid), P.write_message(P.Beat(seq, pid)))
+    def host_beat(s0, s1=1):
+        agent.set(key, P.write_message(P.HostBeat(next(seq), 77, {"s0": [41, s0],
+                                                                  "s1": [42, s1]})))
 
-    beat(1)
+    host_beat(1)
     first = attacker.get(key)                        # captured by whoever reads the store
     assert health._beat("s0") == 1000.0
     clock.now += 1.0
-    beat(2)
-    beat(7, "s1", 42)
+    host_beat(2, 2)
     assert health._beat("s0") == 1001.0 and health.hung_standbys() == []
+    moved_on = P.write_message(P.HostBeat(10**6, 77, {"s0": [41, 10**6]}))
     forgeries = [
         lambda: attacker.set(key, "junk"),
-        lambda: attacker.set(key, P.write_message(P.Beat(10**6, 41))),           # unsigned
-        lambda: attacker.set(key, seal(OTHER_RUN, key, P.write_message(P.Beat(10**6, 41)))),
-        lambda: (attacker.delete_key(key), attacker.add(key, 5)),                # a counter
-        lambda: attacker.add(key, 1),
+        lambda: attacker.set(key, moved_on),                                     # unsigned
+        lambda: attacker.set(key, seal(OTHER_RUN, key, moved_on)),
+        lambda: (attacker.delete_key(key), attacker.add(key, 5),                 # a counter
+                 attacker.add(key, 1)),
         lambda: attacker.set(key, "123456"),                                     # unsigned
-        lambda: attacker.set(key, attacker.get(P.heartbeat_key("s1", 42))),      # copied
         lambda: attacker.set(key, first),                                        # replayed
     ]
+    s1 = 2
     for forge in forgeries:
         clock.now += 0.3
         forge()
         assert health._beat("s0") == 1001.0            # the last genuine beat
+        s1 += 1
+        host_beat(2, s1)                               # the agent: s0 still, s1 on
+        assert health._beat("s0") == 1001.0 and health._beat("s1") == clock.now
     clock.now = 1001.0 + ctx.cfg.health.heartbeat_timeout_s + 0.5
-    beat(8, "s1", 42)                                 # the other one lives on
+    host_beat(2, s1 + 1)                               # the other one lives on
     hung = health.hung_standbys()
     assert [name for name, _ in hung] == ["s0"] and "no heartbeat for 2.50 s" in hung[0][1]
     assert len(rejected(ctx, key)) == 1, ctx.events.emitted        # once per key
     clock.now += 1.0
-    beat(3)                                           # the genuine beater overwrites the junk
+    host_beat(3, s1 + 2)                               # it beats again
     assert health._beat("s0") == clock.now
 
 
@@ -142,7 +149,7 @@ def test_a_bumped_counter_at_an_agents_heartbeat_does_not_hide_a_lost_host(
     agent, attacker = AuthStore(client(server), KEY), client(server)
     key = P.agent_key(1, "hb")
     for seq in (1, 2):
-        agent.set(key, P.write_message(P.Beat(seq, 77)))
+        agent.set(key, P.write_message(P.HostBeat(seq, 77)))
         assert health._check_hosts(clock.now, set(), set()) == set()
         clock.now += 0.25
     attacker.delete_key(key)
@@ -159,23 +166,27 @@ def test_a_bumped_counter_at_an_agents_heartbeat_does_not_hide_a_lost_host(
     assert "its agent's heartbeat stopped" in declared["reason"]
 
 
-def test_a_worker_heartbeat_is_a_signed_beat_of_its_own_process(server):
-    """What the worker's heartbeat thread writes: signed ``Beat`` values, never a counter,
-    the sequence one more at each beat, its own PID."""
-    Heartbeat(StoreClients(server.address, 10), "w9",
-              0.01)
-    store = AuthStore(client(server), KEY)
-    key = P.heartbeat_key("w9", os.getpid())
-    seen, deadline = [], time.monotonic() + 10
-    while len({b.seq for b in seen}) < 3:
-        assert time.monotonic() < deadline, seen
-        raw = store.valid(key)
-        if raw is not None:
-            seen.append(P.read_message(P.Beat, raw))
-        time.sleep(0.005)
-    assert all(b.pid == os.getpid() for b in seen)
-    assert [b.seq for b in seen] == sorted(b.seq for b in seen)
-    assert store.raw.get(key).startswith(b"tm1:")
+def test_a_worker_beats_on_its_own_channel_to_the_agent_not_in_the_store():
+    """What the worker's heartbeat thread sends: a message a beat on its channel to the
+    agent (a socket pair the agent made; nothing in the store, nothing another process can
+    write), and nothing once the main thread is stalled."""
+    agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    progress = SimpleNamespace(stalled_s=lambda: 0.0)
+    beat = Heartbeat(worker_end, "w9", 0.01, progress, stall_s=5.0)
+    agent_end.settimeout(10)
+    assert [agent_end.recv(16) for _ in range(3)] == [b"b"] * 3
+    progress.stalled_s = lambda: 6.0             # wedged: it falls silent
+    time.sleep(0.05)
+    agent_end.setblocking(False)
+    try:
+        while agent_end.recv(16):
+            pass
+    except BlockingIOError:
+        pass
+    time.sleep(0.1)
+    with pytest.raises(BlockingIOError):
+        agent_end.recv(16)
+    assert beat.channel is worker_end
 
 
 # --- the controller's snapshot ----------------------------------------------------------------
@@ -295,12 +306,17 @@ def test_forged_beats_do_not_keep_a_frozen_worker_alive(tmp_path, baseline):
     wait_for(lambda: len(steps_done(run_dir)) >= 5, 120, "the first steps")
     (pid,) = [e["pid"] for e in events(run_dir, "process_started") if e["name"] == "w2"]
     raw = connect(run_dir).raw
-    key = P.heartbeat_key("w2", pid)
+    key = P.agent_key(0, "hb")              # the host's beat, w2's count in it
     count = iter(range(10**6, 10**9))
     stop = threading.Event()
     os.kill(pid, signal.SIGSTOP)
-    # numbers only, so that the old reader's add(key, 0) kept working: what it read moved
-    writer = keep_writing(lambda: (raw.set(key, str(next(count))), raw.add(key, 1)), stop)
+    # numbers (what the old reader's add(key, 0) saw move) and unsigned host beats whose
+    # count for w2 moves on; at a pace that leaves the agent's genuine beats readable
+    # between them (one that overwrote the key without pause would make every process of
+    # the host look silent: docs/security.md)
+    writer = keep_writing(lambda: (raw.set(key, str(next(count))), raw.add(key, 1), raw.set(
+        key, P.write_message(P.HostBeat(next(count), 1, {"w2": [pid, next(count)]})))),
+        stop, every_s=0.2)
     try:
         summary = job_.wait(200)
     finally:
@@ -341,6 +357,10 @@ def test_junk_at_the_controllers_record_and_snapshot_stops_neither_it_nor_its_su
         at = len(steps_done(run_dir))
         wait_for(lambda: len(steps_done(run_dir)) >= at + 10, 120, "steps after the junk")
         assert proc.poll() is None, proc.stdout.read().decode()[-2000:]   # it went on
+        # a save that counts steps (the controller saves an idle state once a second: a
+        # kill within a second of the job's start found only the save before its first step)
+        wait_for(lambda: read_status(run_dir, store).committed_step >= 0, 30,
+                 "a snapshot saved after the first steps")
         stop = threading.Event()
         writer = keep_writing(lambda: store.raw.set(P.CONTROLLER_SNAPSHOT_KEY, "junk"), stop,
                               0.002)

@@ -17,16 +17,27 @@ class Clock:
         return self.now
 
 
-def read(cls, key):
-    """Every process beat once (the standby beat, then fell silent): ``hb/<name>/<pid>``."""
-    assert cls is P.Beat
-    return P.Beat(seq=1, pid=int(key.rsplit("/", 1)[1]))
+class Store:
+    """Host 0's beat: each incarnation of the standby beat once, then fell silent (its count
+    never moves again)."""
+
+    def __init__(self, procs):
+        self.raw, self.procs = self, procs
+
+    def try_multi_get(self, keys):
+        assert keys == [P.agent_key(0, "hb")]
+        pid = self.procs.procs["s0"].pid
+        return [P.write_message(P.HostBeat(pid, 7, {"s0": [pid, 1]})).encode()]
+
+    def genuine(self, key, raw):
+        return raw
 
 
 class Procs:
     def __init__(self):
         self.procs = {"s0": SimpleNamespace(node=0, incarnation=1, code=None, pid=41)}
         self.lost = []
+        self.nnodes = 1
 
     def known(self, name):
         return name in self.procs
@@ -41,7 +52,8 @@ class Procs:
 def fake_ctx():
     cfg = SimpleNamespace(health=SimpleNamespace(check_interval_s=0.0, heartbeat_timeout_s=5.0,
                                                  startup_timeout_s=30.0))
-    return SimpleNamespace(cfg=cfg, read=read, procs=Procs(),
+    procs = Procs()
+    return SimpleNamespace(cfg=cfg, store=Store(procs), procs=procs, events=None,
                            membership=SimpleNamespace(standbys={"s0": C.StandbyState.RESERVED}))
 
 

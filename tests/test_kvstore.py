@@ -240,3 +240,16 @@ def test_appends_answer_nothing_yet_are_read_in_order_and_a_bad_one_ends_the_con
         assert b.get("n").endswith(b"199,")
     finally:
         srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_try_multi_get_reads_many_keys_or_their_absence_in_one_request(server):
+    """What the controller reads every host's heartbeat with: values and absences, in
+    order, empty values included, and no wait for a missing key."""
+    c = client(server)
+    c.set("a", "1")
+    c.set("empty", "")
+    before = server.requests
+    assert c.try_multi_get(["a", "missing", "empty", "a"]) == [b"1", None, b"", b"1"]
+    assert server.requests == before + 1
+    assert c.try_multi_get([]) == []

@@ -143,8 +143,9 @@ def ref_plan_recovery(m, rid, failed, dirty, ckpt, busy, snap) -> C.RecoveryPlan
     if any(src == "checkpoint" for src in sources.values()):
         if ckpt is None and snap is None:
             raise C.RecoveryImpossible(
-                f"role(s) {[r for r, s in sources.items() if s == 'checkpoint']} have no live "
-                f"data-parallel replica and there is no complete snapshot or checkpoint")
+                f"role(s) {C.listed(r for r, s in sources.items() if s == 'checkpoint')} have "
+                f"no live data-parallel replica and there is no complete snapshot or "
+                f"checkpoint")
         if snap is not None and (ckpt is None or snap >= ckpt):
             rollback, rollback_source = snap, "snapshot"
         else:

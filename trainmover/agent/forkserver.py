@@ -138,13 +138,16 @@ class ForkServer:
                 env=dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1"), preexec_fn=preexec_fn)
         theirs.close()
 
-    def spawn(self, args: list[str], env: dict, log_fd: int, name: str) -> ForkedProcess:
+    def spawn(self, args: list[str], env: dict, log_fd: int, name: str,
+              channel_fd: int) -> ForkedProcess:
         """A worker running ``python -m trainmover.worker ARGS`` with ``env``, its output to
-        ``log_fd``. Raises ``ForkServerError`` (and the server is closed) if it cannot."""
+        ``log_fd``, its channel to the agent ``channel_fd`` (its number in the worker goes in
+        its environment). Raises ``ForkServerError`` (and the server is closed) if it
+        cannot."""
         try:
             self._sock.settimeout(self.timeout_s)
             request = {"op": "spawn", "args": args, "env": env, "name": name}
-            socket.send_fds(self._sock, [json.dumps(request).encode()], [log_fd])
+            socket.send_fds(self._sock, [json.dumps(request).encode()], [log_fd, channel_fd])
             reply = json.loads(self._sock.recv(FORK_MESSAGE_MAX) or b"null")
             if not isinstance(reply, dict) or not isinstance(reply.get("pid"), int):
                 raise ForkServerError(f"fork server: {reply!r}")

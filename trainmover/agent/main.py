@@ -31,12 +31,15 @@ import argparse
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 from trainmover.agent import forkserver
+from trainmover.agent.beat import HostBeat
+from trainmover.agent.feeds import FenceWatch, RequestFeed
 from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import jobfile, kvserver, kvstore, rundir
 from trainmover.core import protocol as P
@@ -44,7 +47,6 @@ from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
 from trainmover.core.proc import PR_SET_PDEATHSIG, pid_alive, prctl, raise_open_files
-from trainmover.core.queues import SlotReader
 
 
 # How often the agent reaps exited orphans re-parented to it (a dead worker's data loader
@@ -87,6 +89,8 @@ class Child:
     kill_at: float | None = None     # TERM was sent: KILL at this time if still alive
     reported: bool = False
     pidfd: int | None = None         # readable once the process exited (Linux >= 5.3)
+    channel: socket.socket | None = None   # the agent's end of the process's channel
+    beats: int = 0                   # beats it sent on it (worker/liveness.Heartbeat)
 
     def __post_init__(self) -> None:
         if self.proc.pid is not None and hasattr(os, "pidfd_open"):
@@ -116,12 +120,12 @@ class Agent:
         self.store = None
         self.store_server = None      # host 0's: the job's store (core/kvserver.py)
         self._refused_reported, self._refusal_report_at = 0, 0.0
-        self._requests: SlotReader | None = None     # the controller's requests to this host
+        self._requests: RequestFeed | None = None    # the controller's requests to this host
+        self._fence: FenceWatch | None = None        # hosts but 0: declared lost?
         self._controller: P.ControllerInfo | None = None
         self._controller_lost_at: float | None = None
         self._controller_read_at = 0.0
-        self._beat_at = 0.0
-        self._beats = 0                               # the last Beat's sequence number
+        self._host_beat: HostBeat | None = None       # the host's heartbeat (a thread)
         self.snapshots: SnapshotServer | None = None   # the peer-snapshot holder, if used
         self.hash_seed = jobfile.python_hash_seed(load_secret(run_dir))
         self.forks: forkserver.ForkServer | None = None   # agent.fork_server, once started
@@ -138,24 +142,32 @@ class Agent:
             self._kill(old)  # never two incarnations of one name
         args = ["--run-dir", self.run_dir, "--name", name, "--store",
                 f"{self.host}:{self.port}", *req.worker_args()]
+        # the process's own channel to this agent (its heartbeat): nobody else can write it
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        mine.setblocking(False)
         try:
             env = self._env(req)
             log_fd = rundir.open_file(os.path.join(self.run_dir, "logs", f"{name}.log"),
                                       os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             with os.fdopen(log_fd, "ab") as log:
-                proc = self._forked(args, env, log.fileno(), name)
+                proc = self._forked(args, env, log.fileno(), name, theirs.fileno())
                 if proc is None:
+                    env[P.AGENT_CHANNEL_ENV] = str(theirs.fileno())
                     proc = subprocess.Popen([sys.executable, "-m", "trainmover.worker", *args],
                                             stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            pass_fds=(theirs.fileno(),),
                                             preexec_fn=_die_with_parent)
         except (OSError, ValueError) as exc:       # ValueError: a log path refused
             # the controller sees an incarnation that exited at once (code 127, as a shell
             # reports a command it cannot run) and handles it like any other exit
+            mine.close()
             self.events.emit("spawn_failed", name=name, incarnation=incarnation,
                              error=str(exc), level="error")
             self.children[name] = Child(name, incarnation, _NeverStarted())
             return
-        self.children[name] = Child(name, incarnation, proc)
+        finally:
+            theirs.close()
+        self.children[name] = Child(name, incarnation, proc, channel=mine)
         if self.store is not None:
             self.store.set(P.agent_proc_key(name),
                            P.write_message(P.ProcRecord(proc.pid, incarnation)))
@@ -163,14 +175,14 @@ class Agent:
                          standby=req.standby,
                          forked=isinstance(proc, forkserver.ForkedProcess))
 
-    def _forked(self, args: list[str], env: dict, log_fd: int, name: str):
+    def _forked(self, args: list[str], env: dict, log_fd: int, name: str, channel_fd: int):
         """The worker, forked by the fork server (``agent.fork_server``), or None: off, or
         the server failed (reported once; every later process starts anew)."""
         if self.forks is None:
             return None
         try:
             first = self.forks.import_s is None
-            proc = self.forks.spawn(args, env, log_fd, name)
+            proc = self.forks.spawn(args, env, log_fd, name, channel_fd)
             if first:
                 # what a worker started anew pays before it runs (a restart's estimate)
                 self.events.emit("fork_server_ready", pid=self.forks.proc.pid,
@@ -253,6 +265,9 @@ class Agent:
         if child.pidfd is not None:
             os.close(child.pidfd)
             child.pidfd = None
+        if child.channel is not None:
+            child.channel.close()
+            child.channel = None
         record = P.ExitRecord(child.name, child.incarnation, code, time.time())
         index = self.store.add(P.AGENT_EXIT_COUNT_KEY, 1)
         self.store.set(P.agent_exit_key(index), P.write_message(record))
@@ -275,18 +290,15 @@ class Agent:
     # --- the controller ----------------------------------------------------------------------
     def _watch(self, now: float) -> str | None:
         """Why this agent must stop (None: it goes on)."""
+        if self._host_beat.error is not None:
+            raise self._host_beat.error
         if self.node == 0:
             return None if self._watch_controller(now) else "no controller"
-        if now - self._beat_at >= self.cfg.health.heartbeat_interval_s:
-            self._beat_at = now
-            self._beats += 1      # a signed beat (P.Beat), not a counter anyone can bump
-            self.store.set(P.agent_key(self.node, "hb"),
-                           P.write_message(P.Beat(self._beats, os.getpid())))
-        if now - self._controller_read_at >= self.cfg.agent.controller_check_s:
-            self._controller_read_at = now
-            # the controller's signed word, not the key's mere existence
-            if self.store.valid(P.agent_key(self.node, "fenced")) is not None:
-                return "fenced"
+        # the controller's signed word, not the key's mere existence (agent/feeds.py)
+        if self._fence.fenced.is_set():
+            return "fenced"
+        if self._fence.error is not None:
+            raise self._fence.error
         return None
 
     def _watch_controller(self, now: float) -> bool:
@@ -354,13 +366,22 @@ class Agent:
             # store is up before the fork server has imported torch)
             self.store_server = kvserver.serve(run_key, listen_fd=self.listen_fd,
                                               limits=kvstore.StoreLimits.of(self.cfg.comm))
-        raw = kvstore.connect(self.host, self.port, run_key, self.cfg.comm.store_timeout_s)
-        self.store = AuthStore(raw, run_key)
-        self._requests = SlotReader(
-            self.store, lambda i: P.agent_request_key(self.node, i),
-            count_key=P.agent_key(self.node, "req/count"),
+        def client() -> AuthStore:
+            return AuthStore(kvstore.connect(self.host, self.port, run_key,
+                                             self.cfg.comm.store_timeout_s), run_key)
+
+        self.store = client()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._requests = RequestFeed(
+            client(), self.node, self.cfg.agent.request_recheck_s, self._wake,
             on_reject=lambda key, why: self.events.emit("message_rejected", key=key,
                                                         error=why, level="error"))
+        # host 0's agent serves the store: it is never declared lost
+        self._fence = FenceWatch(client(), self.node, self._wake) if self.node else None
+        self._host_beat = HostBeat(client(), self.node, self.cfg.health.heartbeat_interval_s,
+                                   lambda: list(self.children.values()))
         for c in self.children.values():
             if c.proc.pid is None:
                 continue
@@ -391,21 +412,12 @@ class Agent:
 
     def _loop(self) -> int:
         while True:
-            # a forged value at the head is not consumed, and a hole (an index the counter
-            # handed out, never written) is skipped (core/queues.py)
-            while (taken := self._requests.take()) is not None:
-                key, raw = taken
-                try:
-                    # handled once: deleted, and counted so that a resumed controller fills
-                    # only the holes after it
-                    self.store.delete_key(key)
-                    self.store.add(P.agent_key(self.node, "req/done"), 1)
-                    req = P.decode_agent_request(raw)
-                except P.MessageError as exc:
-                    # never half-obeyed, never fatal: the agent hosts the job's store
-                    self.events.emit("message_rejected", key=key, error=str(exc),
-                                     level="error")
-                    continue
+            # read from the store as they come (agent/feeds.py): a forged value at the head
+            # is not consumed, and a hole (an index the counter handed out, never written)
+            # is skipped
+            if self._requests.error is not None:
+                raise self._requests.error
+            for req in self._requests.poll():
                 if isinstance(req, P.AgentSpawn):
                     self.spawn(req)
                 elif isinstance(req, P.AgentSignal):
@@ -451,16 +463,27 @@ class Agent:
             pids.add(self.forks.proc.pid)
         return pids
 
+    def _wake(self) -> None:
+        """A request or the fencing came (from a feed's thread): the loop looks at once."""
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass                       # woken already
+
     def _wait(self, timeout_s: float) -> None:
-        """Sleep until ``timeout_s`` passed or a child exited, whichever comes first."""
+        """Sleep until ``timeout_s`` passed, a child exited or a feed woke the loop,
+        whichever comes first."""
         fds = [c.pidfd for c in self.children.values() if c.pidfd is not None]
-        if fds:
+        try:
+            ready, _, _ = select.select(fds + [self._wake_r], [], [], timeout_s)
+        except OSError:
+            # a kernel (or sandbox) without pollable pidfds: the wake pipe alone
+            ready, _, _ = select.select([self._wake_r], [], [], timeout_s)
+        if self._wake_r in ready:
             try:
-                select.select(fds, [], [], timeout_s)
-                return
-            except OSError:
-                pass   # a kernel (or sandbox) without pollable pidfds: plain sleep
-        time.sleep(timeout_s)
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
 
     def _shutdown(self, grace_s: float, why: str) -> int:
         self.stop_all(grace_s)

@@ -3,9 +3,10 @@ greenlets (gevent) in one process, speaking the job's real protocol to its real 
 controller. Run by the benchmark (``python -m trainmover.bench.control_sim``), never by a job.
 
 What runs as in a job, and what stands in for it:
-- as in a job: each host's agent (``agent.main.Agent``: its request queue, heartbeat, fencing
-  check, process and exit records), and each worker's control code: its heartbeat
-  (``worker.liveness.Heartbeat``), abort watcher, commit vote (``CommitVote``) and command
+- as in a job: each host's agent (``agent.main.Agent``: its request feed, its host's
+  heartbeat with its processes' beats, fencing watch, process and exit records), and each
+  worker's control code: its heartbeat (``worker.liveness.Heartbeat``, on its channel to
+  the agent), abort watcher, commit vote (``CommitVote``) and command
   channel (``worker.migration.CommandChannel``), each with its own authenticated store
   client, writing signed messages, as a worker's threads do;
 - stood in for: a step's compute (a wait of ``compute_s``, cut short by an abort); a process
@@ -28,6 +29,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -106,6 +108,7 @@ class SimProcess:
         if self.returncode is None:
             self.returncode = code
             self.worker.stores.close()
+            self.worker.channel.close()
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -138,8 +141,9 @@ class SimWorker:
     """One worker or standby: its control code as in a job, its compute and tensors
     stood in for (module doc)."""
 
-    def __init__(self, agent: "SimAgent", req: P.AgentSpawn):
+    def __init__(self, agent: "SimAgent", req: P.AgentSpawn, channel: socket.socket):
         self.agent, self.cfg = agent, agent.cfg
+        self.channel = channel       # its end of its channel to the agent (heartbeats)
         self.name, self.standby = req.name, req.standby
         self.layout = self.cfg.layout
         self.stores = SimStores(agent.host, agent.port, agent.run_key,
@@ -170,7 +174,7 @@ class SimWorker:
     def _main(self) -> None:
         store = self.stores.get()
         cfg = self.cfg
-        Heartbeat(self.stores, self.name, cfg.health.heartbeat_interval_s)
+        Heartbeat(self.channel, self.name, cfg.health.heartbeat_interval_s)
         self.commands = CommandChannel(self.stores, self.name)
         if self.standby:
             store.set(P.standby_state_key(self.name),
@@ -294,8 +298,11 @@ class SimAgent(Agent):
             return
         if old is not None and old.proc.poll() is None:
             self._kill(old)
-        worker = SimWorker(self, req)
-        self.children[req.name] = SimChild(req.name, req.incarnation, worker.proc)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        mine.setblocking(False)
+        worker = SimWorker(self, req, theirs)
+        self.children[req.name] = SimChild(req.name, req.incarnation, worker.proc,
+                                           channel=mine)
         self.store.set(P.agent_proc_key(req.name),
                        P.write_message(P.ProcRecord(worker.proc.pid, req.incarnation)))
 

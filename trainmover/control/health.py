@@ -16,11 +16,15 @@ Bounded detection:
   it ever hears the store again, stops its processes and exits instead of rejoining with
   stale state), its standbys dead, its workers failed (kind "host").
 
-A heartbeat is a signed ``P.Beat`` whose sequence number the beater raises at every beat;
-it moved only when a genuine value's sequence went past the last one seen. Junk at a
-heartbeat key (an unsigned value, a bumped counter, an older genuine beat put back) is no
-beat: a stopped worker stays silent whatever others write there. Each look is one
-validated read per process (``JobContext.read``), as it was one ``add`` of a counter.
+Heartbeats come by host: each process beats on its own channel to its host's agent, which
+writes one signed ``P.HostBeat`` for the host every heartbeat interval, with its own
+sequence number and each process's count of beats. A host's beat moved only when a genuine
+value's sequence went past the last one seen, and a process's when its count in such a
+value did. Junk at a host's key (an unsigned value, a bumped counter, an older genuine beat
+put back) is no beat: a stopped worker stays silent whatever others write there. Each look
+reads every host's key in one request per ``HOSTS_PER_READ`` hosts and decodes only the
+values that changed: the controller's work and the store's load go with the hosts, not the
+processes (a read per process was most of a round at a thousand workers).
 """
 from __future__ import annotations
 
@@ -41,12 +45,17 @@ class Failure:
     detail: str = ""
 
 
+HOSTS_PER_READ = 1024     # host beats read in one store request
+
+
 class Health:
     def __init__(self, ctx: JobContext):
         self.ctx = ctx
-        self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, seq), seen at
+        self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, beats), seen at
         # (agent pid, seq) of the newest beat (None: none yet), seen at (first looked at)
         self._host_beats: dict[int, tuple[tuple[int, int] | None, float]] = {}
+        self._host_raw: dict[int, bytes] = {}     # each host's beat as last read (undecoded)
+        self._hosts_read_at = float("-inf")
         self._looked_at = 0.0
         self._reports_seen: tuple[int, int] = (-1, 0)                 # epoch, count
         self._standbys_looked_at = 0.0
@@ -145,15 +154,12 @@ class Health:
         when workers of the host were just found hung (the agent's last beat may have come
         a moment after its workers': the host, not the workers, failed). Returns them."""
         ctx, health = self.ctx, self.ctx.cfg.health
+        self.read_hosts(now)
         quiet_of = {}
         for node in range(1, ctx.procs.nnodes):
             if node in ctx.procs.lost:
                 continue
-            beat = ctx.read(P.Beat, P.agent_key(node, "hb"))   # junk: None, no beat
-            seen = self._host_beats.get(node)
-            if seen is None or beat is not None and moved(seen[0], beat):
-                self._host_beats[node] = seen = \
-                    (None if beat is None else (beat.pid, beat.seq), now)
+            seen = self._host_beats.setdefault(node, (None, now))
             quiet_of[node] = (now - seen[1], seen[0] is not None)
         lost = set()
         for node, (quiet, started) in quiet_of.items():
@@ -208,25 +214,64 @@ class Health:
         return stalled_for([t for t in times if t > self.ctx.steady_since], now,
                            health.stall_factor, health.stall_floor_s)
 
+    def read_hosts(self, now: float) -> None:
+        """Read every live host's beat (at most once per ``check_interval_s``): a host's
+        own beat, and its processes', move when a genuine newer value says so."""
+        ctx = self.ctx
+        if now - self._hosts_read_at < ctx.cfg.health.check_interval_s:
+            return
+        self._hosts_read_at = now
+        nodes = [n for n in range(ctx.procs.nnodes) if n not in ctx.procs.lost]
+        for i in range(0, len(nodes), HOSTS_PER_READ):
+            part = nodes[i:i + HOSTS_PER_READ]
+            keys = [P.agent_key(n, "hb") for n in part]
+            for node, key, raw in zip(part, keys, _read_raw(ctx.store, keys)):
+                if raw is None or raw == self._host_raw.get(node):
+                    continue                      # nothing new: nothing to decode
+                self._host_raw[node] = raw
+                payload = ctx.store.genuine(key, raw)
+                try:
+                    beat = None if payload is None else P.read_message(P.HostBeat, payload)
+                except P.MessageError as exc:
+                    ctx.events.emit("message_rejected", key=key, error=str(exc))
+                    beat = None
+                seen = self._host_beats.get(node)
+                if beat is None or seen is not None and not moved(seen[0], beat.pid,
+                                                                  beat.seq):
+                    continue                      # junk, or an older genuine beat put back
+                self._host_beats[node] = ((beat.pid, beat.seq), now)
+                for name, entry in beat.procs.items():
+                    if not (isinstance(entry, list) and len(entry) == 2 and
+                            all(isinstance(x, int) for x in entry)):
+                        continue
+                    mine = self._beats.get(name)
+                    if moved(None if mine is None else mine[0], *entry):
+                        self._beats[name] = (tuple(entry), now)
+
     def _beat(self, worker: str) -> float | None:
         """Time the worker's heartbeat last moved (None before its first beat)."""
         pid = self.ctx.procs.pid(worker)
         if pid is None:
             return None   # not started yet
-        beat = self.ctx.read(P.Beat, P.heartbeat_key(worker, pid))   # junk: None, no beat
+        self.read_hosts(time.time())
         seen = self._beats.get(worker)
-        if seen is not None and seen[0][0] != pid:
-            seen = None   # a new incarnation: its own beats only
-        if beat is not None and beat.pid == pid and moved(None if seen is None else seen[0],
-                                                          beat):
-            self._beats[worker] = seen = ((pid, beat.seq), time.time())
-        return None if seen is None else seen[1]
+        if seen is None or seen[0][0] != pid:
+            return None   # none yet, or only a former incarnation's: its own beats only
+        return seen[1]
 
 
-def moved(seen: tuple[int, int] | None, beat: P.Beat) -> bool:
-    """Whether ``beat`` is a new one after ``seen`` ((pid, seq) of the newest seen): of
-    another process, or further in the same process's sequence."""
-    return seen is None or seen[0] != beat.pid or beat.seq > seen[1]
+def moved(seen: tuple[int, int] | None, pid: int, seq: int) -> bool:
+    """Whether ``(pid, seq)`` is a beat after ``seen`` (the newest seen): of another
+    process, or further in the same process's sequence."""
+    return seen is None or seen[0] != pid or seq > seen[1]
+
+
+def _read_raw(store, keys: list[str]) -> list[bytes | None]:
+    """The keys' values as stored (undecoded), one request where the store can."""
+    many = getattr(store.raw, "try_multi_get", None)
+    if many is not None:
+        return many(keys)
+    return [store.raw.get(k) if store.raw.check([k]) else None for k in keys]
 
 
 def read_failure_report(ctx: JobContext, epoch: int, worker: str) -> P.FailureReport | None:

@@ -272,8 +272,9 @@ class Recovery:
                                    snapshot_step=snap,
                                    max_sources=ctx.cfg.recovery.stripe_sources)
         except C.RecoveryImpossible as exc:
-            raise JobFailed(f"cannot recover from {sorted(rec.failures)}: {exc}. Committed "
-                            f"progress (step {rec.last_committed}) and checkpoints are intact.")
+            raise JobFailed(f"cannot recover from {C.listed(sorted(rec.failures))}: {exc}. "
+                            f"Committed progress (step {rec.last_committed}) and checkpoints "
+                            f"are intact.")
         rec.plan, rec.t_planned, rec.state = plan, time.time(), "recovering"
         ctx.disrupted()
         self._backfill_metrics(rec)

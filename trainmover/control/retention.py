@@ -6,8 +6,7 @@ The rule, per key family (``core/protocol.py``):
   same epoch is committed, no worker is at step ``s`` any more (a worker cannot start a step
   before the previous one is decided) and the controller has read ``s``'s decision; the keys
   of an epoch that ended (a recovery or restart moved on) go once the new epoch commits;
-- ``hb/<worker>/<pid>``: when the agent reports that process's exit; ``perf/<worker>`` (one
-  per worker, overwritten every window) too;
+- heartbeats are one key a host (``agent/<node>/hb``), overwritten: nothing to delete;
 - ``mig/<id>/*`` of a migration that completed, once its accounting is written; those of an
   aborted migration stay (a participant may still be waiting to read ``abort``);
 - ``fail/<epoch>/<worker>``, ``recovery/<id>/recovered_count`` and the aborted epochs'
@@ -76,8 +75,6 @@ class Retention:
                 store.delete_key(P.commit_key(epoch, step, what))
 
     def process_exited(self, name: str, pid: int | None) -> None:
-        if pid is not None:
-            self.ctx.store.delete_key(P.heartbeat_key(name, pid))
         m = self.ctx.membership
         if m is not None and name in m.standbys and name not in m.workers:
             self.process_gone(name)    # a standby that exited never comes back

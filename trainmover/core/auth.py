@@ -147,6 +147,23 @@ class AuthStore:
             self._reject(key, exc)
             return None
 
+    def valid_many(self, keys: list[str]) -> list[bytes | None]:
+        """``valid`` of each key, in one round trip where the store can (``try_multi_get``)."""
+        many = getattr(self.raw, "try_multi_get", None)
+        if many is None:
+            return [self.valid(k) for k in keys]
+        return [None if raw is None else self.genuine(key, raw)
+                for key, raw in zip(keys, many(keys))]
+
+    def genuine(self, key: str, raw: bytes) -> bytes | None:
+        """The payload of ``raw``, read at ``key``, if it is genuine (else None, reported
+        to ``on_reject``)."""
+        try:
+            return unseal(self._secret, key, raw)
+        except AuthError as exc:
+            self._reject(key, exc)
+            return None
+
     def wait_valid(self, key: str, poll_s: float = WAIT_VALID_POLL_S) -> bytes:
         """Wait, up to the store's timeout, until the key holds a genuine value: one that
         was planted first (a forged decision) makes ``wait`` return early, but the genuine

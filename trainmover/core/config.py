@@ -750,13 +750,16 @@ class AgentConfig:
     """The agent: the job's store host and process supervisor (``agent/main.py``). It reads
     these, and ``ControllerConfig``'s restart policy, from the run dir's ``job.json``."""
 
-    # Its loop: how soon a spawn or signal request is handled. A process exit is seen at once
-    # (the agent waits on the processes themselves) however long this is; each look for a
-    # request is a round trip to the store the agent itself hosts, so a short interval costs
-    # the store host CPU the workers share.
+    # Its loop's idle period: how soon a signal's TERM-then-KILL deadline is kept. Requests,
+    # its fencing and process exits wake it at once (it waits for them; none is polled
+    # through the store, which thousands of hosts would load).
     poll_s: float = 0.02
-    # How often it checks that the controller's process is alive.
+    # Host 0's agent: how often it checks that the controller's process is alive.
     controller_check_s: float = 0.1
+    # While it waits for the controller's next request, how often it looks for a hole in
+    # its request queue (an index a controller took and died before writing): each look is
+    # a store request; the request itself is seen as soon as it is written.
+    request_recheck_s: float = 1.0
     # After stopping every process, how long it keeps the store up for the controller to
     # read that it did (then it exits regardless).
     shutdown_ack_s: float = 5.0
@@ -773,6 +776,7 @@ class AgentConfig:
 
     def validate(self) -> None:
         _seconds("agent", poll_s=self.poll_s, controller_check_s=self.controller_check_s,
+                 request_recheck_s=self.request_recheck_s,
                  shutdown_ack_s=self.shutdown_ack_s,
                  fork_server_timeout_s=self.fork_server_timeout_s,
                  refusal_report_s=self.refusal_report_s)

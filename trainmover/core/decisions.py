@@ -83,6 +83,15 @@ def _natural(name: str) -> tuple:
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
+def listed(names, most: int = 8) -> str:
+    """Names for a message a person reads: all of a few, the first ``most`` and a count of
+    the rest of many (a failure of a thousand workers is one line, not a page)."""
+    names = [str(n) for n in names]
+    if len(names) <= most:
+        return "[" + ", ".join(names) + "]"
+    return "[" + ", ".join(names[:most]) + f", ... and {len(names) - most} more]"
+
+
 def recovery_channel(replica: str, joiner: str) -> str:
     """The transfer group a recovery's joiner takes its state on from a live replica."""
     return f"rxfer.{replica}.{joiner}"
@@ -376,8 +385,8 @@ def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set
     if any(src == "checkpoint" for src in sources.values()):
         if checkpoint_step is None and snapshot_step is None:
             raise RecoveryImpossible(
-                f"role(s) {[r for r, s in sources.items() if s == 'checkpoint']} have no live "
-                f"data-parallel replica and there is no complete snapshot or checkpoint")
+                f"role(s) {listed(r for r, s in sources.items() if s == 'checkpoint')} have no "
+                f"live data-parallel replica and there is no complete snapshot or checkpoint")
         if snapshot_step is not None and (checkpoint_step is None or
                                           snapshot_step >= checkpoint_step):
             rollback, rollback_source = snapshot_step, "snapshot"

@@ -262,7 +262,7 @@ class KVServer:
                 fields: list[bytes]) -> bytes | None:
         data = self._data
         for_keys = fields if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.DELETE, Op.GET,
-                                    Op.TRY_GET) else \
+                                    Op.TRY_GET, Op.TRY_MULTI_GET) else \
             fields[::2] if op == Op.MULTI_SET else fields[:1]
         if any(len(k) > self._limits.max_key_bytes for k in for_keys):
             raise ValueError(f"a key longer than {self._limits.max_key_bytes} bytes")
@@ -327,6 +327,10 @@ class KVServer:
             value = data.get(key)
             return encode_answer(Status.OK, 0) if value is None else \
                 encode_answer(Status.OK, 1, [value])
+        elif op == Op.TRY_MULTI_GET:
+            # each value behind a byte that says whether there is one
+            return encode_answer(Status.OK, 0, [b"\x00" if (v := data.get(k)) is None
+                                                else b"\x01" + v for k in fields])
         elif op != Op.PING:
             raise ValueError(f"unknown op {op}")
         return encode_answer(Status.OK)

@@ -77,12 +77,6 @@ def request_key(index: int, what: str = "") -> str:
     return f"req/{index}" + (f"/{what}" if what else "")
 
 
-def heartbeat_key(worker: str, pid: int) -> str:
-    """A process's ``Beat``, overwritten at each beat. Per process, not per name: a killed
-    incarnation's last beats never count for the fresh process that took its name."""
-    return f"hb/{worker}/{pid}"
-
-
 def finished_key(worker: str) -> str:
     """Set by a worker that completed the job: its heartbeat may stop from then on."""
     return f"finished/{worker}"
@@ -158,7 +152,7 @@ AGENT_KEYS = {
     "req/count": "requests queued for the host's agent",
     "req/done": "requests the host's agent has read (and deleted)",
     "info": "AgentInfo: the host's agent is serving",
-    "hb": "Beat: the agent's heartbeat (hosts other than 0)",
+    "hb": "HostBeat: the agent's heartbeat, with each of its processes' beats",
     "snapshots": "host:port of the host's peer-snapshot holder (core/snapshots.py)",
     "fenced": "the host was declared lost: its agent stops its processes and exits",
     "done": "the agent stopped every process at the job's end",
@@ -693,17 +687,29 @@ class ExitRecord:
     time: float
 
 
+AGENT_CHANNEL_ENV = "TRAINMOVER_AGENT_FD"
+"""The descriptor of a process's channel to its host's agent (one end of a Unix socket pair
+the agent made for it and passed at its start): its heartbeat beats there."""
+
+
 @dataclass(frozen=True)
-class Beat:
-    """``hb/<worker>/<pid>``, ``agent/<node>/hb``: a process's heartbeat, a signed value its
-    heartbeat overwrites at every beat (not a counter: anyone who reaches the store can bump
-    a counter, which once kept a stopped worker looking alive). ``seq`` is one more at each
-    beat of the process (``pid``); a reader counts a beat only when a genuine value's
-    ``seq`` moved past the one it saw last, so junk (unsigned, a bumped counter) reads as
-    no beat and an old genuine value put back is none either."""
+class HostBeat:
+    """``agent/<node>/hb``: a host's heartbeat, which its agent overwrites every heartbeat
+    interval: its own ``seq`` and PID (as a ``Beat``), and for each of its running processes
+    ``[pid, beats]``, the count of beats that process sent on its channel to the agent
+    (``worker/liveness.Heartbeat``). The store holds one key a host instead of one a
+    process, and the controller reads one a host: a process is alive while its count
+    moves, whoever writes the store (a process cannot beat for another: each channel is
+    its own, inherited from the agent).
+
+    A signed value, not a counter (anyone who reaches the store can bump a counter, which
+    once kept a stopped worker looking alive): a reader counts a beat only when a genuine
+    value's ``seq`` moved past the one it saw last, so junk reads as no beat and an old
+    genuine value put back is none either."""
 
     seq: int
     pid: int
+    procs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

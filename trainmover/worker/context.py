@@ -20,7 +20,7 @@ from trainmover.core import faults, jobfile
 from trainmover.core import protocol as P
 from trainmover.core.events import EventLog
 from trainmover.core.topology import Role
-from trainmover.worker.liveness import Heartbeat, MainProgress
+from trainmover.worker.liveness import Heartbeat, MainProgress, agent_channel
 from trainmover.worker.migration import CommandChannel
 
 
@@ -81,9 +81,12 @@ class WorkerContext:
                                     backend=cfg.comm.backend,
                                     check_devices=cfg.comm.check_devices)
         self.progress = MainProgress(self.abort)
-        self.heartbeat = Heartbeat(self.stores, name, cfg.health.heartbeat_interval_s,
+        # beats go to the host's agent, which relays them (one store key a host); a process
+        # not started by an agent never beats, and is fenced as it would be if it hung
+        channel = agent_channel()
+        self.heartbeat = Heartbeat(channel, name, cfg.health.heartbeat_interval_s,
                                    self.progress, cfg.health.main_stall_s, self.events) \
-            if cfg.health.recover else None
+            if cfg.health.recover and channel is not None else None
         self.commands = CommandChannel(self.stores, name, on_wait=self.progress.tick)
         self.launch: Launch | None = None
         self.runtime = None          # the Runtime of the script run in progress

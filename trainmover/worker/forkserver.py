@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 
+from trainmover.core.protocol import AGENT_CHANNEL_ENV
 from trainmover.core.proc import (FORK_MESSAGE_MAX, PR_SET_NAME, PR_SET_PDEATHSIG,
                                   prctl)
 
@@ -21,7 +22,8 @@ from trainmover.core.proc import (FORK_MESSAGE_MAX, PR_SET_NAME, PR_SET_PDEATHSI
 REPARENT_WAIT_S = 10.0
 
 
-def _run_worker(request: dict, log_fd: int, go_fd: int, agent_pid: int, sock) -> None:
+def _run_worker(request: dict, log_fd: int, channel_fd: int | None, go_fd: int,
+                agent_pid: int, sock) -> None:
     """In the forked worker: wait to be the agent's, then become the worker. Never returns."""
     code = 1
     try:
@@ -43,6 +45,8 @@ def _run_worker(request: dict, log_fd: int, go_fd: int, agent_pid: int, sock) ->
         os.close(log_fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        if channel_fd is not None:     # its channel to the agent, at its number here
+            os.environ[AGENT_CHANNEL_ENV] = str(channel_fd)
         prctl(PR_SET_NAME, f"tm-{request['name']}"[:15].encode())
         # the dispositions a worker started anew has (``python`` itself ignores SIGPIPE):
         # with SIGPIPE at its default, a gloo write to a peer that just died killed this
@@ -76,7 +80,8 @@ def _run_worker(request: dict, log_fd: int, go_fd: int, agent_pid: int, sock) ->
             os._exit(code)
 
 
-def _fork_worker(request: dict, log_fd: int, agent_pid: int, sock) -> tuple[int, int]:
+def _fork_worker(request: dict, log_fd: int, channel_fd: int | None, agent_pid: int,
+                 sock) -> tuple[int, int]:
     """Fork twice (the worker is re-parented to the agent): (the worker's PID, the write end
     of its go pipe)."""
     go_r, go_w = os.pipe()
@@ -91,7 +96,7 @@ def _fork_worker(request: dict, log_fd: int, agent_pid: int, sock) -> tuple[int,
             worker = os.fork()
             if worker == 0:
                 os.close(pid_w)
-                _run_worker(request, log_fd, go_r, agent_pid, sock)
+                _run_worker(request, log_fd, channel_fd, go_r, agent_pid, sock)
             os.write(pid_w, str(worker).encode())
         finally:
             os._exit(0)
@@ -130,25 +135,27 @@ def serve(fd: int, agent_pid: int) -> int:
         refusal = f"{threads} threads after the imports: not forking"
     while True:
         try:
-            msg, fds, _, _ = socket.recv_fds(sock, FORK_MESSAGE_MAX, 1)
+            msg, fds, _, _ = socket.recv_fds(sock, FORK_MESSAGE_MAX, 2)
         except OSError:
             return 1
         if not msg:
             return 0          # the agent is gone
         log_fd = fds[0] if fds else None
+        channel_fd = fds[1] if len(fds) > 1 else None    # to the agent (heartbeats)
         try:
             request = json.loads(msg)
             if refusal is not None:
                 raise OSError(refusal)
             if request.get("op") != "spawn" or log_fd is None:
                 raise OSError(f"not a spawn request: {request.get('op')!r}")
-            pid, go_w = _fork_worker(request, log_fd, agent_pid, sock)
+            pid, go_w = _fork_worker(request, log_fd, channel_fd, agent_pid, sock)
         except (OSError, ValueError, TypeError, KeyError) as exc:
             sock.sendall(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
             continue
         finally:
-            if log_fd is not None:
-                os.close(log_fd)
+            for fd in (log_fd, channel_fd):
+                if fd is not None:
+                    os.close(fd)
         sock.sendall(json.dumps({"pid": pid, "import_s": import_s}).encode())
         try:
             ack = json.loads(sock.recv(FORK_MESSAGE_MAX) or b"null")

@@ -1,8 +1,9 @@
 """A worker's side of failure handling: liveness, the step commit vote, aborting a step.
 
-- ``Heartbeat``: a daemon thread (own store client) writes a signed ``Beat`` with one more
-  sequence number to ``hb/<worker>/<pid>`` every interval. A process that is stopped
-  (SIGSTOP) or wedged stops beating; the controller fences it.
+- ``Heartbeat``: a daemon thread sends a beat on the worker's channel to its host's agent
+  every interval (no store traffic: the agent counts its processes' beats and writes one
+  ``HostBeat`` for the host). A process that is stopped (SIGSTOP) or wedged stops beating;
+  the controller fences it.
 - ``AbortWatcher``: a daemon thread blocks on ``abort/<epoch>``; when the controller writes it,
   the worker's ``AbortSignal`` fires: the step in flight is doomed (``comm/groups.py``), and
   any wait outside a step raises ``StepAborted``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -87,23 +89,21 @@ def main_thread_stack(limit: int = 12) -> list[str]:
 
 
 class Heartbeat:
-    """Beats at the worker's heartbeat key every ``interval_s`` (a signed ``P.Beat``, its
-    sequence one more each time), unless the main thread made no progress for ``stall_s``
+    """Beats on ``channel`` (the worker's end of its channel to the agent: a message a beat)
+    every ``interval_s``, unless the main thread made no progress for ``stall_s``
     (``MainProgress``; 0: not judged): then it reports where that thread is stuck
     (``main_thread_stalled``, once) and stops beating, so the controller fences the worker
     as hung, as it would a stopped process."""
 
-    def __init__(self, stores: StoreClients, worker: str, interval_s: float,
+    def __init__(self, channel: socket.socket, worker: str, interval_s: float,
                  progress: MainProgress | None = None, stall_s: float = 0.0, events=None):
         self.worker, self.interval_s = worker, interval_s
         self.progress, self.stall_s, self.events = progress, stall_s, events
-        self._stores = stores
+        self.channel = channel
+        channel.setblocking(False)
         threading.Thread(target=self._loop, name=f"heartbeat-{worker}", daemon=True).start()
 
     def _loop(self) -> None:
-        store = self._stores.get()
-        pid = os.getpid()
-        key, seq = P.heartbeat_key(self.worker, pid), 0
         reported = False
         while True:
             stalled = self.progress.stalled_s() if self.progress and self.stall_s else 0.0
@@ -114,13 +114,25 @@ class Heartbeat:
                 reported = True
             else:
                 reported = False
-                seq += 1
                 try:
-                    # a signed value, not a counter: a forged bump is no beat (core/auth.py)
-                    store.set(key, P.write_message(P.Beat(seq, pid)))
-                except Exception:  # noqa: BLE001 - the store is gone: the job is over
-                    return
+                    self.channel.send(b"b")
+                except BlockingIOError:
+                    pass       # the agent has not read the last ones yet: they count
+                except OSError:
+                    return     # the agent is gone: so is the job
             time.sleep(self.interval_s)
+
+
+def agent_channel() -> socket.socket | None:
+    """This process's channel to its host's agent (``P.AGENT_CHANNEL_ENV``), None if it was
+    not started by one."""
+    fd = os.environ.get(P.AGENT_CHANNEL_ENV)
+    if not fd:
+        return None
+    try:
+        return socket.socket(fileno=int(fd))
+    except (ValueError, OSError):
+        return None
 
 
 class AbortWatcher:
