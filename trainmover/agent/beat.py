@@ -3,7 +3,8 @@ interval: the agent's own beat, with the count of beats each of its running proc
 on its channel to the agent (``worker/liveness.Heartbeat``). The store holds, and the
 controller reads, one key a host instead of one a process.
 
-A thread, not the agent's loop: the loop may be held for seconds by one spawn (the fork
+The beats themselves are counted as they arrive by the reader of the channels
+(``agent/votes.Channels``). A thread, not the agent's loop: the loop may be held for seconds by one spawn (the fork
 server's first, while it imports torch), and a host whose beat paused that long was
 declared lost before its first step.
 """
@@ -39,20 +40,7 @@ class HostBeat:
             self.error = exc
 
     def counts(self) -> dict[str, list[int]]:
-        """Each running child's ``[pid, beats]``, its new beats read off its channel."""
-        out = {}
-        for c in self.children():
-            channel = c.channel
-            if channel is None or c.proc.pid is None or c.proc.returncode is not None:
-                continue
-            while True:
-                try:
-                    if not channel.recv(16):
-                        break                    # its end closed: it is exiting
-                    c.beats += 1
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:                  # closed by the agent as it reaped it
-                    break
-            out[c.name] = [c.proc.pid, c.beats]
-        return out
+        """Each running child's ``[pid, beats]`` (its beats are counted as they come, by
+        the reader of the channels: ``agent/votes.Channels``)."""
+        return {c.name: [c.proc.pid, c.beats] for c in self.children()
+                if c.proc.pid is not None and c.proc.returncode is None}

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from trainmover.agent import forkserver
 from trainmover.agent.beat import HostBeat
 from trainmover.agent.feeds import FenceWatch, RequestFeed
+from trainmover.agent.votes import Channels, VoteRelay
 from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import jobfile, kvserver, kvstore, rundir
 from trainmover.core import protocol as P
@@ -91,6 +92,7 @@ class Child:
     pidfd: int | None = None         # readable once the process exited (Linux >= 5.3)
     channel: socket.socket | None = None   # the agent's end of the process's channel
     beats: int = 0                   # beats it sent on it (worker/liveness.Heartbeat)
+    standby: bool = False
 
     def __post_init__(self) -> None:
         if self.proc.pid is not None and hasattr(os, "pidfd_open"):
@@ -126,6 +128,8 @@ class Agent:
         self._controller_lost_at: float | None = None
         self._controller_read_at = 0.0
         self._host_beat: HostBeat | None = None       # the host's heartbeat (a thread)
+        self._relay: VoteRelay | None = None          # its processes' votes, relayed
+        self._channels: Channels | None = None        # its processes' channels, read
         self.snapshots: SnapshotServer | None = None   # the peer-snapshot holder, if used
         self.hash_seed = jobfile.python_hash_seed(load_secret(run_dir))
         self.forks: forkserver.ForkServer | None = None   # agent.fork_server, once started
@@ -167,13 +171,23 @@ class Agent:
             return
         finally:
             theirs.close()
-        self.children[name] = Child(name, incarnation, proc, channel=mine)
+        self.children[name] = child = Child(name, incarnation, proc, channel=mine)
+        self._track(child, req.standby)
         if self.store is not None:
             self.store.set(P.agent_proc_key(name),
                            P.write_message(P.ProcRecord(proc.pid, incarnation)))
         self.events.emit("process_started", name=name, pid=proc.pid, incarnation=incarnation,
                          standby=req.standby,
                          forked=isinstance(proc, forkserver.ForkedProcess))
+
+    def _track(self, child: Child, standby: bool) -> None:
+        """Read the process's channel; a worker's votes are expected from its first step."""
+        child.standby = standby
+        if self._channels is None:
+            return                      # before the store is up: ``serve`` does it
+        self._channels.add(child)
+        if not standby:
+            self._relay.expect(child.name)
 
     def _forked(self, args: list[str], env: dict, log_fd: int, name: str, channel_fd: int):
         """The worker, forked by the fork server (``agent.fork_server``), or None: off, or
@@ -266,8 +280,11 @@ class Agent:
             os.close(child.pidfd)
             child.pidfd = None
         if child.channel is not None:
-            child.channel.close()
-            child.channel = None
+            if self._channels is not None:
+                self._channels.remove(child)      # closed by the channels' reader
+                self._relay.forget(child.name)
+            else:
+                child.channel.close()
         record = P.ExitRecord(child.name, child.incarnation, code, time.time())
         index = self.store.add(P.AGENT_EXIT_COUNT_KEY, 1)
         self.store.set(P.agent_exit_key(index), P.write_message(record))
@@ -290,8 +307,9 @@ class Agent:
     # --- the controller ----------------------------------------------------------------------
     def _watch(self, now: float) -> str | None:
         """Why this agent must stop (None: it goes on)."""
-        if self._host_beat.error is not None:
-            raise self._host_beat.error
+        for part in (self._host_beat, self._relay):
+            if part.error is not None:
+                raise part.error
         if self.node == 0:
             return None if self._watch_controller(now) else "no controller"
         # the controller's signed word, not the key's mere existence (agent/feeds.py)
@@ -382,6 +400,14 @@ class Agent:
         self._fence = FenceWatch(client(), self.node, self._wake) if self.node else None
         self._host_beat = HostBeat(client(), self.node, self.cfg.health.heartbeat_interval_s,
                                    lambda: list(self.children.values()))
+        # its processes' votes, relayed as one ballot a host (agent/votes.py), and the
+        # reader of their channels (beats and votes)
+        self._relay = VoteRelay(client(), client(), self.node, self.cfg.layout.num_roles,
+                                self.cfg.agent.vote_coalesce_s)
+        self._channels = Channels(self._relay.vote)
+        for c in self.children.values():
+            if c.channel is not None:
+                self._track(c, c.standby)
         for c in self.children.values():
             if c.proc.pid is None:
                 continue
@@ -473,12 +499,14 @@ class Agent:
     def _wait(self, timeout_s: float) -> None:
         """Sleep until ``timeout_s`` passed, a child exited or a feed woke the loop,
         whichever comes first."""
-        fds = [c.pidfd for c in self.children.values() if c.pidfd is not None]
-        try:
-            ready, _, _ = select.select(fds + [self._wake_r], [], [], timeout_s)
-        except OSError:
-            # a kernel (or sandbox) without pollable pidfds: the wake pipe alone
-            ready, _, _ = select.select([self._wake_r], [], [], timeout_s)
+        # poll, not select: host 0's agent serves the store, and its descriptors pass
+        # select's limit of 1024 with a few hundred workers
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        for c in self.children.values():
+            if c.pidfd is not None:
+                poller.register(c.pidfd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}
         if self._wake_r in ready:
             try:
                 os.read(self._wake_r, 4096)

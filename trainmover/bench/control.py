@@ -36,7 +36,7 @@ from trainmover.core import protocol as P
 from trainmover.core.auth import create_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog, read_jsonl
-from trainmover.core.topology import Layout
+from trainmover.core.topology import Layout, reporter_role
 from trainmover.control.context import worker_names
 
 WORKERS_PER_HOST = 8
@@ -193,16 +193,31 @@ def quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def full_nodes(cfg: JobConfig, full_hosts: int, crashed: str) -> list[int]:
+    """The hosts simulated whole: the first ``full_hosts`` (the standbys', which a
+    recovery promotes, among them), the reporter's and the crashed worker's."""
+    layout = cfg.layout
+    reporter = reporter_role(layout)      # worker w<rank> holds global rank <rank>
+    rank = (reporter.dp * layout.pp + reporter.pp) * layout.tp + reporter.tp
+    nodes = set(range(min(cfg.hosts.nnodes, max(full_hosts, cfg.standby.count + 1))))
+    nodes |= {rank // WORKERS_PER_HOST, int(crashed[1:]) // WORKERS_PER_HOST}
+    return sorted(nodes)
+
+
 def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: int,
-             standbys: int, timeout_s: float, work_dir: str) -> dict:
+             standbys: int, timeout_s: float, work_dir: str,
+             full_hosts: int | None = None) -> dict:
     """One simulated job of ``workers``: ``warmup`` + ``steady`` steps, a crash, ``after``
-    more steps. Returns the row of figures (module doc)."""
+    more steps; ``full_hosts`` of its hosts simulated whole (None: all), the others light.
+    Returns the row of figures (module doc)."""
     cfg = sim_config(workers, standbys)
     run_dir = tempfile.mkdtemp(prefix=f"control-{workers}-", dir=work_dir)
     os.rmdir(run_dir)
     crash_step = warmup + steady
-    crashed = f"w{workers // 2 + 1}"       # a middle host's, not the reporter
-    spec = {"compute_s": compute_s, "crashes": {crashed: crash_step},
+    # a worker of host 2 (a middle one's in a small job), not the reporter
+    crashed = f"w{2 * WORKERS_PER_HOST + 1}" if cfg.hosts.nnodes > 3 else f"w{workers // 2 + 1}"
+    full = None if full_hosts is None else full_nodes(cfg, full_hosts, crashed)
+    spec = {"compute_s": compute_s, "crashes": {crashed: crash_step}, "full_nodes": full,
             "samples_path": os.path.join(run_dir + ".store", "samples.json")}
     coord = SimCoordinator(cfg, run_dir, spec, timeout_s)
     box: dict = {}
@@ -247,8 +262,10 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
              wall_s: float) -> dict:
     with open(spec["samples_path"]) as f:
         rows = json.load(f)["rows"]
-    # the steady steps: after the warm-up, before the step the crash interrupts
-    steady = [r for r in rows if r[1] == 0 and warmup <= r[2] < crash_step - 1]
+    # the steady steps: after the warm-up, before the step the crash interrupts; the
+    # workers' own (light hosts' rows are their agents': no channel, no local vote)
+    steady = [r for r in rows if r[1] == 0 and warmup <= r[2] < crash_step - 1
+              and not r[0].startswith("host")]
     overhead = [r[4] for r in steady]
     vote = [r[5] for r in steady]
     t0, t1 = min(r[3] for r in steady), max(r[3] for r in steady)
@@ -262,6 +279,8 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
     span = t1 - t0
     return {
         "workers": workers, "hosts": workers // WORKERS_PER_HOST,
+        "full_hosts": len(spec["full_nodes"]) if spec["full_nodes"] is not None
+        else workers // WORKERS_PER_HOST,
         "layout": coord.cfg.layout.as_dict(), "compute_s": compute_s,
         "steady_steps": crash_step - 1 - warmup, "samples": len(overhead),
         "vote_p50_ms": 1000 * quantile(overhead, 0.5),
@@ -284,7 +303,8 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
 
 def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int, steady: int,
                   after: int, standbys: int, timeout_s: float, out_dir: str,
-                  name: str = "control", keep: bool = False) -> dict:
+                  name: str = "control", keep: bool = False,
+                  full_hosts: int | None = 4) -> dict:
     work_dir = tempfile.mkdtemp(prefix="tm-control-")
     rows = []
     try:
@@ -292,7 +312,7 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
             for n in sizes:
                 t = time.time()
                 row = run_once(n, compute_s, warmup, steady, after, standbys, timeout_s,
-                               work_dir)
+                               work_dir, full_hosts)
                 row["repeat"] = rep
                 rows.append(row)
                 print(f"control: {n} workers, repeat {rep + 1}/{repeats}: step overhead p50 "
@@ -307,7 +327,8 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
     result = {"benchmark": "control", "commit": git_commit(), "machine": machine_description(),
               "command": "trainmover bench control " + " ".join(sys.argv[3:]),
               "settings": {"compute_s": compute_s, "warmup": warmup, "steady": steady,
-                           "after": after, "standbys": standbys, "repeats": repeats},
+                           "after": after, "standbys": standbys, "repeats": repeats,
+                           "full_hosts": full_hosts},
               "results": rows}
     write_result(out_dir, name, result, control_table(result))
     return result
@@ -327,12 +348,17 @@ def control_table(result: dict) -> str:
     by_size: dict[int, list[dict]] = {}
     for row in result["results"]:
         by_size.setdefault(row["workers"], []).append(row)
+    full = result["settings"].get("full_hosts")
     lines = [f"# bench control: the control plane against the number of workers",
              "", f"Command: `{result['command']}`; commit {result['commit']}; "
              f"{result['machine']['cores']} cores. Median (min-max) over "
              f"{result['settings']['repeats']} run(s); a step computes "
-             f"{result['settings']['compute_s']} s.", "",
-             "| workers (hosts) | " + " | ".join(c[1] for c in COLUMNS) + " |",
+             f"{result['settings']['compute_s']} s. "
+             + ("Every host simulated whole." if not full else
+                f"Hosts simulated whole: the first {full}, the reporter's and the crashed "
+                f"worker's (the step overhead is their workers'); the others light (their "
+                f"agents relay their workers' votes and beats without channels)."), "",
+             "| workers (hosts, whole) | " + " | ".join(c[1] for c in COLUMNS) + " |",
              "|---|" + "---|" * len(COLUMNS)]
     for n, rows in sorted(by_size.items()):
         cells = []
@@ -344,5 +370,6 @@ def control_table(result: dict) -> str:
             med = statistics.median(values)
             cells.append(f"{med:.{digits}f}" if len(values) == 1 else
                          f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})")
-        lines.append(f"| {n} ({rows[0]['hosts']}) | " + " | ".join(cells) + " |")
+        lines.append(f"| {n} ({rows[0]['hosts']}, {rows[0].get('full_hosts', '-')}) | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ What runs as in a job, and what stands in for it:
 - as in a job: each host's agent (``agent.main.Agent``: its request feed, its host's
   heartbeat with its processes' beats, fencing watch, process and exit records), and each
   worker's control code: its heartbeat (``worker.liveness.Heartbeat``, on its channel to
-  the agent), abort watcher, commit vote (``CommitVote``) and command
+  the agent), abort watcher, commit vote (``HostVote``, through the agent) and command
   channel (``worker.migration.CommandChannel``), each with its own authenticated store
   client, writing signed messages, as a worker's threads do;
 - stood in for: a step's compute (a wait of ``compute_s``, cut short by an abort); a process
@@ -36,6 +36,7 @@ import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 import gevent  # noqa: E402
+import gevent.event  # noqa: E402
 
 from trainmover.agent.main import Agent, Child  # noqa: E402
 from trainmover.comm.groups import AbortSignal  # noqa: E402
@@ -45,7 +46,7 @@ from trainmover.core.auth import AuthStore  # noqa: E402
 from trainmover.core.events import EventLog, JsonlWriter  # noqa: E402
 from trainmover.core.proc import PR_SET_PDEATHSIG, prctl, raise_open_files  # noqa: E402
 from trainmover.core.topology import Role, reporter_role  # noqa: E402
-from trainmover.worker.liveness import AbortWatcher, CommitVote, Heartbeat  # noqa: E402
+from trainmover.worker.liveness import AbortWatcher, Heartbeat, HostVote  # noqa: E402
 from trainmover.worker.migration import CommandChannel  # noqa: E402
 
 
@@ -56,6 +57,7 @@ class SimSpec:
     compute_s: float                                   # a step's simulated compute
     crashes: dict[str, int] = field(default_factory=dict)   # worker -> step it crashes at
     samples_path: str = ""                             # where the overheads are written
+    full_nodes: list[int] | None = None                # hosts simulated whole (None: all)
 
 
 class SimStores:
@@ -108,7 +110,8 @@ class SimProcess:
         if self.returncode is None:
             self.returncode = code
             self.worker.stores.close()
-            self.worker.channel.close()
+            if self.worker.channel is not None:
+                self.worker.channel.close()
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -137,7 +140,55 @@ class Samples:
         self.rows.append(row)
 
 
-class SimWorker:
+class _Recovers:
+    """A survivor's and a joiner's store traffic in a recovery (``worker/recover.py``):
+    report, wait for the plan, rebuild the groups it names, send or take state, resume."""
+
+    def _groups(self) -> dict[str, int]:
+        """Each of this role's groups of more than one member -> its rank in it."""
+        return {spec.name: spec.members.index(self.role)
+                for spec in self.layout.groups_of(self.role).values() if spec.size > 1}
+
+    def _recover(self, store) -> None:
+        accounting = {name: {"coll": self.collectives, "sent": 0, "recv": 0, "pending": 0,
+                             "generation": self.generations.get(name, 0)}
+                      for name in self._groups()}
+        store.set(P.failure_key(self.epoch, self.name), P.write_message(
+            P.FailureReport(self.step, "aborted", False, accounting)))
+        store.add(P.failure_count_key(self.epoch), 1)
+        while True:
+            cmd = self.commands.next()
+            if isinstance(cmd, P.Recover):
+                break
+        self._rebuild(cmd.groups)
+        for send in cmd.send_states or []:
+            self._rendezvous(send.transfer_group, send.transfer_generation, 0, 2)
+        store.add(P.recovered_count_key(cmd.recovery_id), 1)
+        self.epoch, self.step = cmd.epoch, cmd.resume_step
+
+    def _rebuild(self, groups: dict[str, int]) -> None:
+        for name, generation in sorted(groups.items()):
+            spec = self.layout.group(name)
+            self._rendezvous(name, generation, spec.members.index(self.role), spec.size)
+            self.generations[name] = generation
+        self.collectives = 0
+
+    def _rendezvous(self, group: str, generation: int, rank: int, size: int) -> None:
+        """A group build's store traffic: this member's address in, every member's out."""
+        raw = self.stores.get().raw
+        keys = P.rendezvous_keys(group, generation, size)
+        raw.set(keys[rank], b"a" * (154 + 8 * size))
+        raw.multi_get(keys, timeout=self.cfg.comm.group_timeout_s)
+
+    def _perf(self, store) -> None:
+        """The straggler detector's measurements, as a worker writes them every window."""
+        step_s, window = self.agent.spec.compute_s, self.cfg.straggler.window
+        store.set(P.perf_key(self.name), P.write_message(P.StepPerf(
+            self.role.name, self.step - window, self.step - 1, 0, step_s, step_s,
+            {"dp": 0.0}, recent=[P.PerfWindow(self.step - window, self.step - 1, step_s)])))
+
+
+class SimWorker(_Recovers):
     """One worker or standby: its control code as in a job, its compute and tensors
     stood in for (module doc)."""
 
@@ -197,8 +248,8 @@ class SimWorker:
             if reporter else None
         abort = AbortSignal()
         AbortWatcher(self.stores, abort, self.epoch)
-        vote = CommitVote(self.stores, self.layout.num_roles, self.epoch,
-                          self.name if reporter else None, voter=self.name)
+        vote = HostVote(self.channel, self.stores, self.epoch, abort,
+                        self.name if reporter else None, voter=self.name)
         last = time.time()
         while self.step < cfg.train.steps:
             if spec.crashes.get(self.name) == self.step:
@@ -226,38 +277,6 @@ class SimWorker:
                 self._perf(store)
             self.commands.poll()         # nothing else is simulated between steps yet
 
-    def _perf(self, store) -> None:
-        """The straggler detector's measurements, as a worker writes them every window."""
-        step_s = self.agent.spec.compute_s
-        store.set(P.perf_key(self.name), P.write_message(P.StepPerf(
-            self.role.name, self.step - self.cfg.straggler.window, self.step - 1, 0, step_s,
-            step_s, {"dp": 0.0}, recent=[P.PerfWindow(self.step - self.cfg.straggler.window,
-                                                      self.step - 1, step_s)])))
-
-    def _groups(self) -> dict[str, int]:
-        """Each of this role's groups of more than one member -> its rank in it."""
-        return {spec.name: spec.members.index(self.role)
-                for spec in self.layout.groups_of(self.role).values() if spec.size > 1}
-
-    def _recover(self, store) -> None:
-        """A survivor's side (``worker/recover.py``): report, wait for the plan, rebuild,
-        send state if asked, resume."""
-        accounting = {name: {"coll": self.collectives, "sent": 0, "recv": 0, "pending": 0,
-                             "generation": self.generations.get(name, 0)}
-                      for name in self._groups()}
-        store.set(P.failure_key(self.epoch, self.name), P.write_message(
-            P.FailureReport(self.step, "aborted", False, accounting)))
-        store.add(P.failure_count_key(self.epoch), 1)
-        while True:
-            cmd = self.commands.next()
-            if isinstance(cmd, P.Recover):
-                break
-        self._rebuild(cmd.groups)
-        for send in cmd.send_states or []:
-            self._rendezvous(send.transfer_group, send.transfer_generation, 0, 2)
-        store.add(P.recovered_count_key(cmd.recovery_id), 1)
-        self.epoch, self.step = cmd.epoch, cmd.resume_step
-
     def _join(self, cmd: P.AssignRecovery) -> None:
         """A standby promoted by a recovery: the role's groups, its state's channels."""
         self.role = Role.parse(cmd.role)
@@ -268,20 +287,6 @@ class SimWorker:
                 self._rendezvous(channel, src.transfer_generation, 1, 2)
         self.stores.get().add(P.recovered_count_key(cmd.recovery_id), 1)
         self.epoch, self.step = cmd.epoch, cmd.resume_step
-
-    def _rebuild(self, groups: dict[str, int]) -> None:
-        for name, generation in sorted(groups.items()):
-            spec = self.layout.group(name)
-            self._rendezvous(name, generation, spec.members.index(self.role), spec.size)
-            self.generations[name] = generation
-        self.collectives = 0
-
-    def _rendezvous(self, group: str, generation: int, rank: int, size: int) -> None:
-        """A group build's store traffic: this member's address in, every member's out."""
-        raw = self.stores.get().raw
-        keys = P.rendezvous_keys(group, generation, size)
-        raw.set(keys[rank], b"a" * (154 + 8 * size))
-        raw.multi_get(keys, timeout=self.cfg.comm.group_timeout_s)
 
 
 class SimAgent(Agent):
@@ -301,13 +306,118 @@ class SimAgent(Agent):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mine.setblocking(False)
         worker = SimWorker(self, req, theirs)
-        self.children[req.name] = SimChild(req.name, req.incarnation, worker.proc,
-                                           channel=mine)
+        self.children[req.name] = child = SimChild(req.name, req.incarnation, worker.proc,
+                                                   channel=mine)
+        self._track(child, req.standby)
         self.store.set(P.agent_proc_key(req.name),
                        P.write_message(P.ProcRecord(worker.proc.pid, req.incarnation)))
 
-    def _wait(self, timeout_s: float) -> None:
-        time.sleep(timeout_s)
+
+
+class LightWorker(_Recovers):
+    """A worker of a light host: its own store traffic as a worker's (its command
+    channel, perf reports, failure report, rendezvous, recovery count), but for its beats
+    and votes, which its agent makes for all of its workers at once (``LightAgent``)."""
+
+    def __init__(self, agent: "LightAgent", req: P.AgentSpawn):
+        self.agent, self.cfg, self.layout = agent, agent.cfg, agent.cfg.layout
+        self.name, self.channel = req.name, None
+        self.stores = SimStores(agent.host, agent.port, agent.run_key,
+                                self.cfg.comm.group_timeout_s)
+        self.proc = SimProcess(self)
+        self.role: Role | None = None
+        self.epoch, self.step, self.collectives = 0, 0, 0
+        self.generations: dict[str, int] = {}
+        self.ready = gevent.event.Event()
+        self.greenlet = gevent.spawn(self._start)
+
+    def _start(self) -> None:
+        store = self.stores.get()
+        self.role = Role.parse(store.get(P.membership_key(self.name)).decode())
+        self.commands = CommandChannel(self.stores, self.name)
+        self.ready.set()
+
+
+class LightAgent(SimAgent):
+    """A host's agent as in a job (its request feed, heartbeat, fencing watch, records and
+    vote relay), whose workers are light (``LightWorker``): each step, after the compute,
+    it hands the relay a vote for each of them and waits for the decision, as their
+    channels would; their beats move every heartbeat interval. What it leaves out: the
+    host's local traffic (channels), and one abort watch a worker (one a host here)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._decisions: dict[tuple[int, int], bytes] = {}
+        self._decided = gevent.event.Event()
+        gevent.spawn(self._steps)
+        gevent.spawn(self._beats)
+
+    def spawn(self, req: P.AgentSpawn) -> None:
+        if req.standby:
+            raise RuntimeError(f"standby {req.name} on a light host")
+        worker = LightWorker(self, req)
+        self.children[req.name] = child = SimChild(req.name, req.incarnation, worker.proc)
+        child.worker = worker
+        self._track(child, req.standby)
+        self.store.set(P.agent_proc_key(req.name),
+                       P.write_message(P.ProcRecord(worker.proc.pid, req.incarnation)))
+
+    def _track(self, child, standby: bool) -> None:
+        child.standby = standby
+        if self._relay is not None and not standby:
+            self._relay.expect(child.name)
+
+    def _on_decided(self, key, value) -> None:
+        self._decisions[key] = value
+        self._decided.set()
+
+    def _beats(self) -> None:
+        while True:
+            for c in list(self.children.values()):
+                c.beats += 1
+            time.sleep(self.cfg.health.heartbeat_interval_s)
+
+    def _steps(self) -> None:
+        per_node = self.cfg.hosts.per_node(self.cfg.layout.num_roles)
+        mine = sum(1 for i in range(self.cfg.layout.num_roles) if i // per_node == self.node)
+        while self._relay is None or len(self.children) < mine:
+            time.sleep(0.01)
+        self._relay.on_decided = self._on_decided
+        workers = [c.worker for c in self.children.values()]
+        for w in workers:
+            w.ready.wait()
+        stores = SimStores(self.host, self.port, self.run_key, self.cfg.comm.group_timeout_s)
+        epoch, step, compute_s = 0, 0, self.spec.compute_s
+        while True:
+            abort = AbortSignal()
+            AbortWatcher(stores, abort, epoch)
+            last = time.time()
+            while True:
+                if abort.wait(compute_s):
+                    break
+                key = (epoch, step)
+                t_vote = time.time()
+                for w in workers:
+                    self._relay.vote(self.children[w.name], epoch, step, w.name)
+                while key not in self._decisions and not abort.is_set():
+                    self._decided.clear()
+                    if key not in self._decisions:
+                        self._decided.wait(0.05)
+                if self._decisions.pop(key, None) != b"commit":
+                    break          # aborted: recovered below
+                now = time.time()
+                self.samples.add(f"host{self.node}", epoch, step, now,
+                                 now - last - compute_s, now - t_vote)
+                last, step = now, step + 1
+                for w in workers:
+                    w.step, w.collectives = step, w.collectives + 1
+                    if step % self.cfg.straggler.window == 0:
+                        w._perf(w.stores.get())
+            for w in workers:
+                w.epoch, w.step = epoch, step
+            jobs = [gevent.spawn(w._recover, w.stores.get()) for w in workers]
+            gevent.joinall(jobs, raise_error=True)
+            epoch, step = workers[0].epoch, workers[0].step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     run_key = jobfile.run_key(args.run_dir)
     host, _, port = args.store.rpartition(":")
     samples = Samples()
-    agents = [SimAgent(args.run_dir, host, int(port), cfg, node, spec, samples, run_key)
+    full = set(range(cfg.hosts.nnodes) if spec.full_nodes is None else spec.full_nodes)
+    agents = [(SimAgent if node in full else LightAgent)(args.run_dir, host, int(port), cfg,
+                                                         node, spec, samples, run_key)
               for node in range(cfg.hosts.nnodes)]
     jobs = [gevent.spawn(a.serve, []) for a in agents]
     gevent.joinall(jobs)

@@ -317,7 +317,7 @@ def main(args) -> int:
 
         bench_control(parse_sizes(args.workers), args.repeats, args.compute_s, WARMUP_STEPS,
                       args.steady, WARMUP_STEPS, args.standbys, args.timeout_s, args.out,
-                      args.name)
+                      args.name, full_hosts=args.full_hosts or None)
         return 0
     if args.bench == "soak":
         from trainmover.bench.soak import bench_soak

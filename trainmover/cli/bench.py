@@ -284,6 +284,11 @@ def add_bench_parser(sub) -> None:
     ctl.add_argument("--steady", type=int, default=10,
                      help="steps measured after the warm-up, before the crash")
     ctl.add_argument("--standbys", type=int, default=2, help="standby workers of the job")
+    ctl.add_argument("--full-hosts", type=int, default=4,
+                     help="hosts simulated whole (their workers' channels, beats and votes; "
+                          "with the reporter's and the crashed worker's): the others are "
+                          "light, their agents relaying their workers' votes and beats "
+                          "themselves (the root store and controller see the same); 0: all")
     ctl.add_argument("--timeout-s", type=float, default=600.0,
                      help="the most one simulated job may take")
     ctl.add_argument("--name", default="control", help="result file name under --out")

@@ -47,6 +47,7 @@ WAIT_VALID_POLL_S = 0.005      # waiting past a forged value until the genuine o
 MAX_REJECTIONS_LOGGED = 10_000  # keys whose rejection is reported (once each)
 MAX_COUNTERS_KEPT = 1024        # the counts last seen, kept to repair a forged counter
 DEFAULT_STORE_TIMEOUT_S = 300.0  # a store object that does not say (test doubles)
+HOST_BALLOT = "host:"           # a host's ballot line (``cast_host_ballot``); no voter's name
 
 
 class AuthError(MessageError):
@@ -186,19 +187,33 @@ class AuthStore:
         newline of its own, would otherwise swallow the first ballot cast after it."""
         self.raw.append(key, b"\n" + seal(self._secret, f"{key}#{voter}", voter) + b"\n")
 
+    def cast_host_ballot(self, key: str, node: int, voters: list[str]) -> None:
+        """A host's ballot: the voters of its processes its agent relays at once, one signed
+        line (``host:<node>:<voter>,<voter>...``; ``ballot_voters`` counts each voter)."""
+        payload = f"{HOST_BALLOT}{node}:" + ",".join(voters)
+        self.raw.append(key, b"\n" + seal(self._secret, f"{key}#{HOST_BALLOT}{node}",
+                                           payload) + b"\n")
+
     def ballot_voters(self, key: str) -> set[str]:
-        """The distinct voters whose genuine ballots ``key`` holds (forged lines, copies of
-        one voter's ballot and anything else appended there count for nothing). The caller
-        cast its own ballot there first: the key exists (one round trip, no check)."""
+        """The distinct voters whose genuine ballots ``key`` holds, a voter's own or in its
+        host's (forged lines, copies of a ballot and anything else appended there count for
+        nothing). The caller cast its ballot there first: the key exists (one round trip, no
+        check). One MAC a line: a job's hosts' ballots are one a host."""
         voters = set()
+        head = len(_TAG) + _MAC_HEX + 1
         for line in self.raw.get(key).split(b"\n"):
-            head = len(_TAG) + _MAC_HEX + 1
-            voter = line[head:].decode(errors="replace")
+            payload = line[head:].decode(errors="replace")
+            if payload.startswith(HOST_BALLOT):
+                node, _, names = payload[len(HOST_BALLOT):].partition(":")
+                signer = f"{HOST_BALLOT}{node}"
+            else:
+                signer, names = payload, payload
             try:
-                if unseal(self._secret, f"{key}#{voter}", line) == voter.encode():
-                    voters.add(voter)
+                if unseal(self._secret, f"{key}#{signer}", line) == payload.encode():
+                    voters.update(names.split(","))
             except AuthError:
                 continue
+        voters.discard("")
         return voters
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
@@ -276,5 +291,15 @@ class PlainStore:
     def cast_ballot(self, key: str, voter: str) -> None:
         self.raw.append(key, voter.encode() + b"\n")
 
+    def cast_host_ballot(self, key: str, node: int, voters: list[str]) -> None:
+        self.raw.append(key, f"{HOST_BALLOT}{node}:{','.join(voters)}\n".encode())
+
     def ballot_voters(self, key: str) -> set[str]:
-        return {v.decode() for v in self.raw.get(key).split(b"\n") if v}
+        out = set()
+        for line in self.raw.get(key).decode(errors="replace").split("\n"):
+            if line.startswith(HOST_BALLOT):
+                out.update(line.split(":", 2)[2].split(","))
+            elif line:
+                out.add(line)
+        out.discard("")
+        return out

@@ -760,6 +760,11 @@ class AgentConfig:
     # its request queue (an index a controller took and died before writing): each look is
     # a store request; the request itself is seen as soon as it is written.
     request_recheck_s: float = 1.0
+    # How long the agent holds its processes' votes on a step, once one came, before it
+    # casts the host's ballot with the votes it has, when a process that voted before has
+    # not voted yet (a leaver past its switch, until it exits; a vote after the ballot went
+    # goes in a ballot of its own). In the steady state the ballot goes with the last vote.
+    vote_coalesce_s: float = 0.005
     # After stopping every process, how long it keeps the store up for the controller to
     # read that it did (then it exits regardless).
     shutdown_ack_s: float = 5.0
@@ -776,7 +781,7 @@ class AgentConfig:
 
     def validate(self) -> None:
         _seconds("agent", poll_s=self.poll_s, controller_check_s=self.controller_check_s,
-                 request_recheck_s=self.request_recheck_s,
+                 request_recheck_s=self.request_recheck_s, vote_coalesce_s=self.vote_coalesce_s,
                  shutdown_ack_s=self.shutdown_ack_s,
                  fork_server_timeout_s=self.fork_server_timeout_s,
                  refusal_report_s=self.refusal_report_s)

@@ -689,7 +689,35 @@ class ExitRecord:
 
 AGENT_CHANNEL_ENV = "TRAINMOVER_AGENT_FD"
 """The descriptor of a process's channel to its host's agent (one end of a Unix socket pair
-the agent made for it and passed at its start): its heartbeat beats there."""
+the agent made for it and passed at its start): its heartbeat beats there, and it votes on
+each step there and hears the step's decision back (``agent/votes.py``).
+
+The channel's messages, one datagram each (no signature: only the process and its agent
+hold the pair): ``b"b"`` a beat; ``v <epoch> <step> <voter>`` a vote to commit the step;
+``d <epoch> <step> <commit|abort>`` the step's decision, agent to process."""
+
+CHANNEL_BEAT = b"b"
+CHANNEL_MAX = 256
+
+
+def vote_message(epoch: int, step: int, voter: str) -> bytes:
+    return f"v {epoch} {step} {voter}".encode()
+
+
+def decision_message(epoch: int, step: int, decision: bytes) -> bytes:
+    return f"d {epoch} {step} ".encode() + decision
+
+
+def read_channel_message(raw: bytes) -> tuple[str, int, int, str] | None:
+    """A vote or a decision as ``(kind, epoch, step, voter or decision)``, None for
+    anything else (a beat, junk)."""
+    parts = raw.split(b" ")
+    if len(parts) != 4 or parts[0] not in (b"v", b"d"):
+        return None
+    try:
+        return parts[0].decode(), int(parts[1]), int(parts[2]), parts[3].decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class WorkerContext:
         self.progress = MainProgress(self.abort)
         # beats go to the host's agent, which relays them (one store key a host); a process
         # not started by an agent never beats, and is fenced as it would be if it hung
-        channel = agent_channel()
+        self.channel = channel = agent_channel()     # its votes go there too (loop.py)
         self.heartbeat = Heartbeat(channel, name, cfg.health.heartbeat_interval_s,
                                    self.progress, cfg.health.main_stall_s, self.events) \
             if cfg.health.recover and channel is not None else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import sys
 import threading
@@ -249,6 +250,76 @@ class CommitVote:
                 self._decide(ballots, decision)
                 recheck_at = now + every
             time.sleep(FORGED_ABORT_POLL_S)
+
+
+class HostVote:
+    """The step's commit vote through the host's agent (``agent/votes.py``): the worker
+    sends its vote on its channel and waits there for the decision, which the agent
+    relays once the host's ballot is in the store and the job's decision is taken. The
+    store sees one ballot a host, not one a worker. The decision is the store's, one
+    compare-and-set as with ``CommitVote``: when this epoch is aborted (``signal``), or
+    every ``BALLOT_RECHECK_ALL_S`` of a long wait (an agent that is gone), the worker reads
+    it there itself."""
+
+    def __init__(self, channel: socket.socket, stores: StoreClients, epoch: int,
+                 signal: AbortSignal, reporter: str | None = None,
+                 progress: MainProgress | None = None, voter: str = ""):
+        self.channel, self.signal = channel, signal
+        self.store = stores.get()
+        self.epoch = epoch
+        self.reporter, self.progress = reporter, progress
+        self.voter = voter or reporter or ""
+
+    def __call__(self, step: int, info: dict) -> bool:
+        if self.reporter is not None:
+            # kept with the vote, as CommitVote does (a reporter dying after the decision)
+            self.store.set(P.commit_key(self.epoch, step, "metrics"),
+                           P.encode({"step": step, **info, "worker": self.reporter}))
+        self._send(P.vote_message(self.epoch, step, self.voter))
+        waiting = self.progress.waiting() if self.progress is not None else \
+            contextlib.nullcontext()
+        with waiting:
+            return self._wait(step) == b"commit"
+
+    def _send(self, message: bytes) -> None:
+        """Onto the channel (non-blocking: the heartbeat shares it), waiting while the
+        agent has not read what is in it yet."""
+        while True:
+            try:
+                self.channel.send(message)
+                return
+            except BlockingIOError:
+                poller = select.poll()
+                poller.register(self.channel, select.POLLOUT)
+                poller.poll(FORGED_ABORT_POLL_S * 1000)
+
+    def _wait(self, step: int) -> bytes:
+        decision = P.commit_key(self.epoch, step, "decision")
+        deadline = time.monotonic() + store_timeout_s(self.store.raw)
+        look_at = time.monotonic() + BALLOT_RECHECK_ALL_S
+        while True:
+            # poll, not select: a worker's descriptors pass select's limit of 1024 with
+            # its groups' connections in a job of thousands
+            poller = select.poll()
+            poller.register(self.channel, select.POLLIN)
+            if poller.poll(FORGED_ABORT_POLL_S * 1000):
+                try:
+                    raw = self.channel.recv(P.CHANNEL_MAX)
+                except BlockingIOError:
+                    raw = None
+                if raw == b"":
+                    look_at = 0.0             # the agent is gone: the store says
+                got = P.read_channel_message(raw) if raw else None
+                if got is not None and got[:3] == ("d", self.epoch, step):
+                    return got[3].encode()
+            now = time.monotonic()
+            if self.signal.is_set() or now >= look_at:
+                value = self.store.valid(decision)
+                if value is not None:
+                    return value
+                look_at = now + BALLOT_RECHECK_ALL_S
+            if now > deadline:
+                raise AuthError(f"{decision}: no decision within the store's timeout")
 
 
 def is_step_failure(exc: BaseException, signal: AbortSignal) -> bool:

@@ -27,7 +27,7 @@ from trainmover.worker import migration as M
 from trainmover.worker import recover as R
 from trainmover.worker.context import Start
 from trainmover.worker.errors import DataNotDeterministic, UsageError
-from trainmover.worker.liveness import AbortWatcher, CommitVote
+from trainmover.worker.liveness import AbortWatcher, CommitVote, HostVote
 from trainmover.worker.perf import StepMeter
 from trainmover.worker.recording import StepRecorder
 
@@ -134,7 +134,7 @@ class StepLoop:
         rt.loop = self
         cfg = self.ctx.cfg
         self.cfg = cfg
-        self.vote: CommitVote | None = None
+        self.vote: HostVote | CommitVote | None = None
         self.migrations = M.Migrations(rt.name, rt.role, rt.layout, rt.comm_groups,
                                        self.ctx.builder, self.ctx.stores, self.ctx.commands,
                                        self.ctx.events)
@@ -218,9 +218,13 @@ class StepLoop:
         if not watching:
             ctx.abort.clear()
             AbortWatcher(ctx.stores, ctx.abort, ctx.epoch)
-        self.vote = CommitVote(ctx.stores, self.rt.layout.num_roles, ctx.epoch,
-                               self.rt.name if self.rt.is_reporter else None, ctx.progress,
-                               voter=self.rt.name)
+        reporter = self.rt.name if self.rt.is_reporter else None
+        # through the host's agent (one ballot a host: agent/votes.py); a worker no agent
+        # started votes in the store itself
+        self.vote = HostVote(ctx.channel, ctx.stores, ctx.epoch, ctx.abort, reporter,
+                             ctx.progress, voter=self.rt.name) if ctx.channel is not None \
+            else CommitVote(ctx.stores, self.rt.layout.num_roles, ctx.epoch, reporter,
+                            ctx.progress, voter=self.rt.name)
 
     def _record_key(self, start: int) -> str | None:
         """The structure this worker records step 0 of, if it is that structure's

@@ -1,0 +1,280 @@
+"""The host's agent as the relay of its processes' commit votes, and the reader of their
+channels.
+
+Why: with every worker voting in the job's one store, a step cost that store about four
+requests a worker: 64K a step at 16K workers, most of its capacity at one step a second
+(``trainmover bench control``). Here each worker votes on its own channel to its agent
+(``worker/liveness.HostVote``); the agent casts one ballot for the host (the voters it
+relays, one signed line) and adds their count to the step's vote counter; whoever's add
+reaches the job's voter count checks the ballots and writes ``commit`` with a
+compare-and-set, as the last voter did; each agent waits for the decision in the store and
+relays it to its voters. The store sees about four requests a host a step, and the decision
+is still one compare-and-set, the controller's ``abort`` its rival, as before.
+
+When a host's ballot goes: as soon as every running worker of the host (started as one, or
+a standby that has voted since) has voted on this step, else ``coalesce_s`` after the step's
+first vote here (a worker that stopped voting: a leaver past its switch, until it exits). A vote that comes
+after its host's ballot went goes in a ballot of its own. The decision never depends on the
+batching: it is taken when the ballots hold every voter.
+
+Threads: the reader (every channel: beats counted, votes handed on), the forwarder (casts
+ballots, decides) and the waiter (waits for each decision, relays it). The last two have a
+store client each: the waiter's blocking waits would hold the forwarder's requests.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from trainmover.core import protocol as P
+from trainmover.core.auth import AuthError
+from trainmover.core.kvstore import StoreTimeout
+
+# How often a relay waiting for a decision looks at the ballots itself (a forged or
+# overwritten counter can leave nobody at the count): the relay that may have been the
+# last to add, often; the others rarely (every host reading every host's ballot line each
+# second of a slow step would be O(hosts^2) through the store). As ``worker/liveness``.
+RECHECK_S = 1.0
+RECHECK_ALL_S = 10.0
+FORGED_POLL_S = 0.05
+DECISIONS_KEPT = 64          # decided steps remembered for a vote that comes late
+
+
+class Channels:
+    """Reads every message the agent's processes send on their channels: beats are
+    counted on the process's record (``Child.beats``), votes handed to ``on_vote``. The
+    channels are closed here (``remove``), never under this thread's ``select``."""
+
+    def __init__(self, on_vote):
+        self.on_vote = on_vote
+        self._lock = threading.Lock()
+        self._open: dict[int, object] = {}          # descriptor -> the process's record
+        self._closing: list = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        threading.Thread(target=self._loop, name="channels", daemon=True).start()
+
+    def add(self, child) -> None:
+        with self._lock:
+            self._open[child.channel.fileno()] = child
+        self._wake()
+
+    def remove(self, child) -> None:
+        """The process exited: its channel is read no more and closed."""
+        with self._lock:
+            if child.channel is not None:
+                self._open.pop(child.channel.fileno(), None)
+                self._closing.append(child.channel)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                for channel in self._closing:
+                    channel.close()
+                self._closing.clear()
+                open_ = dict(self._open)
+            # poll, not select: on host 0, whose agent serves the store, descriptors pass
+            # select's limit of 1024 with a few hundred workers
+            poller = select.poll()
+            for fd in [*open_, self._wake_r]:
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(1000):
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                else:
+                    self._drain(fd, open_[fd])
+
+    def _drain(self, fd: int, child) -> None:
+        while True:
+            try:
+                raw = child.channel.recv(P.CHANNEL_MAX)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                raw = b""
+            if not raw:                     # its end closed: it exited; read no more
+                with self._lock:
+                    self._open.pop(fd, None)
+                return
+            if raw == P.CHANNEL_BEAT:
+                child.beats += 1
+                continue
+            got = P.read_channel_message(raw)
+            if got is not None and got[0] == "v":
+                self.on_vote(child, got[1], got[2], got[3])
+
+
+@dataclass
+class _Step:
+    """One step's votes on this host."""
+
+    first_at: float
+    voters: dict = field(default_factory=dict)     # voter -> its process's record
+    sent: set = field(default_factory=set)         # voters whose ballot went
+    count: int = 0                                 # the counter after this host's last add
+    waited: bool = False                           # handed to the waiter
+
+
+class VoteRelay:
+    def __init__(self, forward_store, wait_store, node: int, num_voters: int,
+                 coalesce_s: float):
+        self.forward_store, self.wait_store = forward_store, wait_store
+        self.node, self.num_voters, self.coalesce_s = node, num_voters, coalesce_s
+        self.error: BaseException | None = None     # the store is gone
+        self._cv = threading.Condition()
+        self._steps: dict[tuple[int, int], _Step] = {}
+        self._last: dict[str, tuple[int, int]] = {}     # process -> its last vote's step
+        self._decided: collections.OrderedDict = collections.OrderedDict()
+        self._waits: queue.Queue = queue.Queue()
+        self.on_decided = None       # called with each step's (key, decision) once known
+        threading.Thread(target=self._run, args=(self._forward,), name="vote-forwarder",
+                         daemon=True).start()
+        threading.Thread(target=self._run, args=(self._wait,), name="vote-waiter",
+                         daemon=True).start()
+
+    # --- from the channels' reader ----------------------------------------------------------
+    def vote(self, child, epoch: int, step: int, voter: str) -> None:
+        key = (epoch, step)
+        with self._cv:
+            decided = self._decided.get(key)
+            if decided is None:
+                st = self._steps.get(key)
+                if st is None:
+                    st = self._steps[key] = _Step(time.monotonic())
+                st.voters[voter] = child
+                self._last[child.name] = key
+                self._cv.notify()
+                return
+        _tell(child, key, decided)           # a late vote on a decided step
+
+    def expect(self, name: str) -> None:
+        """A worker started here (not a standby): its vote is waited for from the first
+        step on, as if it had voted before."""
+        with self._cv:
+            self._last.setdefault(name, (-1, -1))
+
+    def forget(self, name: str) -> None:
+        """The process exited: no vote of it is expected any more."""
+        with self._cv:
+            self._last.pop(name, None)
+            self._cv.notify()
+
+    # --- the forwarder ------------------------------------------------------------------------
+    def _ready(self, key: tuple[int, int], st: _Step, now: float) -> bool:
+        """Whether the host's ballot for ``key`` goes now (the module doc's rule)."""
+        if now - st.first_at >= self.coalesce_s:
+            return True
+        return all(last == key for last in self._last.values())
+
+    def _forward(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    now = time.monotonic()
+                    due = [(key, st) for key, st in self._steps.items()
+                           if len(st.sent) < len(st.voters) and self._ready(key, st, now)]
+                    if due:
+                        break
+                    waiting = [st.first_at + self.coalesce_s - now
+                               for st in self._steps.values() if len(st.sent) < len(st.voters)]
+                    self._cv.wait(max(0.0, min(waiting)) if waiting else None)
+                batches = []
+                for key, st in due:
+                    names = sorted(set(st.voters) - st.sent)
+                    st.sent.update(names)
+                    batches.append((key, st, names))
+            for key, st, names in batches:
+                self._cast(key, st, names)
+
+    def _cast(self, key: tuple[int, int], st: _Step, names: list[str]) -> None:
+        store = self.forward_store
+        ballots = P.commit_key(*key, "ballots")
+        store.cast_host_ballot(ballots, self.node, names)
+        st.count = store.add(P.commit_key(*key, "votes"), len(names))
+        if st.count >= self.num_voters:
+            self._decide(store, key, st)
+        if not st.waited:
+            st.waited = True
+            self._waits.put(key)
+
+    def _decide(self, store, key: tuple[int, int], st: _Step) -> None:
+        """Commit, if the ballots hold every voter; this host's ballot cast again if it was
+        erased (an overwritten key: nobody would ever decide)."""
+        ballots = P.commit_key(*key, "ballots")
+        voters = store.ballot_voters(ballots)
+        missing = sorted(st.sent - voters)
+        if missing:
+            store.cast_host_ballot(ballots, self.node, missing)
+            voters.update(missing)
+        if len(voters) >= self.num_voters:
+            store.compare_set(P.commit_key(*key, "decision"), "", "commit")
+
+    # --- the waiter ---------------------------------------------------------------------------
+    def _wait(self) -> None:
+        while True:
+            key = self._waits.get()
+            value = self._decision(key)
+            with self._cv:
+                st = self._steps.pop(key, None)
+                self._decided[key] = value
+                while len(self._decided) > DECISIONS_KEPT:
+                    self._decided.popitem(last=False)
+                children = list(st.voters.values()) if st is not None else []
+            for child in children:
+                _tell(child, key, value)
+            if self.on_decided is not None:
+                self.on_decided(key, value)
+
+    def _decision(self, key: tuple[int, int]) -> bytes:
+        """The step's genuine decision (a forged value planted first is waited past),
+        looking at the ballots again now and then while it waits (``RECHECK_S``)."""
+        store = self.wait_store
+        decision = P.commit_key(*key, "decision")
+        st = self._steps[key]
+        while True:
+            often = st.count >= self.num_voters - len(st.sent)
+            try:
+                store.raw.wait([decision], timedelta(seconds=RECHECK_S if often
+                                                     else RECHECK_ALL_S))
+            except StoreTimeout:
+                self._decide(store, key, st)
+                continue
+            value = store.valid(decision)
+            if value is not None:
+                return value
+            time.sleep(FORGED_POLL_S)          # forged: the genuine one overwrites it
+            self._decide(store, key, st)
+
+    def _run(self, loop) -> None:
+        try:
+            loop()
+        except (AuthError, OSError, RuntimeError) as exc:    # the store is gone
+            self.error = exc
+
+
+def _tell(child, key: tuple[int, int], decision: bytes) -> None:
+    """The decision to one voter (a process that exited meanwhile is past caring)."""
+    channel = child.channel
+    if channel is None:
+        return
+    try:
+        channel.send(P.decision_message(*key, decision))
+    except OSError:
+        pass
