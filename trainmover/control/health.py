@@ -72,7 +72,10 @@ class Health:
             self._looked_at = now
         stalled = self.stalled_for(now) if look else None
         timeout = self._heartbeat_timeout_s()
-        reports = look and self._new_reports()
+        # every report of the epoch in a few requests, when new ones came
+        reports = read_failure_reports(ctx, ctx.epoch, [w for w in ctx.membership.workers
+                                                        if w not in handled]) \
+            if look and self._new_reports() else {}
         silent, beating = [], set()      # beating: hosts with a worker heard recently
         for w in list(ctx.membership.workers):
             if w in handled or not ctx.procs.known(w):
@@ -99,7 +102,7 @@ class Health:
                 silent.append((w, quiet))
             elif quiet is not None:
                 beating.add(node)
-            report = read_failure_report(ctx, ctx.epoch, w) if reports else None
+            report = reports.get(w)
             if report is not None and report.self_failed:
                 out.append(Failure(w, "commerr", now, report.error))
         if stalled is not None and silent and beating:
@@ -225,7 +228,7 @@ class Health:
         for i in range(0, len(nodes), HOSTS_PER_READ):
             part = nodes[i:i + HOSTS_PER_READ]
             keys = [P.agent_key(n, "hb") for n in part]
-            for node, key, raw in zip(part, keys, _read_raw(ctx.store, keys)):
+            for node, key, raw in zip(part, keys, read_raw(ctx.store, keys)):
                 if raw is None or raw == self._host_raw.get(node):
                     continue                      # nothing new: nothing to decode
                 self._host_raw[node] = raw
@@ -266,15 +269,40 @@ def moved(seen: tuple[int, int] | None, pid: int, seq: int) -> bool:
     return seen is None or seen[0] != pid or seq > seen[1]
 
 
-def _read_raw(store, keys: list[str]) -> list[bytes | None]:
-    """The keys' values as stored (undecoded), one request where the store can."""
+def read_raw(store, keys: list[str]) -> list[bytes | None]:
+    """The keys' values as stored (undecoded): ``HOSTS_PER_READ`` keys a request where the
+    store can."""
     many = getattr(store.raw, "try_multi_get", None)
-    if many is not None:
-        return many(keys)
-    return [store.raw.get(k) if store.raw.check([k]) else None for k in keys]
+    if many is None:
+        return [store.raw.get(k) if store.raw.check([k]) else None for k in keys]
+    out = []
+    for i in range(0, len(keys), HOSTS_PER_READ):
+        out += many(keys[i:i + HOSTS_PER_READ])
+    return out
 
 
 def read_failure_report(ctx: JobContext, epoch: int, worker: str) -> P.FailureReport | None:
     """The worker's own account of a failed step in ``epoch``, if it wrote one. A malformed
     one is logged and read as "no report" (its writer is then fenced as silent)."""
     return ctx.read(P.FailureReport, P.failure_key(epoch, worker))
+
+
+def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
+                         ) -> dict[str, P.FailureReport]:
+    """``read_failure_report`` of many workers, ``HOSTS_PER_READ`` keys a request (a
+    recovery's survivors are every worker but the failed: one round trip each was most of
+    the time from a crash to its plan at a thousand workers)."""
+    many = getattr(ctx.store, "valid_many", None)
+    out = {}
+    for i in range(0, len(workers), HOSTS_PER_READ):
+        part = workers[i:i + HOSTS_PER_READ]
+        keys = [P.failure_key(epoch, w) for w in part]
+        values = many(keys) if many is not None else [ctx.store.valid(k) for k in keys]
+        for w, key, raw in zip(part, keys, values):
+            if raw is None:
+                continue
+            try:
+                out[w] = P.read_message(P.FailureReport, raw)
+            except P.MessageError as exc:
+                ctx.events.emit("message_rejected", key=key, error=str(exc))
+    return out

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from trainmover.control.baseline import Restarts
 from trainmover.control.context import JobContext
 from trainmover.control.errors import JobFailed
-from trainmover.control.health import Failure, Health, read_failure_report
+from trainmover.control.health import Failure, Health, read_failure_reports
 from trainmover.control.migrations import Migrations
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
@@ -137,14 +137,9 @@ class Recovery:
                 self.active = None
                 return self._after_the_last_step(list(rec.failures.values()))
             survivors = [w for w in ctx.membership.workers if w not in rec.failures]
-            missing = []
-            for w in survivors:
-                if w not in rec.reports:
-                    report = read_failure_report(ctx, rec.epoch, w)
-                    if report is not None:
-                        rec.reports[w] = report
-                    else:
-                        missing.append(w)
+            unread = [w for w in survivors if w not in rec.reports]
+            rec.reports.update(read_failure_reports(ctx, rec.epoch, unread))
+            missing = [w for w in unread if w not in rec.reports]
             if missing:
                 since = rec.t_collect or rec.t_detected
                 if time.time() - since > ctx.cfg.recovery.report_timeout_s:
@@ -162,8 +157,7 @@ class Recovery:
             if ctx.store.add(P.failure_count_key(ctx.epoch), 0) > 0:
                 # a participant could not carry out its part (a corrupt checkpoint, a group
                 # build that failed) and waits for another plan
-                failed = {w: r for w in sorted(ctx.membership.workers)
-                          if (r := read_failure_report(ctx, ctx.epoch, w)) is not None}
+                failed = read_failure_reports(ctx, ctx.epoch, sorted(ctx.membership.workers))
                 self._abandon(rec, "; ".join(f"{w} failed while recovering: {r.error}"
                                              for w, r in failed.items()) or
                               "a participant failed while recovering")

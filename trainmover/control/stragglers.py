@@ -10,6 +10,7 @@ import time
 from statistics import median
 
 from trainmover.control.context import JobContext
+from trainmover.control.health import read_raw
 from trainmover.control.migrations import MigrationRequest, Migrations
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
@@ -32,6 +33,23 @@ class Stragglers:
         self._flagged: set[str] = set()    # in an episode now
         self.latest: dict[str, P.StepPerf] = {}   # each role holder's newest measurements
         self._read_at = 0.0
+        self._decoded: dict[str, tuple[bytes, P.StepPerf | None]] = {}   # worker -> last read
+
+    def _decode(self, worker: str, key: str, raw: bytes) -> P.StepPerf | None:
+        """``raw`` at ``key`` as a genuine ``StepPerf`` (None: forged or malformed, logged);
+        the last value decoded is kept, and not decoded again while it stands."""
+        seen = self._decoded.get(worker)
+        if seen is not None and seen[0] == raw:
+            return seen[1]
+        perf = None
+        payload = self.ctx.store.genuine(key, raw)
+        if payload is not None:
+            try:
+                perf = P.read_message(P.StepPerf, payload)
+            except P.MessageError as exc:
+                self.ctx.events.emit("message_rejected", key=key, error=str(exc))
+        self._decoded[worker] = (raw, perf)
+        return perf
 
     def poll(self) -> None:
         ctx, cfg = self.ctx, self.ctx.cfg.straggler
@@ -41,14 +59,22 @@ class Stragglers:
         holders = ctx.membership.workers
         windows = []
         self.latest = {}
-        for w, role in sorted(holders.items()):
-            perf = ctx.read(P.StepPerf, P.perf_key(w))
+        names = sorted(holders)
+        keys = [P.perf_key(w) for w in names]
+        # every worker's in a few requests; decoded only where the value changed (a worker
+        # rewrites it once a window): one round trip and one decode a worker each look was
+        # most of the controller's time at a thousand workers
+        for w, key, raw in zip(names, keys, read_raw(ctx.store, keys)):
+            role = holders[w]
+            perf = None if raw is None else self._decode(w, key, raw)
             if perf is not None and perf.role == role.name:
                 self.latest[w] = perf
                 recent = perf.recent or [P.PerfWindow(perf.first_step, perf.last_step,
                                                       perf.compute_s)]
                 windows += [Window(w, role, r.first_step, r.last_step, perf.tenure_start,
                                    r.compute_s) for r in recent]
+        for gone in set(self._decoded) - set(holders):
+            del self._decoded[gone]
         self.detector.keep_only(set(holders))
         self._flagged &= set(holders)
         for v in self.detector.observe(windows):
