@@ -326,8 +326,8 @@ BENCH_GROUPS = [
         "straggler", "straggler_false_positives", "straggler_results", "ettr_10min", "ettr",
         "ettr_prestarted", "ettr_results"]),
     ("Hosts, scale and endurance", [
-        "hosts", "projection", "projection-quick", "store_keys", "soak", "soak_c988399_failed",
-        "view"]),
+        "hosts", "control", "control_hostbeats", "control_flat", "projection",
+        "projection-quick", "store_keys", "soak", "soak_c988399_failed", "view"]),
 ]
 
 
@@ -361,6 +361,7 @@ def _bench_renderer(stem: str, r: dict):
         "straggler": ("trainmover bench straggler", lambda r: mod("stragglers")._table(r)),
         "torchft": ("trainmover bench torchft", lambda r: mod("torchft_side")._table(r)),
         "view": ("trainmover bench view", lambda r: mod("view")._table(r)),
+        "control": ("trainmover bench control", lambda r: mod("control").control_table(r)),
         "straggler_false_positives": ("trainmover bench false-positives", None),
         "soak": ("trainmover bench soak", None),
         "step": ("trainmover bench step", None),

@@ -146,7 +146,8 @@ class Agent:
             self._kill(old)  # never two incarnations of one name
         args = ["--run-dir", self.run_dir, "--name", name, "--store",
                 f"{self.host}:{self.port}", *req.worker_args()]
-        # the process's own channel to this agent (its heartbeat): nobody else can write it
+        # the process's own channel to this agent (its beats and votes): nobody else can
+        # write it
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mine.setblocking(False)
         try:
@@ -384,6 +385,7 @@ class Agent:
             # store is up before the fork server has imported torch)
             self.store_server = kvserver.serve(run_key, listen_fd=self.listen_fd,
                                               limits=kvstore.StoreLimits.of(self.cfg.comm))
+
         def client() -> AuthStore:
             return AuthStore(kvstore.connect(self.host, self.port, run_key,
                                              self.cfg.comm.store_timeout_s), run_key)
