@@ -23,7 +23,7 @@ ALLOWED = {
     # the operator view (dashboard, metrics, report) reads what the control plane offers
     # outside the job: the status, the client, maintenance
     "view": {"core", "control"},
-    "bench": {"core", "comm", "train", "worker", "control", "recipes", "api"},
+    "bench": {"core", "comm", "train", "worker", "control", "agent", "recipes", "api"},
     # the command line, a client: each command hands its work to the folder that does it
     "cli": {"core", "control", "view", "agent", "bench", "recipes", "demo"},
 }
