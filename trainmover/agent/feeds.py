@@ -22,7 +22,7 @@ from typing import Callable
 
 from trainmover.core import protocol as P
 from trainmover.core.kvstore import StoreTimeout
-from trainmover.core.queues import SlotReader
+from trainmover.core.queues import SlotReader, drain
 
 # How long a reader sleeps while a forged value sits where it waits (the genuine writer
 # overwrites it; ``wait`` would return at once meanwhile).
@@ -78,12 +78,7 @@ class RequestFeed:
             self.wake()
 
     def poll(self) -> list[P.AgentRequest]:
-        out = []
-        while True:
-            try:
-                out.append(self.queue.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self.queue)
 
 
 class FenceWatch:

@@ -93,3 +93,16 @@ class SlotReader:
         self.next_index += 1
         self._stuck_since = None
         return key, value
+
+
+def drain(q) -> list:
+    """Everything a ``queue.Queue`` holds now, without waiting (a reader thread's hand-over
+    to a loop that looks between its own work: commands, agent requests)."""
+    import queue
+
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out

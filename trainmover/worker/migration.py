@@ -19,7 +19,7 @@ from datetime import timedelta
 
 from trainmover.core import protocol as P
 from trainmover.core.proc import rss_mb
-from trainmover.core.queues import SlotReader
+from trainmover.core.queues import SlotReader, drain
 from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
 from trainmover.core.topology import GroupSpec, Layout, Role
@@ -82,12 +82,7 @@ class CommandChannel:
             return False
 
     def poll(self) -> list[dict]:
-        out = []
-        while True:
-            try:
-                out.append(self.queue.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self.queue)
 
     def next(self) -> dict:
         """Block until a command arrives; raise if the job's store has gone away."""
