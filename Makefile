@@ -60,7 +60,8 @@ bench-state-size: install
 # (each file names the machine, the commit, the command and its settings). Hours on 2 cores;
 # not in CI. `bench hosts` needs root (network namespaces); the soak is `make soak`. The
 # downtime files: eager (4, 8 and 16 workers) and compiled (4 and 8); the projection reads
-# the eager pair (every strategy, the naive migration's cold join included). bench-quick first.
+# the eager pair (every strategy, the naive migration's cold join included) and the control
+# plane's costs against N (bench control, the sizes this machine reaches). bench-quick first.
 benchmarks: install bench-quick
 	$(BIN)/trainmover bench step
 	$(BIN)/trainmover bench downtime --workers 4,8,16 --scenarios planned --no-compile \
@@ -71,8 +72,10 @@ benchmarks: install bench-quick
 		--name downtime-compiled
 	$(BIN)/trainmover bench downtime --workers 4,8 --scenarios crash,hang \
 		--name downtime-failures-compiled
+	$(BIN)/trainmover bench control --workers 256,512,1024,2048 --name control_scaling
 	$(BIN)/trainmover project --bench benchmarks/results/downtime-eager.json \
-		--bench benchmarks/results/downtime-failures-eager.json
+		--bench benchmarks/results/downtime-failures-eager.json \
+		--control benchmarks/results/control_scaling.json
 	$(BIN)/trainmover bench checkpoint
 	$(BIN)/trainmover bench sources
 	$(BIN)/trainmover bench straggler --json benchmarks/results/straggler_results.json

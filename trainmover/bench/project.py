@@ -25,6 +25,15 @@ process joins (the measured cold-join cost added). The same checkpoint overhead 
 charged (a job keeps checkpoints for what no standby can fix). The standby hosts' GPUs are
 idle capacity, reported beside the loss rather than hidden in it.
 
+The control plane (``--control``, a ``trainmover bench control`` result; bench/scaling.py):
+its per-step overhead ``v(N)`` and crash control path ``c(N)`` are fitted against the number
+of workers. trainmover's ETTR is then multiplied by ``step / (step + v(N))`` (every step
+pays the vote), each failure costs ``c(N) - c(n)`` more than measured at the ``n`` workers of
+the per-event costs, and where the fitted CPU share of the root store or the controller (one
+thread each) reaches a whole core the row is out of range. Rows beyond the largest size the
+control plane was measured at are marked with how far the fit extrapolates. Without
+``--control`` the control plane is counted at its small-job cost, and the table says so.
+
 All of it is first order in the event rate: where ``N*r*cost`` reaches 1 the job cannot
 make progress and the ETTR is shown as 0. Torch-free (it only reads result files).
 """
@@ -37,6 +46,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from trainmover.bench.report import git_commit
+from trainmover.bench.scaling import ControlScaling, fit_words
 from trainmover.core.accounting import downtime_value, fmt_seconds, within_noise
 
 HOURS_PER_WEEK = 168.0
@@ -135,17 +145,30 @@ class Projection:
     out_of_range: list               # strategies whose first-order loss reached 1
     wasted_gpu_h_per_week: dict      # strategy -> GPU-hours lost per week
     standby_gpu_h_per_week: float    # idle standby capacity
+    # the control plane at this size, where fitted (--control): step overhead (s), the
+    # crash control path's growth over the measured per-event cost (s), how far beyond the
+    # largest measured size (None: inside), the components saturated
+    control: dict | None = None
 
 
 STRATEGIES = ("restart", "trainmover", "trainmover_no_standby", "trainmover_paper_cost")
+# with --control: trainmover's figure as it would be if the control plane cost what it
+# costs at the small jobs the per-event costs were measured at
+FLAT = "trainmover_flat_control"
 LABELS = {"restart": "checkpoint-restart",
           "trainmover": "trainmover (costs measured here)",
+          FLAT: "trainmover, control plane at its small-job cost",
           "trainmover_no_standby": "trainmover, no free standby (every event joins cold)",
           "trainmover_paper_cost": f"trainmover at {PAPER_EVENT_S:.0f} s per event (paper, "
                                    f"1,024 GPUs)"}
 
 
-def project(cluster: Cluster, costs: EventCosts) -> list[Projection]:
+def strategies(control: ControlScaling | None) -> tuple[str, ...]:
+    return STRATEGIES + ((FLAT,) if control is not None else ())
+
+
+def project(cluster: Cluster, costs: EventCosts,
+            control: ControlScaling | None = None) -> list[Projection]:
     cluster.validate()
     dt_h = cluster.checkpoint_every_min / 60
     w_h = cluster.checkpoint_write_s / 3600
@@ -170,14 +193,38 @@ def project(cluster: Cluster, costs: EventCosts) -> list[Projection]:
                "trainmover": tm(unplanned_s, costs.planned_s, blocked),
                "trainmover_no_standby": tm(unplanned_s, costs.planned_s, 1.0),
                "trainmover_paper_cost": tm(PAPER_EVENT_S, PAPER_EVENT_S, blocked)}
-        ettr = {k: min(1.0, max(0.0, v)) for k, v in raw.items()}
+        at_scale = None
+        if control is not None:
+            raw[FLAT] = raw["trainmover"]
+            at_scale = _control_at(control, gpus, costs, cluster.step_s)
+            extra, keep = at_scale["crash_control_extra_s"], at_scale["step_kept"]
+            raw["trainmover"] = tm(unplanned_s + extra, costs.planned_s, blocked) * keep
+            raw["trainmover_no_standby"] = tm(unplanned_s + extra, costs.planned_s, 1.0) * keep
+        saturated = at_scale["saturated"] if at_scale else []
+        out_of_range = [k for k, v in raw.items() if v <= 0.0 or
+                        (saturated and k in ("trainmover", "trainmover_no_standby"))]
+        ettr = {k: 0.0 if k in out_of_range else min(1.0, v) for k, v in raw.items()}
         out.append(Projection(
             gpus=gpus, hosts=hosts, standby_hosts=standbys, unplanned_per_h=lam_u,
             planned_per_h=lam_p, no_standby_p=blocked, ettr=ettr,
-            out_of_range=[k for k, v in raw.items() if v <= 0.0],
+            out_of_range=out_of_range,
             wasted_gpu_h_per_week={k: gpus * HOURS_PER_WEEK * (1 - v) for k, v in ettr.items()},
-            standby_gpu_h_per_week=standbys * cluster.gpus_per_host * HOURS_PER_WEEK))
+            standby_gpu_h_per_week=standbys * cluster.gpus_per_host * HOURS_PER_WEEK,
+            control=at_scale))
     return out
+
+
+def _control_at(control: ControlScaling, gpus: int, costs: EventCosts,
+                step_s: float) -> dict:
+    """The control plane's fitted costs at ``gpus`` workers (one per GPU)."""
+    overhead = control.step_overhead_s(gpus)
+    # the per-event costs already hold the control path of the job they were measured on
+    measured_at = costs.source.get("workers", {}).get("switch") or control.crash_control_s.n_min
+    extra = max(0.0, control.crash_control_s(gpus) - control.crash_control_s(measured_at))
+    return {"step_overhead_s": overhead,
+            "step_kept": step_s / (step_s + overhead) if step_s + overhead > 0 else 1.0,
+            "crash_control_extra_s": extra, "crash_measured_at": measured_at,
+            "extrapolated_x": control.beyond(gpus), "saturated": control.saturated(gpus)}
 
 
 def costs_from_bench(paths: list[str]) -> EventCosts:
@@ -245,10 +292,12 @@ def costs_from_bench(paths: list[str]) -> EventCosts:
 
 
 def write_projection(cluster: Cluster, costs: EventCosts, out_dir: str,
-                     name: str = "projection") -> dict:
-    rows = project(cluster, costs)
+                     name: str = "projection", control: ControlScaling | None = None) -> dict:
+    rows = project(cluster, costs, control)
     result = {"benchmark": "projection", "commit": git_commit(),
               "cluster": asdict(cluster), "costs": asdict(costs),
+              "control": asdict(control) if control is not None else None,
+              "strategies": list(strategies(control)),
               "transfer_s": cluster.state_gb_per_gpu / cluster.link_gb_per_s,
               "rows": [asdict(r) for r in rows]}
     os.makedirs(out_dir, exist_ok=True)
@@ -283,13 +332,16 @@ def _table(r: dict) -> str:
         f"job's (at least 1), replaced after {c['standby_replace_min']:g} min; state "
         f"{c['state_gb_per_gpu']:g} GB per GPU over {c['link_gb_per_s']:g} GB/s "
         f"({r['transfer_s']:.2f} s), half of a {c['step_s']:g} s step redone per failure.", "",
+        *_control_words(r), "",
         "| GPUs | events / h (unplanned + planned) | no free standby | " +
-        " | ".join(f"ETTR {LABELS[s]}" for s in STRATEGIES) +
-        " | GPU-h lost / week: restart | trainmover | idle standby GPU-h / week |",
-        "|---|---|---|" + "---|" * len(STRATEGIES) + "---|---|---|"]
+        " | ".join(f"ETTR {LABELS[s]}" for s in r["strategies"]) +
+        " | GPU-h lost / week: restart | trainmover | idle standby GPU-h / week |" +
+        (" control plane at this size |" if r["control"] else ""),
+        "|---|---|---|" + "---|" * len(r["strategies"]) + "---|---|---|" +
+        ("---|" if r["control"] else "")]
     for row in r["rows"]:
         cells = []
-        for s in STRATEGIES:
+        for s in r["strategies"]:
             v = row["ettr"][s]
             cells.append(f"{v:.4f}" + (" (out of range)" if s in row["out_of_range"] else ""))
         lost = row["wasted_gpu_h_per_week"]
@@ -297,11 +349,54 @@ def _table(r: dict) -> str:
             f"| {row['gpus']:,} | {row['unplanned_per_h']:.2f} + {row['planned_per_h']:.2f} | "
             f"{row['no_standby_p']:.1%} | " + " | ".join(cells) +
             f" | {lost['restart']:,.0f} | {lost['trainmover']:,.0f} | "
-            f"{row['standby_gpu_h_per_week']:,.0f} |")
+            f"{row['standby_gpu_h_per_week']:,.0f} |" +
+            (f" {_control_cell(row['control'])} |" if row["control"] else ""))
     lines += ["", "First order in the event rate; \"out of range\": the model's loss reached "
-              "the whole of the time (the job would not make progress), shown as 0. The idle "
-              "standby GPUs are capacity held back, not counted in the loss."]
+              "the whole of the time (the job would not make progress)" +
+              (", or a single-threaded part of the control plane is past a whole core"
+               if r["control"] else "") + "; shown as 0. The idle standby GPUs are capacity "
+              "held back, not counted in the loss."]
     return "\n".join(lines) + "\n"
+
+
+def _control_words(r: dict) -> list[str]:
+    k = r["control"]
+    if k is None:
+        return ["The control plane is counted at its cost in the small jobs above, whatever "
+                "the size: no vote overhead per step, no growth of the recovery's control "
+                "path with N. An upper bound on ETTR at scale; give `--control` (a `trainmover "
+                "bench control` result) to count them."]
+    src = k["source"]
+    step = ("its mean" if k["step_overhead_from"] == "mean" else
+            "its median: the result predates the mean, which a long tail puts higher")
+    lines = [f"Control plane (`trainmover bench control`, {src.get('file')}, commit "
+             f"{src.get('commit')}, per-size medians over {src.get('repeats')} repeats; fits "
+             f"y = a x N^b, bench/scaling.py):",
+             f"- step overhead (the control plane's time per step, {step}; charged on every "
+             f"step): "
+             + fit_words(k["step_overhead_s"], "ms", 1000, 1) + ";",
+             f"- crash to all survivors resumed (its growth over the per-event costs' "
+             f"{r['rows'][0]['control']['crash_measured_at']} workers "
+             f"added to each failure): " + fit_words(k["crash_control_s"], "s") + ";"]
+    for key, what in (("store_cpu", "root store"), ("controller_cpu", "controller")):
+        if k[key]:
+            lines.append(f"- {what} CPU share (one thread; at 1 it is saturated and the row "
+                         f"is out of range): " + fit_words(k[key], "core(s)") + ";")
+    lines.append(f"- measured up to {max(p[0] for p in k['step_overhead_s']['points']):,} "
+                 f"workers: larger sizes are extrapolated (marked in the last column); the "
+                 f"planned migration's control path is not simulated, so its growth is not "
+                 f"counted.")
+    return lines
+
+
+def _control_cell(c: dict) -> str:
+    words = (f"{1000 * c['step_overhead_s']:.0f} ms/step, +{c['crash_control_extra_s']:.1f} s "
+             f"per failure")
+    if c["extrapolated_x"]:
+        words += f"; extrapolated x{c['extrapolated_x']:.0f}"
+    if c["saturated"]:
+        words += f"; {' and '.join(c['saturated'])} saturated"
+    return words
 
 
 def _planned(k: dict) -> str:
@@ -330,7 +425,7 @@ def _plot(r: dict, path: str) -> str | None:
     fig = Figure(figsize=(8, 4.5), dpi=100)
     ax = fig.add_subplot()
     gpus = [row["gpus"] for row in r["rows"]]
-    for s in STRATEGIES:
+    for s in r["strategies"]:
         ax.plot(gpus, [row["ettr"][s] for row in r["rows"]], marker="o", label=LABELS[s])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs in the job")

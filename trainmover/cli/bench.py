@@ -32,11 +32,14 @@ def cmd_project(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     from trainmover.bench.project import Cluster, costs_from_bench, write_projection
+    from trainmover.bench.scaling import control_from_bench
 
     cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)
                          if getattr(args, f.name) is not None})
     cluster.validate()
-    write_projection(cluster, costs_from_bench(args.bench), args.out, args.name)
+    costs = costs_from_bench(args.bench)
+    control = control_from_bench(args.control) if args.control else None
+    write_projection(cluster, costs, args.out, args.name, control)
     return 0
 
 
@@ -51,6 +54,10 @@ def add_project_parser(sub) -> None:
                    help="a `trainmover bench downtime` or `bench quick` result (a planned "
                         "migration and a crash recovery at least; give several files to "
                         "combine them)")
+    p.add_argument("--control", metavar="FILE",
+                   help="a `trainmover bench control` result at two sizes or more: the "
+                        "control plane's step overhead and crash path fitted against N and "
+                        "counted (without it they stay at their small-job cost)")
     p.add_argument("--out", default="benchmarks/results",
                    help="directory the projection is written to (see --name)")
     p.add_argument("--name", default="projection",
