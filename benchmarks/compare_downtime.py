@@ -22,7 +22,8 @@ import tempfile
 def run_cell(tree: str, scenario: str, workers: int, compile_: bool, scratch: str) -> dict:
     out = os.path.join(scratch, f"{os.path.basename(os.path.abspath(tree))}-{scenario}.json")
     cmd = [sys.executable, "-m", "trainmover", "bench", "downtime", "--workers", str(workers),
-           "--strategies", "trainmover", "--scenarios", scenario, "--json", out,
+           "--strategies", "trainmover", "--scenarios", scenario, "--repeats", "1",
+           "--json", out,
            "--out", os.path.join(scratch, "tables")]
     if not compile_:
         cmd.append("--no-compile")

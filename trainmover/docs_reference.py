@@ -326,8 +326,8 @@ BENCH_GROUPS = [
         "straggler", "straggler_false_positives", "straggler_results", "ettr_10min", "ettr",
         "ettr_prestarted", "ettr_results"]),
     ("Hosts, scale and endurance", [
-        "hosts", "control", "control_hostbeats", "control_flat", "projection",
-        "projection-quick", "store_keys", "soak", "soak_c988399_failed", "view"]),
+        "hosts", "control", "control_hostbeats", "control_flat", "control_scaling",
+        "projection", "projection-quick", "store_keys", "soak", "soak_c988399_failed", "view"]),
 ]
 
 

@@ -334,14 +334,14 @@ def _table(r: dict) -> str:
         f"({r['transfer_s']:.2f} s), half of a {c['step_s']:g} s step redone per failure.", "",
         *_control_words(r), "",
         "| GPUs | events / h (unplanned + planned) | no free standby | " +
-        " | ".join(f"ETTR {LABELS[s]}" for s in r["strategies"]) +
+        " | ".join(f"ETTR {LABELS[s]}" for s in r.get("strategies", STRATEGIES)) +
         " | GPU-h lost / week: restart | trainmover | idle standby GPU-h / week |" +
-        (" control plane at this size |" if r["control"] else ""),
-        "|---|---|---|" + "---|" * len(r["strategies"]) + "---|---|---|" +
-        ("---|" if r["control"] else "")]
+        (" control plane at this size |" if r.get("control") else ""),
+        "|---|---|---|" + "---|" * len(r.get("strategies", STRATEGIES)) + "---|---|---|" +
+        ("---|" if r.get("control") else "")]
     for row in r["rows"]:
         cells = []
-        for s in r["strategies"]:
+        for s in r.get("strategies", STRATEGIES):
             v = row["ettr"][s]
             cells.append(f"{v:.4f}" + (" (out of range)" if s in row["out_of_range"] else ""))
         lost = row["wasted_gpu_h_per_week"]
@@ -350,17 +350,17 @@ def _table(r: dict) -> str:
             f"{row['no_standby_p']:.1%} | " + " | ".join(cells) +
             f" | {lost['restart']:,.0f} | {lost['trainmover']:,.0f} | "
             f"{row['standby_gpu_h_per_week']:,.0f} |" +
-            (f" {_control_cell(row['control'])} |" if row["control"] else ""))
+            (f" {_control_cell(row['control'])} |" if row.get("control") else ""))
     lines += ["", "First order in the event rate; \"out of range\": the model's loss reached "
               "the whole of the time (the job would not make progress)" +
               (", or a single-threaded part of the control plane is past a whole core"
-               if r["control"] else "") + "; shown as 0. The idle standby GPUs are capacity "
+               if r.get("control") else "") + "; shown as 0. The idle standby GPUs are capacity "
               "held back, not counted in the loss."]
     return "\n".join(lines) + "\n"
 
 
 def _control_words(r: dict) -> list[str]:
-    k = r["control"]
+    k = r.get("control")
     if k is None:
         return ["The control plane is counted at its cost in the small jobs above, whatever "
                 "the size: no vote overhead per step, no growth of the recovery's control "
@@ -382,6 +382,13 @@ def _control_words(r: dict) -> list[str]:
         if k[key]:
             lines.append(f"- {what} CPU share (one thread; at 1 it is saturated and the row "
                          f"is out of range): " + fit_words(k[key], "core(s)") + ";")
+    if src.get("cores") and src.get("sim_cpu_share"):
+        n, sim = src["sim_cpu_share"][-1]
+        lines.append(f"- measured on {src['cores']} cores that run the store, the controller and "
+                     f"every simulated host at once (the simulator's own CPU {sim:.2f} cores at "
+                     f"{n:,} workers): the hosts' work competes with the store and the "
+                     f"controller, so the fits are upper bounds on the same code with a CPU "
+                     f"per host;")
     lines.append(f"- measured up to {max(p[0] for p in k['step_overhead_s']['points']):,} "
                  f"workers: larger sizes are extrapolated (marked in the last column); the "
                  f"planned migration's control path is not simulated, so its growth is not "
@@ -425,7 +432,7 @@ def _plot(r: dict, path: str) -> str | None:
     fig = Figure(figsize=(8, 4.5), dpi=100)
     ax = fig.add_subplot()
     gpus = [row["gpus"] for row in r["rows"]]
-    for s in r["strategies"]:
+    for s in r.get("strategies", STRATEGIES):
         ax.plot(gpus, [row["ettr"][s] for row in r["rows"]], marker="o", label=LABELS[s])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs in the job")

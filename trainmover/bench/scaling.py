@@ -135,6 +135,8 @@ def control_from_bench(path: str) -> ControlScaling:
         step_overhead_from=step_from,
         source={"file": path, "commit": data.get("commit"),
                 "compute_s": data.get("settings", {}).get("compute_s"),
+                "cores": (data.get("machine") or {}).get("cores"),
+                "sim_cpu_share": medians("sim_cpu_share"),
                 "repeats": {n: len(rows) for n, rows in sorted(by_size.items())}})
 
 
