@@ -29,3 +29,19 @@ def test_sizes_are_checked_before_anything_starts():
     for bad in ("12", "256,x", "", "8"):
         with pytest.raises(ValueError):
             parse_sizes(bad)
+
+
+def test_the_simulated_jobs_settings_take_overrides_named_before_anything_starts(
+        tmp_path, capsys):
+    from trainmover.bench.control import sim_config
+    from trainmover.cli import main
+
+    cfg = sim_config(256, 2, [("health.silence_floor_s", "3.5")])
+    assert cfg.health.silence_floor_s == 3.5 and cfg.checkpoint.every == 0
+    assert main(["bench", "control", "--workers", "256", "--health.silence_floor_s=-1",
+                 "--out", str(tmp_path)]) == 2
+    assert "health.silence_floor_s" in capsys.readouterr().err
+    assert main(["bench", "control", "--workers", "256", "--nosuch.field=1",
+                 "--out", str(tmp_path)]) == 2
+    assert "nosuch" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

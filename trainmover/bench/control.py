@@ -35,6 +35,7 @@ from trainmover.core import jobfile, rundir
 from trainmover.core import protocol as P
 from trainmover.core.auth import create_secret
 from trainmover.core.config import JobConfig
+from trainmover.core.config_file import apply_overrides
 from trainmover.core.events import EventLog, read_jsonl
 from trainmover.core.topology import Layout, reporter_role
 from trainmover.control.context import worker_names
@@ -67,10 +68,12 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def sim_config(workers: int, standbys: int) -> JobConfig:
+def sim_config(workers: int, standbys: int,
+               overrides: list[tuple[str, str | None]] = ()) -> JobConfig:
     """A job of ``workers`` on hosts of 8, its settings the defaults but for what the
     simulation needs: no checkpoints or snapshots (nothing to write), no fork server (no
-    processes), steps without end (the benchmark stops the job)."""
+    processes), steps without end (the benchmark stops the job); then ``overrides``
+    (``--section.field=value`` of the command line, recorded in the result)."""
     cfg = JobConfig(name=f"control-{workers}", layout=layout_for(workers))
     cfg.hosts.nnodes = workers // WORKERS_PER_HOST
     cfg.hosts.nproc_per_node = WORKERS_PER_HOST
@@ -79,6 +82,14 @@ def sim_config(workers: int, standbys: int) -> JobConfig:
     cfg.checkpoint.every = 0
     cfg.snapshot.every = 0
     cfg.agent.fork_server = False
+    apply_overrides(cfg, list(overrides))
+    # the sections changed (the whole job's checks refuse what a simulation is: many hosts
+    # on loopback)
+    for section in {key.replace("-", "_").partition(".")[0] for key, _ in overrides}:
+        try:
+            getattr(getattr(cfg, section), "validate", lambda: None)()
+        except ValueError as exc:
+            raise ValueError(f"--{section}.*: {exc}") from None
     return cfg
 
 
@@ -206,11 +217,12 @@ def full_nodes(cfg: JobConfig, full_hosts: int, crashed: str) -> list[int]:
 
 def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: int,
              standbys: int, timeout_s: float, work_dir: str,
-             full_hosts: int | None = None) -> dict:
+             full_hosts: int | None = None,
+             overrides: list[tuple[str, str | None]] = ()) -> dict:
     """One simulated job of ``workers``: ``warmup`` + ``steady`` steps, a crash, ``after``
     more steps; ``full_hosts`` of its hosts simulated whole (None: all), the others light.
     Returns the row of figures (module doc)."""
-    cfg = sim_config(workers, standbys)
+    cfg = sim_config(workers, standbys, overrides)
     run_dir = tempfile.mkdtemp(prefix=f"control-{workers}-", dir=work_dir)
     os.rmdir(run_dir)
     crash_step = warmup + steady
@@ -306,7 +318,10 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
 def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int, steady: int,
                   after: int, standbys: int, timeout_s: float, out_dir: str,
                   name: str = "control", keep: bool = False,
-                  full_hosts: int | None = 4) -> dict:
+                  full_hosts: int | None = 4,
+                  overrides: list[tuple[str, str | None]] = ()) -> dict:
+    for n in sizes:      # a bad setting is named before anything starts
+        sim_config(n, standbys, overrides)
     work_dir = tempfile.mkdtemp(prefix="tm-control-")
     rows = []
     try:
@@ -314,7 +329,7 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
             for n in sizes:
                 t = time.time()
                 row = run_once(n, compute_s, warmup, steady, after, standbys, timeout_s,
-                               work_dir, full_hosts)
+                               work_dir, full_hosts, overrides)
                 row["repeat"] = rep
                 rows.append(row)
                 print(f"control: {n} workers, repeat {rep + 1}/{repeats}: step overhead p50 "
@@ -330,6 +345,7 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
               "command": "trainmover bench control " + " ".join(sys.argv[3:]),
               "settings": {"compute_s": compute_s, "warmup": warmup, "steady": steady,
                            "after": after, "standbys": standbys, "repeats": repeats,
+                           "overrides": {k: v for k, v in overrides},
                            "full_hosts": full_hosts},
               "results": rows}
     write_result(out_dir, name, result, control_table(result))
@@ -360,7 +376,9 @@ def control_table(result: dict) -> str:
              + ("Every host simulated whole." if not full else
                 f"Hosts simulated whole: the first {full}, the reporter's and the crashed "
                 f"worker's (the step overhead is their workers'); the others light (their "
-                f"agents relay their workers' votes and beats without channels)."), "",
+                f"agents relay their workers' votes and beats without channels).")
+             + "".join(f" The simulated job's {k} = {v} (the default changed)." for k, v in
+                       result["settings"].get("overrides", {}).items()), "",
              "| workers (hosts, whole) | " + " | ".join(c[1] for c in COLUMNS) + " |",
              "|---|" + "---|" * len(COLUMNS)]
     for n, rows in sorted(by_size.items()):

@@ -40,13 +40,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
     """A launch's training command (after '--') and the --section.field[=value] settings of
-    run, launch and config (``args.overrides``) apart, the rest by the parser."""
+    run, launch, config and bench control (the simulated job's: ``args.overrides``) apart,
+    the rest by the parser."""
     command: list[str] = []
     if argv[:1] == ["launch"] and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
-    argv, overrides = split_overrides(argv) if argv[:1] in (["run"], ["launch"], ["config"]) \
-        else (argv, [])
+    takes = argv[:1] in (["run"], ["launch"], ["config"]) or argv[:2] == ["bench", "control"]
+    argv, overrides = split_overrides(argv) if takes else (argv, [])
     args = make_parser().parse_args(argv)
     args.overrides = overrides
     if command:
