@@ -140,6 +140,11 @@ class Samples:
         self.rows.append(row)
 
 
+# how often a survivor's recovery looks at its plan's abort (worker/recover.py polls a
+# group build's every millisecond; thousands of simulated workers share one process here)
+ABORT_POLL_S = 0.05
+
+
 class _Recovers:
     """A survivor's and a joiner's store traffic in a recovery (``worker/recover.py``):
     report, wait for the plan, rebuild the groups it names, send or take state, resume."""
@@ -149,22 +154,43 @@ class _Recovers:
         return {spec.name: spec.members.index(self.role)
                 for spec in self.layout.groups_of(self.role).values() if spec.size > 1}
 
-    def _recover(self, store) -> None:
+    def _report(self, store, step: int) -> None:
         accounting = {name: {"coll": self.collectives, "sent": 0, "recv": 0, "pending": 0,
                              "generation": self.generations.get(name, 0)}
                       for name in self._groups()}
         store.set(P.failure_key(self.epoch, self.name), P.write_message(
-            P.FailureReport(self.step, "aborted", False, accounting)))
+            P.FailureReport(step, "aborted", False, accounting)))
         store.add(P.failure_count_key(self.epoch), 1)
+
+    def _recover(self, store) -> None:
+        self._report(store, self.step)
         while True:
             cmd = self.commands.next()
-            if isinstance(cmd, P.Recover):
+            if not isinstance(cmd, P.Recover):
+                continue
+            # as worker/recover.survive: the plan's waits end when the controller abandons
+            # it (aborts its epoch); the survivor reports again in that epoch and waits for
+            # the next plan
+            abort = AbortSignal()
+            AbortWatcher(self.stores, abort, cmd.epoch)
+            work = gevent.spawn(self._carry_out, cmd)
+            while not work.ready() and not abort.wait(ABORT_POLL_S):
+                pass
+            if work.ready() and work.successful():
                 break
+            if not work.ready():
+                work.kill()            # aborted in the middle (killed counts as successful)
+            elif not abort.is_set():
+                work.get()             # a failure of its own: raised
+            self.epoch = cmd.epoch
+            self._report(store, cmd.resume_step)
+        store.add(P.recovered_count_key(cmd.recovery_id), 1)
+        self.epoch, self.step = cmd.epoch, cmd.resume_step
+
+    def _carry_out(self, cmd: P.Recover) -> None:
         self._rebuild(cmd.groups)
         for send in cmd.send_states or []:
             self._rendezvous(send.transfer_group, send.transfer_generation, 0, 2)
-        store.add(P.recovered_count_key(cmd.recovery_id), 1)
-        self.epoch, self.step = cmd.epoch, cmd.resume_step
 
     def _rebuild(self, groups: dict[str, int]) -> None:
         for name, generation in sorted(groups.items()):
