@@ -311,7 +311,8 @@ BENCH_GROUPS = [
     ("Downtime: planned migration, crash, hang", [
         "quick", "downtime-eager", "downtime-failures-eager", "downtime-compiled",
         "downtime-failures-compiled", "downtime", "downtime-failures",
-        "downtime-before-after", "downtime-crash-before-after", "state_size",
+        "downtime-before-after", "downtime-crash-before-after",
+        "control-4w-downtime-before-after", "control-8w-downtime-before-after", "state_size",
         "state_size_inplace", "state_size_precopy", "state_size_precopy_2gb"]),
     ("Against torchft", ["torchft"]),
     ("Recovery sources and checkpoint cost", ["recovery_sources", "striped_recovery",
@@ -320,7 +321,7 @@ BENCH_GROUPS = [
         "step", "example_overhead", "example_overhead_torch_ddp", "example_overhead_torch_fsdp",
         "example_overhead_torch_fsdp-before-future-wait", "example_overhead_torch_fsdp_tp",
         "example_overhead_torch_pipeline", "control_cpu", "vote_cost", "store_latency",
-        "store_step_before_after"]),
+        "store_step_before_after", "control_step_before_after"]),
     ("torch examples' downtime", ["example_downtime_torch_fsdp_tp"]),
     ("Stragglers and rolling maintenance", [
         "straggler", "straggler_false_positives", "straggler_results", "ettr_10min", "ettr",

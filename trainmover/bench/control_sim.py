@@ -171,8 +171,7 @@ class _Recovers:
             # as worker/recover.survive: the plan's waits end when the controller abandons
             # it (aborts its epoch); the survivor reports again in that epoch and waits for
             # the next plan
-            abort = AbortSignal()
-            AbortWatcher(self.stores, abort, cmd.epoch)
+            abort = self._plan_abort(cmd.epoch)
             work = gevent.spawn(self._carry_out, cmd)
             while not work.ready() and not abort.wait(ABORT_POLL_S):
                 pass
@@ -186,6 +185,12 @@ class _Recovers:
             self._report(store, cmd.resume_step)
         store.add(P.recovered_count_key(cmd.recovery_id), 1)
         self.epoch, self.step = cmd.epoch, cmd.resume_step
+
+    def _plan_abort(self, epoch: int) -> AbortSignal:
+        """The signal of ``epoch``'s abort, watched as a worker watches it."""
+        abort = AbortSignal()
+        AbortWatcher(self.stores, abort, epoch)
+        return abort
 
     def _carry_out(self, cmd: P.Recover) -> None:
         self._rebuild(cmd.groups)
@@ -357,6 +362,9 @@ class LightWorker(_Recovers):
         self.ready = gevent.event.Event()
         self.greenlet = gevent.spawn(self._start)
 
+    def _plan_abort(self, epoch: int) -> AbortSignal:
+        return self.agent.abort_of(epoch)     # one watch a host (a connection each)
+
     def _start(self) -> None:
         store = self.stores.get()
         self.role = Role.parse(store.get(P.membership_key(self.name)).decode())
@@ -375,6 +383,9 @@ class LightAgent(SimAgent):
         super().__init__(*args, **kwargs)
         self._decisions: dict[tuple[int, int], bytes] = {}
         self._decided = gevent.event.Event()
+        self._aborts: dict[int, AbortSignal] = {}
+        self._abort_stores = SimStores(self.host, self.port, self.run_key,
+                                       self.cfg.comm.group_timeout_s)
         gevent.spawn(self._steps)
         gevent.spawn(self._beats)
 
@@ -396,6 +407,13 @@ class LightAgent(SimAgent):
     def _on_decided(self, key, value) -> None:
         self._decisions[key] = value
         self._decided.set()
+
+    def abort_of(self, epoch: int) -> AbortSignal:
+        """The host's one watch of ``epoch``'s abort, shared by its light workers."""
+        if epoch not in self._aborts:
+            self._aborts[epoch] = AbortSignal()
+            AbortWatcher(self._abort_stores, self._aborts[epoch], epoch)
+        return self._aborts[epoch]
 
     def _beats(self) -> None:
         while True:
