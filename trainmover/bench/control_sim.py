@@ -81,6 +81,16 @@ class SimStores:
             store = self._local.store = AuthStore(raw, self.run_key)
         return store
 
+    def release(self) -> None:
+        """The calling greenlet is done with its client: closed (a greenlet killed in the
+        middle of a request leaves its connection out of step) and forgotten, so that a
+        short-lived greenlet a recovery holds no descriptor after it."""
+        store = getattr(self._local, "store", None)
+        if store is not None:
+            self._local.store = None
+            store.raw.close()
+            self._clients.remove(store.raw)
+
     def close(self) -> None:
         """The process is gone: its connections close (its peers see them go)."""
         self.closed = True
@@ -193,9 +203,12 @@ class _Recovers:
         return abort
 
     def _carry_out(self, cmd: P.Recover) -> None:
-        self._rebuild(cmd.groups)
-        for send in cmd.send_states or []:
-            self._rendezvous(send.transfer_group, send.transfer_generation, 0, 2)
+        try:
+            self._rebuild(cmd.groups)
+            for send in cmd.send_states or []:
+                self._rendezvous(send.transfer_group, send.transfer_generation, 0, 2)
+        finally:
+            self.stores.release()
 
     def _rebuild(self, groups: dict[str, int]) -> None:
         for name, generation in sorted(groups.items()):
