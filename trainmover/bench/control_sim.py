@@ -381,6 +381,9 @@ class LightWorker(_Recovers):
     def _start(self) -> None:
         store = self.stores.get()
         self.role = Role.parse(store.get(P.membership_key(self.name)).decode())
+        # this greenlet ends here: its client would hold a descriptor for nothing (one
+        # process holds every light worker's, under its descriptor limit)
+        self.stores.release()
         self.commands = CommandChannel(self.stores, self.name)
         self.ready.set()
 
