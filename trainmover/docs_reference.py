@@ -328,7 +328,8 @@ BENCH_GROUPS = [
         "ettr_prestarted", "ettr_results"]),
     ("Hosts, scale and endurance", [
         "hosts", "control", "control_hostbeats", "control_flat", "control_scaling",
-        "projection", "projection-quick", "store_keys", "soak", "soak_c988399_failed", "view"]),
+        "control_4096", "projection", "projection-quick", "store_keys", "soak",
+        "soak_c988399_failed", "view"]),
 ]
 
 
