@@ -66,6 +66,7 @@ from trainmover.core.files import latest_complete, read_digest, step_dir, usable
 from trainmover.core.proc import pid_alive
 
 MAX_HOLES_FILLED = 1000   # per host, by a resumed controller (see resume)
+SET_BATCH = 1024          # keys of the outbox a request (_flush)
 
 __all__ = ["Coordinator", "JobFailed", "Superseded", "run_job", "worker_names"]
 
@@ -329,10 +330,20 @@ class Coordinator:
             self.retention.snapshot_saved(exits_seen)
         if not ctx.outbox:
             return
-        for item in ctx.outbox:
+        # a run of keys goes in requests of SET_BATCH (a recovery commands every worker: one
+        # request a worker was most of its plan-to-resumed time at thousands of workers);
+        # in order, so a key set twice ends with the later value
+        sets: list[tuple[str, str]] = []
+        for item in ctx.outbox + [("end",)]:
             if item[0] == "set":
-                ctx.store.set(item[1], item[2])
-            else:
+                sets.append((item[1], item[2]))
+                if len(sets) < SET_BATCH:
+                    continue
+            if sets:
+                keys, values = zip(*sets)
+                ctx.store.multi_set(list(keys), list(values))
+                sets = []
+            if item[0] == "agent":
                 ctx.procs.send(item[1], item[2])
         ctx.outbox = []
 
