@@ -45,7 +45,7 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from trainmover.bench.report import git_commit
+from trainmover.bench.report import git_commit, read_result
 from trainmover.bench.scaling import ControlScaling, fit_words
 from trainmover.core.accounting import downtime_value, fmt_seconds, within_noise
 
@@ -236,13 +236,7 @@ def costs_from_bench(paths: list[str]) -> EventCosts:
     Raises ``ValueError`` naming what the files lack."""
     rows = []
     for path in paths:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--bench {path!r}: {exc}") from None
-        if not isinstance(data, dict) or data.get("benchmark") != "downtime":
-            raise ValueError(f"--bench {path!r}: not a `trainmover bench downtime` result")
+        data = read_result(path, "--bench", "downtime")
         rows += [r for r in data.get("results", []) if r.get("downtime_s") is not None]
 
     def pick(scenario: str, strategy: str) -> list[dict]:

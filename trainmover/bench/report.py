@@ -91,6 +91,19 @@ def fmt_spread(s: dict | None, digits: int = 3, missing: str = "-") -> str:
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
+def read_result(path: str, flag: str, benchmark: str) -> dict:
+    """A result file of ``trainmover bench <benchmark>`` given as ``flag``; ``ValueError``
+    naming the flag and the file where it cannot be read or is another bench's."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag} {path!r}: {exc}") from None
+    if not isinstance(data, dict) or data.get("benchmark") != benchmark:
+        raise ValueError(f"{flag} {path!r}: not a `trainmover bench {benchmark}` result")
+    return data
+
+
 def write_result(out_dir: str, name: str, result: dict, table: str,
                  json_path: str | None = None) -> None:
     """``<name>.json`` and ``<name>.md`` under ``out_dir``, the table printed; with

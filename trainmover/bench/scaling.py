@@ -25,10 +25,11 @@ Torch-free: it only reads result files.
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
+
+from trainmover.bench.report import read_result
 
 
 @dataclass
@@ -96,13 +97,7 @@ class ControlScaling:
 def control_from_bench(path: str) -> ControlScaling:
     """Fits over a ``trainmover bench control`` result. Raises ``ValueError`` naming the file
     and what it lacks."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--control {path!r}: {exc}") from None
-    if not isinstance(data, dict) or data.get("benchmark") != "control":
-        raise ValueError(f"--control {path!r}: not a `trainmover bench control` result")
+    data = read_result(path, "--control", "control")
     by_size: dict[int, list[dict]] = {}
     for row in data.get("results", []):
         by_size.setdefault(int(row["workers"]), []).append(row)
