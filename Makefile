@@ -73,6 +73,8 @@ benchmarks: install bench-quick
 	$(BIN)/trainmover bench downtime --workers 4,8 --scenarios crash,hang \
 		--name downtime-failures-compiled
 	$(BIN)/trainmover bench control --workers 256,512,1024,2048 --name control_scaling
+	$(BIN)/trainmover bench control --workers 4096 --health.silence_floor_s=5 \
+		--name control_4096
 	$(BIN)/trainmover project --bench benchmarks/results/downtime-eager.json \
 		--bench benchmarks/results/downtime-failures-eager.json \
 		--control benchmarks/results/control_scaling.json
