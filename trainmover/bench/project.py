@@ -307,6 +307,8 @@ def write_projection(cluster: Cluster, costs: EventCosts, out_dir: str,
 
 def _table(r: dict) -> str:
     c, k = r["cluster"], r["costs"]
+    # a result written before --control has neither
+    strats, fitted = r.get("strategies", STRATEGIES), r.get("control") is not None
     lines = [
         "# Projection to cluster scale (a model, from measured per-event costs)", "",
         f"commit {r['commit']}; `trainmover project` (module doc of trainmover/bench/"
@@ -328,14 +330,13 @@ def _table(r: dict) -> str:
         f"({r['transfer_s']:.2f} s), half of a {c['step_s']:g} s step redone per failure.", "",
         *_control_words(r), "",
         "| GPUs | events / h (unplanned + planned) | no free standby | " +
-        " | ".join(f"ETTR {LABELS[s]}" for s in r.get("strategies", STRATEGIES)) +
+        " | ".join(f"ETTR {LABELS[s]}" for s in strats) +
         " | GPU-h lost / week: restart | trainmover | idle standby GPU-h / week |" +
-        (" control plane at this size |" if r.get("control") else ""),
-        "|---|---|---|" + "---|" * len(r.get("strategies", STRATEGIES)) + "---|---|---|" +
-        ("---|" if r.get("control") else "")]
+        (" control plane at this size |" if fitted else ""),
+        "|---|---|---|" + "---|" * len(strats) + "---|---|---|" + ("---|" if fitted else "")]
     for row in r["rows"]:
         cells = []
-        for s in r.get("strategies", STRATEGIES):
+        for s in strats:
             v = row["ettr"][s]
             cells.append(f"{v:.4f}" + (" (out of range)" if s in row["out_of_range"] else ""))
         lost = row["wasted_gpu_h_per_week"]
@@ -344,11 +345,11 @@ def _table(r: dict) -> str:
             f"{row['no_standby_p']:.1%} | " + " | ".join(cells) +
             f" | {lost['restart']:,.0f} | {lost['trainmover']:,.0f} | "
             f"{row['standby_gpu_h_per_week']:,.0f} |" +
-            (f" {_control_cell(row['control'])} |" if row.get("control") else ""))
+            (f" {_control_cell(row['control'])} |" if fitted else ""))
     lines += ["", "First order in the event rate; \"out of range\": the model's loss reached "
               "the whole of the time (the job would not make progress)" +
               (", or a single-threaded part of the control plane is past a whole core"
-               if r.get("control") else "") + "; shown as 0. The idle standby GPUs are capacity "
+               if fitted else "") + "; shown as 0. The idle standby GPUs are capacity "
               "held back, not counted in the loss."]
     return "\n".join(lines) + "\n"
 

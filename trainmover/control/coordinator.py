@@ -330,21 +330,28 @@ class Coordinator:
             self.retention.snapshot_saved(exits_seen)
         if not ctx.outbox:
             return
-        # a run of keys goes in requests of SET_BATCH (a recovery commands every worker: one
-        # request a worker was most of its plan-to-resumed time at thousands of workers);
-        # in order, so a key set twice ends with the later value
-        sets: list[tuple[str, str]] = []
-        for item in ctx.outbox + [("end",)]:
+        # consecutive keys go in requests of up to SET_BATCH, in order (a key set twice ends
+        # with the later value): a recovery commands every worker, N / SET_BATCH requests to
+        # the store instead of N
+        keys: list[str] = []
+        values: list[str] = []
+
+        def send_keys() -> None:
+            if keys:
+                ctx.store.multi_set(keys, values)
+                keys.clear()
+                values.clear()
+
+        for item in ctx.outbox:
             if item[0] == "set":
-                sets.append((item[1], item[2]))
-                if len(sets) < SET_BATCH:
-                    continue
-            if sets:
-                keys, values = zip(*sets)
-                ctx.store.multi_set(list(keys), list(values))
-                sets = []
-            if item[0] == "agent":
+                keys.append(item[1])
+                values.append(item[2])
+                if len(keys) == SET_BATCH:
+                    send_keys()
+            else:
+                send_keys()
                 ctx.procs.send(item[1], item[2])
+        send_keys()
         ctx.outbox = []
 
     def _save_file(self, payload: bytes) -> None:
