@@ -46,7 +46,7 @@ def _client(kind: str, port: int):
         return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     from trainmover.comm import store as job_store
 
-    return job_store.connect("127.0.0.1", port, RUN_KEY, timedelta(seconds=30))
+    return job_store.connect(f"127.0.0.1:{port}", RUN_KEY, timedelta(seconds=30))
 
 
 def op_latency_us(kind: str, n: int = 3000) -> dict:

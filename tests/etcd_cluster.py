@@ -50,11 +50,14 @@ def make_certs(folder: Path, ips: list[str]) -> tuple[EtcdTLS, Path, Path]:
 
 
 class EtcdCluster:
-    def __init__(self, folder: Path, members: int = 3, ips: list[str] | None = None):
-        self.folder = folder
+    def __init__(self, folder: Path, members: int = 3, ips: list[str] | None = None,
+                 wrap=lambda i, argv: argv):
+        """``wrap(i, argv)``: the command that runs member i's ``argv`` (in a namespace)."""
+        self.folder, self.wrap = folder, wrap
         self.ips = ips or ["127.0.0.1"] * members
         self.tls, self._cert, self._key = make_certs(folder / "certs",
                                                      sorted(set(self.ips) | {"127.0.0.1"}))
+        # ports free here are free in a namespace of their own too
         self.client_ports = [_free_port() for _ in self.ips]
         self.peer_ports = [_free_port() for _ in self.ips]
         self.data = Path("/dev/shm") / f"etcd-test-{os.getpid()}-{id(self)}"
@@ -63,6 +66,12 @@ class EtcdCluster:
     @property
     def endpoints(self) -> list[tuple[str, int]]:
         return list(zip(self.ips, self.client_ports))
+
+    def address(self) -> str:
+        """The job's ``etcd://`` store address for this cluster."""
+        t = self.tls
+        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return f"etcd://{hosts}?ca={t.ca}&cert={t.cert}&key={t.key}"
 
     def _peer(self, i: int) -> str:
         return f"https://{self.ips[i]}:{self.peer_ports[i]}"
@@ -97,7 +106,7 @@ class EtcdCluster:
 
     def start_member(self, i: int) -> None:
         log = open(self.folder / f"m{i}.log", "ab")
-        self.procs[i] = subprocess.Popen(self.command(i), stdout=log, stderr=log,
+        self.procs[i] = subprocess.Popen(self.wrap(i, self.command(i)), stdout=log, stderr=log,
                                          start_new_session=True)
 
     def kill(self, i: int) -> None:

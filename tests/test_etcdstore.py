@@ -2,6 +2,7 @@
 nothing for a client without the job's certificate, and exact counts and answered waits
 while the member a client talks to, or the cluster's leader, is killed."""
 import os
+import re
 import shutil
 import threading
 import time
@@ -177,7 +178,7 @@ def test_counts_stay_exact_and_waits_are_answered_while_members_are_killed(tmp_p
         time.sleep(2.0)
         c.start_member(leader)
         time.sleep(2.0)
-        c.kill(0)                 # the member every client was talking to first
+        c.kill(clients[0]._at)    # the member a writer is talking to now
         time.sleep(2.0)
         stop.set()
         for t in threads:
@@ -224,3 +225,54 @@ def test_an_add_or_append_whose_answer_is_lost_counts_once(cluster, monkeypatch)
     assert lost and store.try_get("log") == b"a,"
     lost.clear()
     assert store.add("n", 1) == 5 and store.try_get("n") == b"5"
+
+
+@pytest.mark.timeout(400)
+def test_a_job_on_etcd_migrates_and_recovers_to_the_built_in_stores_weights(
+        cluster, tmp_path, reference_weights):
+    """The whole job (controller, agent, workers, the backends' rendezvous) on the etcd
+    store: a planned migration and a crash recovered from a replica, ending on the
+    uninterrupted run's weights (made on the built-in store)."""
+    from trainmover.cli import apply_worker_faults
+    from trainmover.control.coordinator import run_job
+    from trainmover.core.faults import Inject
+    from trainmover.core.topology import Layout
+    from trainmover.recipes import get_recipe
+
+    cfg = get_recipe("tiny")
+    cfg.layout = Layout(2, 2, 1)
+    cfg.train.steps = 30          # the crash well after the migration is done
+    cfg.train.threads_per_worker = 1
+    cfg.override(standby_count=2, health_heartbeat_timeout_s=2.0,
+                 recovery_report_timeout_s=4.0)
+    baseline = reference_weights(cfg.validate())
+    on_etcd = type(cfg).from_dict(cfg.to_dict())
+    on_etcd.process.etcd = cluster.address()
+    apply_worker_faults(on_etcd, [Inject("crash", 26, "w1", "allreduce")])
+    summary = run_job(on_etcd.validate(), str(tmp_path / "run"), quiet=True, timeout_s=300,
+                      injects=[Inject("migrate", 4, "w0")])
+    assert [m["status"] for m in summary["migrations"]] == ["done"]
+    (rec,) = summary["recoveries"]
+    assert rec["status"] == "done" and list(rec["failures"].values()) == ["crash"]
+    assert summary["weights_sha256"] == baseline and summary["steps"] == 30
+    control = (tmp_path / "run" / "control.json").read_text()
+    assert "etcd://" in control
+
+
+def test_a_bad_etcd_address_is_refused_naming_it(tmp_path):
+    from trainmover.recipes import get_recipe
+
+    cfg = get_recipe("tiny")
+    for bad, words in (("etcd://host?ca=a&cert=b&key=c", "'host' in"),
+                       ("etcd://h:1?ca=/nonexistent&cert=b&key=c", "ca='/nonexistent'"),
+                       ("etcd://h:1?cert=b&key=c", "needs ca=FILE"),
+                       ("etcd://h:1?ca=a&cert=b&key=c&user=x", "unknown setting(s) user")):
+        cfg.process.etcd = bad
+        with pytest.raises(ValueError, match=re.escape(words)):
+            cfg.validate()
+    key = tmp_path / "client.key"
+    key.write_text("k")
+    key.chmod(0o644)
+    cfg.process.etcd = f"etcd://h:1?ca={key}&cert={key}&key={key}"
+    with pytest.raises(ValueError, match="readable by other users"):
+        cfg.validate()

@@ -42,7 +42,7 @@ from trainmover.agent.beat import HostBeat
 from trainmover.agent.feeds import FenceWatch, RequestFeed
 from trainmover.agent.votes import Channels, VoteRelay
 from trainmover.agent.snapshots import SnapshotServer
-from trainmover.core import jobfile, kvserver, kvstore, rundir
+from trainmover.core import jobfile, kvserver, kvstore, rundir, storeaddr
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
@@ -108,12 +108,20 @@ class Agent:
     ``host:port``, beats a heartbeat the controller watches, and stops its processes and
     exits when it finds its host declared lost (fenced) or the store gone."""
 
-    def __init__(self, run_dir: str, host: str, port: int, cfg: JobConfig, node: int = 0,
+    def __init__(self, run_dir: str, store: str, cfg: JobConfig, node: int = 0,
                  address: str | None = None, listen_fd: int | None = None):
         self.run_dir = run_dir
-        self.host, self.listen_fd, self.port = host, listen_fd, port
+        self.store_address, self.listen_fd = store, listen_fd   # HOST:PORT or etcd://...
+        # the store on etcd outlives host 0: host 0 can then be fenced like any host, and
+        # the agents after the controller's host take over from a silent controller
+        self.etcd = storeaddr.is_etcd(store)
+        self._beat_seen: bytes | None = None        # the controller's beat as last read
+        self._beat_still_since = 0.0                # ... and since when it has not changed
+        self._takeovers: set[tuple[int, int]] = set()   # (incarnation, rank) tried
         self.node = node
-        self.address = address or host         # this host's address: its workers' gloo binds
+        # this host's address: its workers' gloo binds (the built-in store's host by default)
+        self.address = address or (store.rpartition(":")[0] if not storeaddr.is_etcd(store)
+                                    else "127.0.0.1")
         self.cfg = cfg
         self.children: dict[str, Child] = {}
         self.controllers: list[subprocess.Popen] = []   # the ones this agent restarted
@@ -144,8 +152,8 @@ class Agent:
             return  # a request replayed by a resumed controller: already done
         if old is not None and old.proc.poll() is None:
             self._kill(old)  # never two incarnations of one name
-        args = ["--run-dir", self.run_dir, "--name", name, "--store",
-                f"{self.host}:{self.port}", *req.worker_args()]
+        args = ["--run-dir", self.run_dir, "--name", name, "--store", self.store_address,
+                *req.worker_args()]
         # the process's own channel to this agent (its beats and votes): nobody else can
         # write it
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -311,18 +319,20 @@ class Agent:
         for part in (self._host_beat, self._relay):
             if part.error is not None:
                 raise part.error
-        if self.node == 0:
+        if self.node == 0 and not self.etcd:
             return None if self._watch_controller(now) else "no controller"
         # the controller's signed word, not the key's mere existence (agent/feeds.py)
         if self._fence.fenced.is_set():
             return "fenced"
         if self._fence.error is not None:
             raise self._fence.error
+        if self.etcd:
+            return None if self._watch_controller(now) else "no controller"
         return None
 
     def _watch_controller(self, now: float) -> bool:
         """False once the job must end because no controller came back."""
-        if now - self._controller_read_at < self.cfg.agent.controller_check_s:
+        if now - self._controller_read_at < self._controller_check_s():
             return True
         self._controller_read_at = now
         if self.store.check([P.CONTROLLER_KEY]):
@@ -337,7 +347,12 @@ class Agent:
                                      incarnation=current.incarnation,
                                      gap_s=round(time.time() - self._controller_lost_at, 3))
                 self._controller, self._controller_lost_at = current, None
-        if self._controller is None or pid_alive(self._controller.pid):
+        if self._controller is None:
+            return True
+        if self._controller.node != self.node:
+            self._watch_remote_controller(self._controller, now)
+            return True
+        if pid_alive(self._controller.pid):
             return True
         policy = self.cfg.controller
         if self._controller_lost_at is None:
@@ -357,16 +372,60 @@ class Agent:
             return False
         return True
 
-    def _restart_controller(self) -> None:
+    def _controller_check_s(self) -> float:
+        """How often the controller's record is read: often on its host and the hosts that
+        would take over from it, seldom elsewhere (thousands of agents reading it every
+        ``agent.controller_check_s`` would load the store with O(hosts) requests)."""
+        current = self._controller
+        if current is None or current.node == self.node or not self.etcd or \
+                1 <= (self.node - current.node) % self.cfg.hosts.nnodes <= \
+                self.cfg.controller.successors:
+            return self.cfg.agent.controller_check_s
+        return self.cfg.controller.takeover_after_s
+
+    def _watch_remote_controller(self, current: P.ControllerInfo, now: float) -> None:
+        """The store on etcd, the controller on another host: the agents of the
+        ``controller.successors`` hosts after it watch its beat, and the r-th of them starts
+        a controller here once the beat has been still for r times
+        ``controller.takeover_after_s`` (the controller's own agent restarts it sooner, if
+        that host is alive), after winning the election for that incarnation and rank. The
+        new controller's higher incarnation makes any old one step down."""
+        if not self.etcd:
+            return
+        policy = self.cfg.controller
+        rank = (self.node - current.node) % self.cfg.hosts.nnodes
+        if not 1 <= rank <= policy.successors:
+            return
+        beat = self.store.valid(P.CONTROLLER_BEAT_KEY)
+        if beat != self._beat_seen or self._beat_still_since == 0.0:
+            self._beat_seen, self._beat_still_since = beat, now
+            return
+        still = now - self._beat_still_since
+        if still < rank * policy.takeover_after_s or \
+                (current.incarnation, rank) in self._takeovers:
+            return
+        self._takeovers.add((current.incarnation, rank))
+        key = f"{P.controller_takeover_key(current.incarnation)}/{rank}"
+        won = self.store.compare_set(key, "", str(self.node)) == str(self.node).encode()
+        self.events.emit("controller_silent", pid=current.pid, node=current.node,
+                         incarnation=current.incarnation, still_s=round(still, 3),
+                         rank=rank, takes_over=won, level="warning")
+        if won:
+            self._restart_controller(takeover=True)
+
+    def _restart_controller(self, takeover: bool = False) -> None:
         log = os.path.join(self.run_dir, "logs", "controller.log")
+        extra = ["--node", str(self.node), "--takeover"] if takeover else \
+            ["--node", str(self.node)]
         with open(log, "ab") as out:
             # not tied to the agent's life: it shuts the agent down at the end of the job,
             # then writes the job's summary
             proc = subprocess.Popen(
-                [sys.executable, "-m", "trainmover", "controller", "--resume", self.run_dir],
-                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+                [sys.executable, "-m", "trainmover", "controller", "--resume", self.run_dir,
+                 *extra], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
         self.controllers.append(proc)
-        self.events.emit("controller_restarted", pid=proc.pid, log=log)
+        self.events.emit("controller_restarted", pid=proc.pid, log=log, node=self.node,
+                         takeover=takeover)
 
     # --- the loop ----------------------------------------------------------------------------
     def serve(self, initial: list[P.AgentSpawn]) -> int:
@@ -387,8 +446,8 @@ class Agent:
                                               limits=kvstore.StoreLimits.of(self.cfg.comm))
 
         def client() -> AuthStore:
-            return AuthStore(kvstore.connect(self.host, self.port, run_key,
-                                             self.cfg.comm.store_timeout_s), run_key)
+            return AuthStore(storeaddr.connect(self.store_address, run_key,
+                                               self.cfg.comm.store_timeout_s), run_key)
 
         self.store = client()
         self._wake_r, self._wake_w = os.pipe()
@@ -398,8 +457,9 @@ class Agent:
             client(), self.node, self.cfg.agent.request_recheck_s, self._wake,
             on_reject=lambda key, why: self.events.emit("message_rejected", key=key,
                                                         error=why, level="error"))
-        # host 0's agent serves the store: it is never declared lost
-        self._fence = FenceWatch(client(), self.node, self._wake) if self.node else None
+        # host 0's agent serves the built-in store: it is never declared lost
+        self._fence = FenceWatch(client(), self.node, self._wake) \
+            if self.node or self.etcd else None
         self._host_beat = HostBeat(client(), self.node, self.cfg.health.heartbeat_interval_s,
                                    lambda: list(self.children.values()))
         # its processes' votes, relayed as one ballot a host (agent/votes.py), and the
@@ -537,16 +597,19 @@ class Agent:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="trainmover.agent")
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--listen-fd", type=int, required=True)
+    p.add_argument("--store", required=True, help="HOST:PORT or etcd://...")
+    p.add_argument("--listen-fd", type=int,
+                   help="the built-in store's socket, to serve (none: the store is etcd)")
+    p.add_argument("--address", help="this host's address, which its processes bind "
+                                     "(default: the built-in store's host)")
     p.add_argument("--initial", required=True, help="JSON file of the first spawn requests")
     p.add_argument("--controller-pid", type=int, required=True)
     args = p.parse_args(argv)
     with open(args.initial) as f:
         initial = [P.decode_agent_request(line) for line in f if line.strip()]
     cfg = jobfile.read_job(args.run_dir)
-    agent = Agent(args.run_dir, args.host, args.port, cfg, listen_fd=args.listen_fd)
+    agent = Agent(args.run_dir, args.store, cfg, address=args.address,
+                  listen_fd=args.listen_fd)
     agent._controller = P.ControllerInfo(args.controller_pid, 0)
     return agent.serve(initial)
 
@@ -566,7 +629,6 @@ def serve_host(run_dir: str, endpoint: str, node: int, address: str | None,
                              f"(no control.json): pass --rdzv-endpoint HOST:PORT")
         else:
             time.sleep(0.1)
-    host, _, port = endpoint.rpartition(":")
     while not os.path.exists(os.path.join(run_dir, "job.json")):
         if time.monotonic() > deadline:
             raise ValueError(f"{run_dir!r} holds no job (no job.json): is it the run dir the "
@@ -582,5 +644,5 @@ def serve_host(run_dir: str, endpoint: str, node: int, address: str | None,
         if value is not None and value != actual[key]:
             raise ValueError(f"--{key.replace('_', '-')} {value} does not match the job's "
                              f"{actual[key]} (job.json)")
-    agent = Agent(run_dir, host, int(port), cfg, node=node, address=address)
+    agent = Agent(run_dir, endpoint, cfg, node=node, address=address)
     return agent.serve([])

@@ -338,7 +338,8 @@ class SimAgent(Agent):
 
     def __init__(self, run_dir: str, host: str, port: int, cfg, node: int, spec: SimSpec,
                  samples: Samples, run_key: bytes):
-        super().__init__(run_dir, host, port, cfg, node=node)
+        super().__init__(run_dir, f"{host}:{port}", cfg, node=node)
+        self.host, self.port = host, port       # the simulated processes' store clients
         self.spec, self.samples, self.run_key = spec, samples, run_key
 
     def spawn(self, req: P.AgentSpawn) -> None:

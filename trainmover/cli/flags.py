@@ -23,6 +23,7 @@ RUNTIME_FLAGS = {"device": "process_device", "standbys": "standby_count",
                  "controller_restart": "controller_restart", "verify_every": "health_verify_every",
                  "nnodes": "hosts_nnodes", "nproc_per_node": "hosts_nproc_per_node",
                  "store_host": "process_store_host", "store_port": "process_store_port",
+                 "etcd": "process_etcd",
                  "allow_remote": "process_allow_remote",
                  "allow_replica_disagreement": "health_replicas_must_agree"}
 
@@ -166,6 +167,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                                         "127.0.0.1; with several hosts, this host's address "
                                         "on the cluster's private network)")
     p.add_argument("--store-port", type=int, help="the store's port (default: any free one)")
+    p.add_argument("--etcd", metavar="etcd://HOST:PORT,...?ca=F&cert=F&key=F",
+                   help="keep the job's store on this etcd cluster (mutual TLS), so that it "
+                        "outlives any one host, instead of host 0's built-in one")
     p.add_argument("--allow-remote", action="store_true", default=None,
                    help="let the store (--store-host) or the dashboard (--dashboard-host) "
                         "listen on an address other than loopback: a private cluster "

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from trainmover.core import storeaddr
 from trainmover.cli.config import add_config_flag
 from trainmover.cli.flags import (JOB_FLAGS, add_job_args, add_runtime_args, apply_worker_faults,
                                   build_config, build_injects, build_launch_config,
@@ -131,7 +132,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     from trainmover.view.launch import check_dashboard, serve_when_started
 
-    coord = Coordinator.resume(args.resume, quiet=args.quiet, force=args.force)
+    coord = Coordinator.resume(args.resume, quiet=args.quiet, force=args.force,
+                               node=args.node, takeover=args.takeover)
     try:
         check_dashboard(coord.cfg.dashboard)
     except ValueError as exc:   # the job is running: it goes on without its dashboard
@@ -170,8 +172,10 @@ def agent_settings(args: argparse.Namespace) -> dict:
     endpoint = args.rdzv_endpoint or os.environ.get("PET_RDZV_ENDPOINT") or ""
     if not endpoint and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    if endpoint and not endpoint.rpartition(":")[2].isdigit():
-        raise ValueError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT")
+    if storeaddr.is_etcd(endpoint):
+        storeaddr.parse_etcd(endpoint)          # names what is wrong with it
+    elif endpoint and not endpoint.rpartition(":")[2].isdigit():
+        raise ValueError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT or etcd://...")
     nnodes = args.nnodes if args.nnodes is not None else _env_int("PET_NNODES")
     per_node = args.nproc_per_node if args.nproc_per_node is not None else \
         _env_int("PET_NPROC_PER_NODE")
@@ -242,6 +246,11 @@ def add_controller_parser(sub) -> None:
     ctl.add_argument("--quiet", action="store_true",
                      help="print no progress (step lines, messages); the summary is still "
                           "printed at the end")
+    ctl.add_argument("--node", type=int, default=0,
+                     help="the host this controller runs on (default 0)")
+    ctl.add_argument("--takeover", action="store_true",
+                     help="started by this host's agent because the controller's host fell "
+                          "silent (needs the store on etcd)")
     ctl.set_defaults(fn=cmd_controller)
 
 
@@ -256,8 +265,8 @@ def add_agent_parser(sub) -> None:
     agent.add_argument("--node-rank", type=int, help="this host's index, 1.. "
                                                      "[PET_NODE_RANK, SLURM_NODEID]")
     agent.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                       help="the job's store [PET_RDZV_ENDPOINT, MASTER_ADDR:MASTER_PORT; "
-                            "default: the run dir's control.json]")
+                       help="the job's store, HOST:PORT or etcd://... [PET_RDZV_ENDPOINT, "
+                            "MASTER_ADDR:MASTER_PORT; default: the run dir's control.json]")
     agent.add_argument("--nnodes", type=int, help="checked against the job [PET_NNODES]")
     agent.add_argument("--nproc-per-node", type=int,
                        help="checked against the job [PET_NPROC_PER_NODE]")

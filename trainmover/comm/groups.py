@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.comm import store as job_store
-from trainmover.core import kvserver
+from trainmover.core import kvserver, storeaddr
 from trainmover.core.auth import AuthStore, PlainStore
 from trainmover.core.config import CommConfig
 from trainmover.core.topology import GroupSpec, Layout, Role
@@ -163,19 +163,24 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 @dataclass(frozen=True)
 class StoreAddress:
     """Where the job's store listens, and (``run_key``, never printed) the key its clients
-    prove they hold: both are needed to reach it."""
+    prove they hold: both are needed to reach it. ``etcd``: the ``etcd://`` address of a
+    store on an etcd cluster (``core/storeaddr.py``; ``host`` and ``port`` then unused)."""
     host: str
     port: int
     run_key: bytes | None = field(default=None, repr=False, compare=False)
+    etcd: str = ""
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return self.etcd or f"{self.host}:{self.port}"
 
     @staticmethod
     def parse(text: str) -> "StoreAddress":
+        if storeaddr.is_etcd(text):
+            storeaddr.parse_etcd(text, check_files=False)
+            return StoreAddress("", 0, etcd=text)
         host, _, port = text.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"store address must be HOST:PORT, got {text!r}")
+            raise ValueError(f"store address must be HOST:PORT or etcd://..., got {text!r}")
         return StoreAddress(host, int(port))
 
 
@@ -197,7 +202,7 @@ class LocalStore:
     def client(self) -> job_store.KVStore:
         """A client that signs nothing (a test's stand-in for whoever got past the
         handshake, a benchmark's plain client)."""
-        return job_store.connect(self.address.host, self.address.port, self.run_key,
+        return job_store.connect(str(self.address), self.run_key,
                                  timeout=timedelta(seconds=self.timeout_s))
 
     def close(self) -> None:
@@ -235,7 +240,7 @@ class StoreClients:
     def raw(self) -> dist.Store:
         client = getattr(self._local, "client", None)
         if client is None:
-            client = job_store.connect(self.address.host, self.address.port, self.run_key,
+            client = job_store.connect(str(self.address), self.run_key,
                                        self.timeout)
             self._local.client = client
         return client
@@ -583,7 +588,8 @@ class GroupBuilder:
         self.timeout = timedelta(seconds=timeout_s)
         # Bind gloo to the address the store is reached on unless told otherwise: on one host
         # that is loopback, and it spares a hostname lookup per group.
-        self.gloo_host = gloo_host or os.environ.get("TRAINMOVER_GLOO_HOST") or stores.address.host
+        self.gloo_host = gloo_host or os.environ.get("TRAINMOVER_GLOO_HOST") or \
+            stores.address.host or "127.0.0.1"
 
     def build(self, spec: GroupSpec, role: Role, generation: int) -> Group:
         return self.build_ranked(spec, spec.rank_of(role), generation)

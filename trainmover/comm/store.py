@@ -11,20 +11,21 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainmover.core import kvstore
+from trainmover.core import kvstore, storeaddr
 
 
 class KVStore(dist.Store):
-    """A client of the job's store. Like a TCPStore client, one per thread that blocks on
-    it (``comm.groups.StoreClients`` keeps one per thread)."""
+    """A client of the job's store (the built-in one or etcd: ``core/storeaddr.py``). Like
+    a TCPStore client, one per thread that blocks on it (``comm.groups.StoreClients`` keeps
+    one per thread)."""
 
-    def __init__(self, host: str, port: int, key: bytes, timeout: timedelta,
+    def __init__(self, address: str, run_key: bytes, timeout: timedelta,
                  connect_timeout: timedelta | None = None):
         super().__init__()
         dist.Store.set_timeout(self, timeout)    # torch's ``timeout``, read by C++ and us
         try:
-            self._client = kvstore.KVClient(
-                host, port, key, timeout.total_seconds(),
+            self._client = storeaddr.connect(
+                address, run_key, timeout.total_seconds(),
                 None if connect_timeout is None else connect_timeout.total_seconds())
         except kvstore.StoreClosed as exc:
             raise dist.DistNetworkError(str(exc)) from exc
@@ -100,7 +101,8 @@ def _bytes(value) -> bytes:
     return bytes(value)      # torch hands values over as bytes or as lists of ints
 
 
-def connect(host: str, port: int, run_key: bytes, timeout: timedelta,
+def connect(address: str, run_key: bytes, timeout: timedelta,
             connect_timeout: timedelta | None = None) -> KVStore:
-    """A client of the store of the run ``run_key`` belongs to."""
-    return KVStore(host, port, kvstore.store_key(run_key), timeout, connect_timeout)
+    """A client of the store at ``address`` (``HOST:PORT`` or ``etcd://...``) of the run
+    ``run_key`` belongs to."""
+    return KVStore(address, run_key, timeout, connect_timeout)

@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from trainmover.core import jobfile, kvstore
+from trainmover.core import jobfile, storeaddr
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.proc import pid_alive
@@ -27,14 +27,14 @@ def connect(run_dir: str) -> AuthStore:
     if not os.path.exists(path):
         raise ValueError(f"{run_dir!r} is not the run dir of a running job (no control.json)")
     secret = load_secret(run_dir)
-    host, _, port = jobfile.read_control(run_dir, secret)["store"].rpartition(":")
+    address = jobfile.read_control(run_dir, secret)["store"]
     # written before control.json
     timeout_s = jobfile.read_job(run_dir, secret).comm.client_connect_timeout_s
     run_key = jobfile.run_key(run_dir, secret)
     try:
-        store = kvstore.connect(host, int(port), run_key, timeout_s)
+        store = storeaddr.connect(address, run_key, timeout_s)
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"the job in {run_dir!r} is not reachable at {host}:{port} "
+        raise ValueError(f"the job in {run_dir!r} is not reachable at {address} "
                          f"(has it finished?): {exc}") from exc
     return AuthStore(store, run_key)
 

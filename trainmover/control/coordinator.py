@@ -60,7 +60,7 @@ from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, create_secret, load_secret
 from trainmover.core.config import JobConfig, is_loopback
 from trainmover.core.events import EventLog, read_jsonl
-from trainmover.core import identity, jobfile, kvstore, rundir
+from trainmover.core import identity, jobfile, rundir, storeaddr
 from trainmover.core.faults import Inject
 from trainmover.core.files import latest_complete, read_digest, step_dir, usable_checkpoints
 from trainmover.core.proc import pid_alive
@@ -110,6 +110,9 @@ class Coordinator:
         self._agent_proc: subprocess.Popen | None = None
         self._incarnation_checked_at = 0.0
         self._requests_read_at = 0.0
+        self.node = 0                 # the host this controller runs on
+        self._beat_at = float("-inf")
+        self._beats = 0
         self.resumed = False
         self._secret: bytes | None = None
         self._run_key: bytes | None = None
@@ -199,15 +202,20 @@ class Coordinator:
                                     self._secret)
         ctx.events = EventLog(os.path.join(self.run_dir, "events.jsonl"), worker="coordinator")
         host = self.cfg.process.store_host
-        # the store's socket is opened here and inherited by the agent, which starts the
-        # first processes before it even imports torch: no start-up latency is added
-        try:
-            listener = socket.create_server((host, self.cfg.process.store_port), backlog=1024)
-        except OSError as exc:
-            raise ValueError(f"cannot listen on {host}:{self.cfg.process.store_port} "
-                             f"(process.store_host, process.store_port): {exc}") from exc
-        ctx.store_addr = f"{host}:{listener.getsockname()[1]}"
-        if not is_loopback(host):
+        listener = None
+        if self.cfg.process.etcd:
+            ctx.store_addr = self.cfg.process.etcd        # a cluster of the user's: no server
+        else:
+            # the store's socket is opened here and inherited by the agent, which starts the
+            # first processes before it even imports torch: no start-up latency is added
+            try:
+                listener = socket.create_server((host, self.cfg.process.store_port),
+                                                backlog=1024)
+            except OSError as exc:
+                raise ValueError(f"cannot listen on {host}:{self.cfg.process.store_port} "
+                                 f"(process.store_host, process.store_port): {exc}") from exc
+            ctx.store_addr = f"{host}:{listener.getsockname()[1]}"
+        if listener is not None and not is_loopback(host):
             ctx.progress.say(f"the job's store listens on {ctx.store_addr} (--allow-remote): "
                              f"its values are signed, but anyone on that network can flood or "
                              f"delete its keys and reach the workers' gloo/NCCL ports")
@@ -226,15 +234,17 @@ class Coordinator:
             f.writelines(P.encode_agent_request(r) + "\n" for node, r in initial if node == 0)
         ctx.outbox.extend(("agent", node, r) for node, r in initial if node != 0)
         # the agent reads its settings from job.json, written above
+        serve = [] if listener is None else ["--listen-fd", str(listener.fileno())]
         with open(os.path.join(self.run_dir, "logs", "agent.log"), "ab") as log:
             self._agent_proc = subprocess.Popen(
                 [sys.executable, "-m", "trainmover.agent", "--run-dir", self.run_dir,
-                 "--host", host, "--port", str(listener.getsockname()[1]),
-                 "--listen-fd", str(listener.fileno()), "--initial", init_path,
+                 "--store", ctx.store_addr, *serve, "--address", host, "--initial", init_path,
                  "--controller-pid", str(os.getpid())],
-                pass_fds=[listener.fileno()], stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=[] if listener is None else [listener.fileno()], stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True)  # outlives this process, and the terminal's Ctrl-C
-        listener.close()
+        if listener is not None:
+            listener.close()
         # complete when it appears (agents read it)
         jobfile.write_control(self.run_dir, {"store": ctx.store_addr,
                                              "agent_pid": self._agent_proc.pid}, self._secret)
@@ -275,13 +285,12 @@ class Coordinator:
     def _connect(self, store=None) -> None:
         """Connect (or adopt ``store``) and register as the job's controller."""
         ctx = self.ctx
-        host, _, port = ctx.store_addr.rpartition(":")
 
         def rejected(key, exc):
             ctx.events.emit("message_rejected", key=key, error=str(exc))
 
-        ctx.store = store or AuthStore(kvstore.connect(
-            host, int(port), self._run_key, self.cfg.comm.store_timeout_s), self._run_key,
+        ctx.store = store or AuthStore(storeaddr.connect(
+            ctx.store_addr, self._run_key, self.cfg.comm.store_timeout_s), self._run_key,
             on_reject=rejected)
         if getattr(ctx.store, "on_reject", rejected) is None:
             ctx.store.on_reject = rejected    # the resumed controller's probe reports too
@@ -289,7 +298,21 @@ class Coordinator:
         ctx.secret = self._run_key          # the snapshot holders' frames are the run's
         self.incarnation = ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
         ctx.store.set(P.CONTROLLER_KEY,
-                      P.write_message(P.ControllerInfo(os.getpid(), self.incarnation)))
+                      P.write_message(P.ControllerInfo(os.getpid(), self.incarnation,
+                                                       self.node)))
+        self._beat()
+
+    def _beat(self) -> None:
+        """With the store on etcd: the beat the other hosts' agents watch (one key, written
+        every ``controller.beat_interval_s``: O(1) store load at any size)."""
+        if not self.cfg.process.etcd:
+            return
+        now = time.monotonic()
+        if now - self._beat_at < self.cfg.controller.beat_interval_s:
+            return
+        self._beat_at = now
+        self._beats += 1
+        self.ctx.store.set(P.CONTROLLER_BEAT_KEY, f"{self.incarnation}.{self._beats}")
 
     # --- the snapshot and the outbox --------------------------------------------------------
     def _snapshot(self) -> dict:
@@ -386,33 +409,39 @@ class Coordinator:
             self.ctx.events.emit("status_not_written", level="warning", error=str(exc))
 
     @classmethod
-    def resume(cls, run_dir: str, quiet: bool = False, force: bool = False) -> "Coordinator":
+    def resume(cls, run_dir: str, quiet: bool = False, force: bool = False, node: int = 0,
+               takeover: bool = False) -> "Coordinator":
         """A controller for a job whose controller died: the same view, rebuilt from the
         store (its snapshot, the agent's process records) and the run dir (job spec, metrics,
-        checkpoints)."""
+        checkpoints). ``node``: the host it runs on; ``takeover``: started by that host's
+        agent after the controller's host fell silent (the store on etcd), where no PID of
+        host 0 means anything."""
         run_dir = os.path.abspath(run_dir)
         for name in ("job.json", "control.json"):
             if not os.path.exists(os.path.join(run_dir, name)):
                 raise ValueError(f"{run_dir!r} holds no running job (no {name})")
         cfg = jobfile.read_job(run_dir)
         control = jobfile.read_control(run_dir)
-        if not pid_alive(control["agent_pid"]):
+        if takeover and not storeaddr.is_etcd(control["store"]):
+            raise ValueError("a controller takes over on another host only with the store on "
+                             "etcd (process.etcd): the built-in store lives on host 0")
+        if not takeover and not pid_alive(control["agent_pid"]):
             raise ValueError(f"the job in {run_dir!r} has ended (its agent, PID "
                              f"{control['agent_pid']}, is gone)")
         self = cls(cfg, run_dir, quiet)
+        self.node = node
         ctx = self.ctx
         ctx.store_addr = control["store"]
-        host, _, port = ctx.store_addr.rpartition(":")
         self._secret = load_secret(run_dir)
         self._run_key = jobfile.run_key(run_dir, self._secret)    # the same run goes on
-        probe = AuthStore(kvstore.connect(host, int(port), self._run_key,
-                                          cfg.comm.store_timeout_s), self._run_key)
+        probe = AuthStore(storeaddr.connect(ctx.store_addr, self._run_key,
+                                            cfg.comm.store_timeout_s), self._run_key)
         raw = probe.valid(P.CONTROLLER_KEY)     # a forged record: no controller known
         try:
             current = P.read_message(P.ControllerInfo, raw) if raw is not None else None
         except P.MessageError:
             current = None
-        if current is not None:
+        if current is not None and current.node == node and not takeover:
             if pid_alive(current.pid) and current.pid != os.getpid() and not force:
                 raise ValueError(f"the job's controller (PID {current.pid}) is alive; "
                                  f"pass --force to take over anyway")
@@ -585,6 +614,7 @@ class Coordinator:
         """One round of supervision; True when the job has finished."""
         ctx = self.ctx
         self._check_incarnation()
+        self._beat()
         for name, pid in ctx.procs.refresh():
             self.retention.process_exited(name, pid)
         standbys = ctx.membership.standbys

@@ -159,7 +159,9 @@ class Health:
         ctx, health = self.ctx, self.ctx.cfg.health
         self.read_hosts(now)
         quiet_of = {}
-        for node in range(1, ctx.procs.nnodes):
+        # host 0 serves the built-in store (its loss ends the job anyway); with the store on
+        # etcd it is a host like any other
+        for node in range(0 if ctx.cfg.process.etcd else 1, ctx.procs.nnodes):
             if node in ctx.procs.lost:
                 continue
             seen = self._host_beats.setdefault(node, (None, now))

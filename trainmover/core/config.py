@@ -6,6 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from trainmover.core import storeaddr
 from trainmover.core.topology import Layout, split_layers
 
 
@@ -205,8 +206,14 @@ class ProcessConfig:
     # with the uninterrupted run's weights on the same hardware, as on the CPU. Off: faster
     # kernels, results equal only within float tolerance.
     deterministic: bool = True
-    store_host: str = "127.0.0.1"      # the address the job's store listens on
+    # The address the job's store listens on, and host 0's processes bind for their
+    # communication (with the store on etcd, only the latter).
+    store_host: str = "127.0.0.1"
     store_port: int = 0                # its port (0: any free one, named in control.json)
+    # The job's store on an etcd cluster instead: etcd://HOST:PORT,...?ca=FILE&cert=FILE&
+    # key=FILE (mutual TLS; empty: the built-in store, served by host 0's agent). Three
+    # members on three hosts keep the store through the loss of any one (docs/failures.md).
+    etcd: str = ""
     # Listening (store, dashboard) on an address other than loopback must be asked for: the
     # store's values are signed, but whoever reaches it can flood or delete its keys, and
     # the workers' gloo/NCCL connections are not authenticated at all (docs/security.md).
@@ -728,6 +735,15 @@ class ControllerConfig:
     # At the job's end, how long the controller waits for the agent to stop every process
     # and exit before killing it.
     agent_exit_timeout_s: float = 30.0
+    # With the store on etcd (process.etcd), the controller beats this often in the store,
+    # and when its beat has been still for ``takeover_after_s`` the agent of the next host
+    # (of ``successors`` hosts after the controller's, each a further ``takeover_after_s``
+    # later than the one before it) starts a new controller on its own host: the job
+    # outlives the controller's host. Longer than a restart on the controller's own host
+    # takes (its agent restarts it first).
+    beat_interval_s: float = 1.0
+    takeover_after_s: float = 10.0
+    successors: int = 2
 
     def validate(self) -> None:
         if self.restart not in ("auto", "manual"):
@@ -742,7 +758,13 @@ class ControllerConfig:
                  status_interval_s=self.status_interval_s,
                  incarnation_check_s=self.incarnation_check_s, stop_grace_s=self.stop_grace_s,
                  agent_exit_timeout_s=self.agent_exit_timeout_s,
-                 downtime_report_timeout_s=self.downtime_report_timeout_s)
+                 downtime_report_timeout_s=self.downtime_report_timeout_s,
+                 beat_interval_s=self.beat_interval_s, takeover_after_s=self.takeover_after_s)
+        _non_negative("controller", successors=self.successors)
+        if self.takeover_after_s <= 2 * self.beat_interval_s:
+            raise ValueError(f"controller.takeover_after_s={self.takeover_after_s} must exceed "
+                             f"two beats (controller.beat_interval_s={self.beat_interval_s}): "
+                             f"a controller that is alive would be taken over")
 
 
 @dataclass
@@ -871,6 +893,8 @@ class JobConfig:
             raise ValueError(f"standby.count={self.standby.count} is more standbys than the "
                              f"job can use (at most one per worker role, or "
                              f"{MAX_STANDBYS_SMALL_JOB} for a smaller job: {most} here)")
+        if self.process.etcd:
+            storeaddr.parse_etcd(self.process.etcd)      # names what is wrong with it
         if self.hosts.nnodes > 1 and self.process.store_host.startswith("127."):
             raise ValueError(f"process.store_host={self.process.store_host!r} is loopback, "
                              f"which the other {self.hosts.nnodes - 1} host(s) cannot reach: "

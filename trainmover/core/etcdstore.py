@@ -42,6 +42,7 @@ import http.client
 import itertools
 import json
 import os
+import random
 import socket
 import ssl
 import threading
@@ -59,6 +60,14 @@ MARKER_TTL_S = 600
 # A member that answered with an error a client should take elsewhere (gRPC Unavailable:
 # no leader, leader changed, request timed out while the cluster elects).
 _UNAVAILABLE = 14
+# How long one try of a request may take before it is retried on the next member. etcd
+# itself answers a write that was in flight when its leader died only at its own request
+# timeout (5 s plus two election timeouts): every agent's heartbeat once stalled that long
+# and the new controller declared every host lost.
+ATTEMPT_S = 1.0
+# How long one watch is trusted before the keys are read again: a member cut off from the
+# others keeps a watch open but sees no new writes (the read goes through the leader).
+WATCH_RECHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +177,8 @@ class EtcdClient:
         self.failover_s = failover_s
         context = tls.context() if tls is not None else None
         self._members = [_Member(h, p, context) for h, p in self.endpoints]
-        self._at = 0                        # the member requests go to first
+        # the member requests go to first: any, so that a job's clients spread over them
+        self._at = random.randrange(len(self._members))
         self.failovers = 0                  # requests moved to another member
         self._lock = threading.Lock()
         self._prefix = run_prefix(store_key)
@@ -199,8 +209,8 @@ class EtcdClient:
             while True:
                 member = self._members[self._at]
                 try:
-                    return member.post(path, body, max(0.5, min(self.timeout_s,
-                                                                deadline - time.monotonic())))
+                    return member.post(path, body, max(0.05, min(
+                        ATTEMPT_S, self.timeout_s, deadline - time.monotonic())))
                 except _Unavailable as exc:
                     last = exc
                     self._at = (self._at + 1) % len(self._members)
@@ -239,46 +249,44 @@ class EtcdClient:
     # --- waiting -------------------------------------------------------------------------
 
     def _watch_put(self, key: bytes, after: int, deadline: float) -> None:
-        """Returns once ``key`` is written at a revision after ``after``, or raises
-        ``StoreTimeout`` at ``deadline``. A watch of its own, on a connection of its own, to
-        the member in use (the next on failure, until the deadline)."""
+        """Returns once ``key`` may have been written at a revision after ``after`` (a put
+        seen, the member gone, or ``WATCH_RECHECK_S`` passed: the caller reads again), or
+        raises ``StoreTimeout`` at ``deadline``. A watch of its own, on a connection of its
+        own, to the member in use."""
+        now = time.monotonic()
+        if now >= deadline:
+            raise StoreTimeout("")
+        recheck = min(deadline, now + WATCH_RECHECK_S)
         body = json.dumps({"create_request": {"key": _b64(key),
                                               "start_revision": str(after + 1)}}).encode()
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StoreTimeout("")
-            member = self._members[self._at]
-            conn = member.open(max(0.05, left))
-            try:
-                conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                if resp.status != 200:
-                    raise _Unavailable(f"watch: HTTP {resp.status}")
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise StoreTimeout("")
-                    conn.sock.settimeout(left)
+        conn = self._members[self._at].open(min(ATTEMPT_S, recheck - now))
+        try:
+            conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise _Unavailable(f"watch: HTTP {resp.status}")
+            while (left := recheck - time.monotonic()) > 0:
+                conn.sock.settimeout(left)
+                try:
                     line = resp.readline()
-                    if not line:
-                        raise _Unavailable("watch stream closed")
-                    if not line.strip():
-                        continue
-                    result = json.loads(line).get("result", {})
-                    if result.get("compact_revision") not in (None, "0"):
-                        return       # compacted past ``after``: the caller reads again
-                    if any(e.get("type", "PUT") == "PUT" for e in result.get("events") or []):
-                        return
-            except socket.timeout:
-                raise StoreTimeout("") from None
-            except (OSError, http.client.HTTPException, ValueError, _Unavailable):
-                with self._lock:
-                    self._at = (self._at + 1) % len(self._members)
-                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-                return                           # the caller reads again (not a timeout)
-            finally:
-                conn.close()
+                except socket.timeout:
+                    return                       # nothing within the recheck: read again
+                if not line:
+                    raise _Unavailable("watch stream closed")
+                if not line.strip():
+                    continue
+                result = json.loads(line).get("result", {})
+                if result.get("compact_revision") not in (None, "0"):
+                    return           # compacted past ``after``: the caller reads again
+                if any(e.get("type", "PUT") == "PUT" for e in result.get("events") or []):
+                    return
+        except (OSError, http.client.HTTPException, ValueError, _Unavailable):
+            # the member is gone or slow to answer: the next one, after a breath
+            with self._lock:
+                self._at = (self._at + 1) % len(self._members)
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        finally:
+            conn.close()
 
     def _wait_all(self, keys: list[bytes], wait_s: float) -> list[bytes]:
         deadline = time.monotonic() + wait_s

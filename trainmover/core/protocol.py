@@ -145,6 +145,15 @@ def encode(obj) -> str:
 AGENT_EXIT_COUNT_KEY = "agent/exit/count"        # process exits, every host's
 CONTROLLER_KEY = "controller/current"            # {"pid", "incarnation"} of the live one
 CONTROLLER_INCARNATION_KEY = "controller/incarnation"
+# With the store on etcd: the live controller's beat ("<incarnation>.<n>"), which the
+# agents of the hosts after the controller's watch, and who takes over from a silent one.
+CONTROLLER_BEAT_KEY = "controller/beat"
+
+
+def controller_takeover_key(incarnation: int) -> str:
+    """The host whose agent starts the controller after incarnation ``incarnation`` fell
+    silent (the first compare-and-set wins)."""
+    return f"controller/takeover/{incarnation}"
 CONTROLLER_SNAPSHOT_KEY = "controller/snapshot"  # the controller's state, for a resume
 
 
@@ -742,11 +751,14 @@ class HostBeat:
 
 @dataclass(frozen=True)
 class ControllerInfo:
-    """``controller/current``: the live controller (the agent restarts it when its PID is
-    gone; a new one increments the incarnation and the old one steps down)."""
+    """``controller/current``: the live controller (the agent of its host restarts it when
+    its PID is gone; a new one increments the incarnation and the old one steps down).
+    ``node``: the host it runs on (host 0 but after a takeover, which the store on etcd
+    allows)."""
 
     pid: int
     incarnation: int
+    node: int = 0
 
 
 @dataclass(frozen=True)
