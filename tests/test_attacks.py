@@ -70,7 +70,7 @@ def controller_ctx(server, pids: dict[str, int], nnodes: int = 1):
     ctx.read = lambda cls, key: JobContext.read(ctx, cls, key)
     ctx.cfg = SimpleNamespace(health=SimpleNamespace(
         check_interval_s=0.0, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
-        startup_timeout_s=30.0, silence_s=lambda: 1.0))
+        startup_timeout_s=30.0, silence_s=lambda: 1.0), process=SimpleNamespace(etcd=""))
     procs = {name: SimpleNamespace(node=0, incarnation=1, code=None, pid=pid)
              for name, pid in pids.items()}
     lost = []

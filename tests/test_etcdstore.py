@@ -15,7 +15,7 @@ from trainmover.core.kvserver import KVServer
 from trainmover.core.kvstore import (KVClient, StoreError, StoreNotANumber, StoreRefused,
                                      StoreTimeout, store_key)
 
-from etcd_cluster import EtcdCluster, make_certs
+from trainmover.bench.etcd_cluster import EtcdCluster, make_certs
 
 if shutil.which("etcd") is None or shutil.which("openssl") is None:
     if os.environ.get("TRAINMOVER_REQUIRE_ETCD"):

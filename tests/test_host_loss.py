@@ -21,7 +21,7 @@ from trainmover.bench import netns
 from trainmover.bench.hosts import job_config, wait_for
 from trainmover.core.events import read_jsonl
 
-from etcd_cluster import ETCD, EtcdCluster
+from trainmover.bench.etcd_cluster import ETCD, EtcdCluster
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=f"no namespaces: {WHY_NOT}"),

@@ -206,13 +206,12 @@ class ProcessConfig:
     # with the uninterrupted run's weights on the same hardware, as on the CPU. Off: faster
     # kernels, results equal only within float tolerance.
     deterministic: bool = True
-    # The address the job's store listens on, and host 0's processes bind for their
-    # communication (with the store on etcd, only the latter).
-    store_host: str = "127.0.0.1"
+    store_host: str = "127.0.0.1"      # the address the job's store listens on
     store_port: int = 0                # its port (0: any free one, named in control.json)
     # The job's store on an etcd cluster instead: etcd://HOST:PORT,...?ca=FILE&cert=FILE&
     # key=FILE (mutual TLS; empty: the built-in store, served by host 0's agent). Three
     # members on three hosts keep the store through the loss of any one (docs/failures.md).
+    # Host 0's processes still bind ``store_host`` for their communication.
     etcd: str = ""
     # Listening (store, dashboard) on an address other than loopback must be asked for: the
     # store's values are signed, but whoever reaches it can flood or delete its keys, and

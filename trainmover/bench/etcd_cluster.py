@@ -1,6 +1,8 @@
-"""A throw-away etcd cluster for tests: members on loopback (or given addresses), mutual TLS
-between clients and members and between members, data on tmpfs, each member a child
-process this helper stops by PID. Needs Debian's ``etcd-server`` and ``openssl``."""
+"""A throw-away etcd cluster for tests and benchmarks: members on loopback (or given
+addresses), mutual TLS between clients and members and between members, data on tmpfs,
+each member a child process this helper stops by PID. Needs Debian's ``etcd-server`` and
+``openssl``. Not for production: its certificates live two days and its members are
+tuned for one machine (50 ms heartbeats, 500 ms elections)."""
 from __future__ import annotations
 
 import json
