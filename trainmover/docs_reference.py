@@ -328,7 +328,8 @@ BENCH_GROUPS = [
         "straggler", "straggler_false_positives", "straggler_results", "ettr_10min", "ettr",
         "ettr_prestarted", "ettr_results"]),
     ("Hosts, scale and endurance", [
-        "hosts", "control", "control_hostbeats", "control_flat", "control_scaling",
+        "hosts", "store_etcd", "control", "control_hostbeats", "control_flat",
+        "control_scaling",
         "control_4096", "projection", "projection-quick", "store_keys", "soak",
         "soak_c988399_failed", "view"]),
 ]
@@ -371,6 +372,7 @@ def _bench_renderer(stem: str, r: dict):
         "store_keys": ("python benchmarks/store_keys.py", None),
         "control_cpu": ("python benchmarks/control_cpu.py", None),
         "striped_recovery": ("python benchmarks/striped_recovery.py", None),
+        "store_etcd": ("python benchmarks/store_etcd.py", None),
     }
     for prefix in sorted(table, key=len, reverse=True):   # the longest name that fits
         if stem == prefix or stem.startswith(prefix + "_"):
