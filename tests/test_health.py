@@ -77,3 +77,22 @@ def test_a_hung_standby_is_reported_once_per_incarnation(monkeypatch):
     assert health.hung_standbys() == []
     clock.now += 6.0
     assert [n for n, _ in health.hung_standbys()] == ["s0"]
+
+
+def test_survivors_silent_after_an_abort_are_fenced_only_once_reports_stop_coming():
+    """A slow control plane (reports still arriving) fences nobody until the bound; a
+    quiet one fences the missing after the timeout, however many they are."""
+    from trainmover.core.decisions import silent_survivors
+
+    missing = [f"w{i}" for i in (10, 2, 1)]
+    # reports kept coming (the last 1 s ago) for 30 s: nobody is fenced, majority or not
+    assert silent_survivors(missing, waited_s=30.0, quiet_s=1.0, timeout_s=6.0,
+                            max_wait_s=120.0) == []
+    # nothing new for longer than the timeout: the missing are hung, in natural order
+    assert silent_survivors(missing, waited_s=30.0, quiet_s=6.5, timeout_s=6.0,
+                            max_wait_s=120.0) == ["w1", "w2", "w10"]
+    # a fixed bound, however reports keep coming
+    assert silent_survivors(missing, waited_s=121.0, quiet_s=0.1, timeout_s=6.0,
+                            max_wait_s=120.0) == ["w1", "w2", "w10"]
+    assert silent_survivors([], waited_s=500.0, quiet_s=500.0, timeout_s=6.0,
+                            max_wait_s=120.0) == []

@@ -9,7 +9,9 @@ communicator failed is fenced and replaced too. Then the step in flight is abort
 (``abort/<epoch>`` wakes every survivor out of any wait, and the step's commit decision is
 set to ``abort`` unless it was already ``commit``), so no survivor is ever stuck past the
 bound. A survivor that still beats but sends no report within
-``recovery.report_timeout_s`` is fenced as hung.
+``recovery.report_timeout_s`` of the last report read (or the abort) is fenced as hung,
+and one still silent ``recovery.report_wait_max_s`` after the abort, however many reports
+keep coming (``decisions.silent_survivors``).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class ActiveRecovery:
     reports: dict[str, P.FailureReport] = field(default_factory=dict)
     replacements: list[str] = field(default_factory=list)   # processes started for it
     t_collect: float | None = None      # when collecting reports began (if not at detection)
+    t_report: float | None = None       # when the last survivor's report was read
     abandoned: list[int] = field(default_factory=list)      # ids of plans given up before
     resume_step: int | None = None      # set by the plan
 
@@ -138,15 +141,21 @@ class Recovery:
                 return self._after_the_last_step(list(rec.failures.values()))
             survivors = [w for w in ctx.membership.workers if w not in rec.failures]
             unread = [w for w in survivors if w not in rec.reports]
-            rec.reports.update(read_failure_reports(ctx, rec.epoch, unread))
+            read = read_failure_reports(ctx, rec.epoch, unread)
+            now = time.time()
+            if read:
+                rec.reports.update(read)
+                rec.t_report = now
             missing = [w for w in unread if w not in rec.reports]
             if missing:
                 since = rec.t_collect or rec.t_detected
-                if time.time() - since > ctx.cfg.recovery.report_timeout_s:
-                    # alive (beating) yet silent: treat as failed too
-                    for w in missing:
-                        ctx.fence(w, "no report after abort")
-                        rec.failures[w] = Failure(w, "hang", time.time(), "no report after abort")
+                cfg = ctx.cfg.recovery
+                # alive (beating) yet silent while the others' reports stopped coming: hung
+                for w in C.silent_survivors(missing, now - since,
+                                            now - max(since, rec.t_report or since),
+                                            cfg.report_timeout_s, cfg.report_wait_max_s):
+                    ctx.fence(w, "no report after abort")
+                    rec.failures[w] = Failure(w, "hang", now, "no report after abort")
                 return
             self._plan(rec)
         elif rec.state == "recovering":

@@ -523,9 +523,12 @@ class HealthConfig:
 class RecoveryConfig:
     """What the controller does once a failure is detected."""
 
-    # After aborting the step in flight, how long the controller waits for each survivor's
-    # report; a survivor that beats but does not report by then is fenced as hung.
+    # After aborting the step in flight, how long the controller waits for the survivors'
+    # reports: a survivor that beats but has not reported this long after the abort, or
+    # after the last report that came in, is fenced as hung. While reports keep coming (a
+    # large job's, queued at the store) it waits on, up to ``report_wait_max_s``.
     report_timeout_s: float = 6.0
+    report_wait_max_s: float = 120.0
     # A failure with no free standby: start a replacement process (a new standby, promoted
     # as soon as it runs; the job waits for it, "degraded") instead of stopping the job.
     replace_without_standby: bool = True
@@ -539,7 +542,11 @@ class RecoveryConfig:
     stripe_sources: int = 4
 
     def validate(self) -> None:
-        _seconds("recovery", report_timeout_s=self.report_timeout_s)
+        _seconds("recovery", report_timeout_s=self.report_timeout_s,
+                 report_wait_max_s=self.report_wait_max_s)
+        if self.report_wait_max_s < self.report_timeout_s:
+            raise ValueError(f"recovery.report_wait_max_s={self.report_wait_max_s} is less "
+                             f"than recovery.report_timeout_s={self.report_timeout_s}")
         _positive("recovery", stripe_sources=self.stripe_sources)
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"recovery.max_attempts must be a positive integer, got "

@@ -444,3 +444,16 @@ def dirty_groups(layout: Layout, reports: dict[str, dict[str, dict]],
                                      acc[1]["sent"] != acc[0]["recv"]):
             dirty.add(name)
     return dirty
+
+
+def silent_survivors(missing: list[str], waited_s: float, quiet_s: float, timeout_s: float,
+                     max_wait_s: float) -> list[str]:
+    """The survivors to fence as hung for sending no report after an abort: those
+    ``missing`` once ``timeout_s`` passed without any new report (``quiet_s``: since the
+    abort or the last report read), or ``max_wait_s`` after the abort however reports keep
+    coming. While reports keep arriving the control plane is slow, not these workers: a
+    fixed deadline once fenced thousands of healthy survivors of a large job whose reports
+    queued at the store, and the job failed for want of standbys."""
+    if missing and (quiet_s > timeout_s or waited_s > max_wait_s):
+        return sorted(missing, key=_natural)
+    return []
