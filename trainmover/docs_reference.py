@@ -330,7 +330,8 @@ BENCH_GROUPS = [
     ("Hosts, scale and endurance", [
         "hosts", "store_etcd", "control", "control_hostbeats", "control_flat",
         "control_scaling",
-        "control_4096", "projection", "projection-quick", "store_keys", "soak",
+        "control_4096", "report-fencing-before-after", "projection", "projection-quick",
+        "store_keys", "soak",
         "soak_c988399_failed", "view"]),
 ]
 

@@ -350,8 +350,7 @@ class Agent:
         if self._controller is None:
             return True
         if self._controller.node != self.node:
-            self._watch_remote_controller(self._controller, now)
-            return True
+            return self._watch_remote_controller(self._controller, now)
         if pid_alive(self._controller.pid):
             return True
         policy = self.cfg.controller
@@ -383,27 +382,30 @@ class Agent:
             return self.cfg.agent.controller_check_s
         return self.cfg.controller.takeover_after_s
 
-    def _watch_remote_controller(self, current: P.ControllerInfo, now: float) -> None:
-        """The store on etcd, the controller on another host: the agents of the
-        ``controller.successors`` hosts after it watch its beat, and the r-th of them starts
-        a controller here once the beat has been still for r times
-        ``controller.takeover_after_s`` (the controller's own agent restarts it sooner, if
-        that host is alive), after winning the election for that incarnation and rank. The
-        new controller's higher incarnation makes any old one step down."""
+    def _watch_remote_controller(self, current: P.ControllerInfo, now: float) -> bool:
+        """The store on etcd, the controller on another host: its beat is watched, often by
+        the agents of the ``controller.successors`` hosts after it, seldom by the others.
+        The r-th successor starts a controller here once the beat has been still for r
+        times ``controller.takeover_after_s`` (the controller's own agent restarts it
+        sooner, if that host is alive), after winning the election for that incarnation and
+        rank; the new controller's higher incarnation makes any old one step down. False
+        (the job must end) once the beat has been still for ``controller.grace_s``."""
         if not self.etcd:
-            return
+            return True
         policy = self.cfg.controller
-        rank = (self.node - current.node) % self.cfg.hosts.nnodes
-        if not 1 <= rank <= policy.successors:
-            return
         beat = self.store.valid(P.CONTROLLER_BEAT_KEY)
         if beat != self._beat_seen or self._beat_still_since == 0.0:
             self._beat_seen, self._beat_still_since = beat, now
-            return
+            return True
         still = now - self._beat_still_since
-        if still < rank * policy.takeover_after_s or \
+        if still > policy.grace_s:
+            self.events.emit("job_abandoned", reason=f"no controller has beaten for "
+                             f"{still:.0f} s (controller.grace_s)")
+            return False
+        rank = (self.node - current.node) % self.cfg.hosts.nnodes
+        if not 1 <= rank <= policy.successors or still < rank * policy.takeover_after_s or \
                 (current.incarnation, rank) in self._takeovers:
-            return
+            return True
         self._takeovers.add((current.incarnation, rank))
         key = f"{P.controller_takeover_key(current.incarnation)}/{rank}"
         won = self.store.compare_set(key, "", str(self.node)) == str(self.node).encode()
@@ -412,6 +414,7 @@ class Agent:
                          rank=rank, takes_over=won, level="warning")
         if won:
             self._restart_controller(takeover=True)
+        return True
 
     def _restart_controller(self, takeover: bool = False) -> None:
         log = os.path.join(self.run_dir, "logs", "controller.log")

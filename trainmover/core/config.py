@@ -706,7 +706,8 @@ class ControllerConfig:
     restart: str = "auto"
     # After the controller dies, how long (seconds) the agent waits for a new one to take
     # over (the one it started, with "auto"; `trainmover controller --resume`, with
-    # "manual") before it stops the job.
+    # "manual") before it stops the job. With the store on etcd, every agent stops once no
+    # controller has beaten for this long (after takeovers failed).
     grace_s: float = 300.0
     # With "auto": the most controllers the agent starts for the job; the controller's death
     # after that many stops the job (0: its first death does).
@@ -901,6 +902,12 @@ class JobConfig:
                              f"{MAX_STANDBYS_SMALL_JOB} for a smaller job: {most} here)")
         if self.process.etcd:
             storeaddr.parse_etcd(self.process.etcd)      # names what is wrong with it
+            ctl = self.controller
+            if ctl.grace_s <= ctl.successors * ctl.takeover_after_s:
+                raise ValueError(f"controller.grace_s={ctl.grace_s} must exceed the last "
+                                 f"successor's takeover (controller.successors="
+                                 f"{ctl.successors} x controller.takeover_after_s="
+                                 f"{ctl.takeover_after_s}) with the store on etcd")
         if self.hosts.nnodes > 1 and self.process.store_host.startswith("127."):
             raise ValueError(f"process.store_host={self.process.store_host!r} is loopback, "
                              f"which the other {self.hosts.nnodes - 1} host(s) cannot reach: "
