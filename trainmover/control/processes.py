@@ -3,6 +3,7 @@ exit records, each host's liveness."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 from trainmover.core import protocol as P
@@ -127,18 +128,29 @@ class AgentClient:
 
     def shutdown(self, grace_s: float, timeout_s: float) -> None:
         """Stop every process (SIGKILL after ``grace_s``) and every agent, host 0's (the
-        store's) last; returns once they are stopped, or after ``timeout_s`` each."""
+        built-in store's) last; returns once they are stopped, or ``timeout_s`` after the
+        order went out. Every other host is told first and all of them stop at once: one
+        host after another, each waited for up to ``timeout_s``, a failed job of thousands
+        of hosts once took longer to stop than it had run."""
         from datetime import timedelta
 
-        for node in [*range(1, self.nnodes), 0]:
-            if node in self.lost:
-                continue
-            try:
-                self.send(node, P.AgentShutdown(grace_s))
-                self.store.wait([P.agent_key(node, "done")], timedelta(seconds=timeout_s))
-                self.store.set(P.agent_key(node, "done_ack"), "1")
-            except Exception:  # noqa: BLE001 - that agent is gone already: nothing to stop
-                pass
+        others = [n for n in range(1, self.nnodes) if n not in self.lost]
+        for nodes in (others, [] if 0 in self.lost else [0]):
+            told = []
+            for node in nodes:
+                try:
+                    self.send(node, P.AgentShutdown(grace_s))
+                    told.append(node)
+                except Exception:  # noqa: BLE001 - the store is gone: nothing more to tell
+                    break
+            deadline = time.monotonic() + timeout_s
+            for node in told:
+                try:
+                    self.store.wait([P.agent_key(node, "done")],
+                                    timedelta(seconds=max(0.0, deadline - time.monotonic())))
+                    self.store.set(P.agent_key(node, "done_ack"), "1")
+                except Exception:  # noqa: BLE001 - that agent is gone already or too late
+                    pass
 
     def tail(self, name: str, lines: int = 15) -> str:
         try:
