@@ -296,7 +296,9 @@ model = rt.data_parallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.R
                                              torch.nn.Linear(32, 1)))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 rt.register(model=model, optimizer=opt)
-for step in rt.steps(30):
+# enough steps for the migration to switch before the end however long the standby takes
+# to warm up on a loaded machine (at 30, one suite run finished first: no switch, no check)
+for step in rt.steps(150):
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + rt.dp_rank))
     opt.zero_grad()
     model(x).pow(2).mean().backward()

@@ -3,8 +3,9 @@ three hosts), every process of the host that holds the etcd leader and the contr
 0: the controller, its agent, two workers, a standby and the etcd member) is killed at once.
 The agent of the next host takes over (it starts a controller there once the controller's
 beat has been still for ``controller.takeover_after_s``), host 0 is found lost and fenced,
-its roles recover on the other hosts' standbys from their data-parallel replicas, and the
-job ends with the weights of the same job run on one host without interruptions.
+its roles recover on the other hosts' standbys from their data-parallel replicas; then that
+controller is killed and its own host's agent restarts it; the job ends with the weights of
+the same job run on one host without interruptions.
 
 Hosts are network namespaces (``bench/netns.py``); here all three job hosts are namespaces
 of their own (the root namespace holds only the bridge), so host 0 can be killed whole."""
@@ -50,6 +51,11 @@ def _kill_all_in(hosts: netns.Hosts, index: int) -> int:
         except ProcessLookupError:
             pass
     return len(pids)
+
+
+def _events(run_dir: str, name: str) -> list[dict]:
+    path = os.path.join(run_dir, "events.jsonl")
+    return [e for e in read_jsonl(path) if e["event"] == name] if os.path.exists(path) else []
 
 
 def _steps(run_dir: str) -> int:
@@ -112,6 +118,10 @@ def test_the_host_of_the_controller_and_the_etcd_leader_dies_and_the_job_goes_on
                      "ten steps and warm standbys")
             killed_at = time.time()
             assert _kill_all_in(hosts, order[0]) >= 6   # controller, agent, 3 + etcd
+            # then the controller that took over dies too: its own host's agent restarts it
+            wait_for(lambda: _events(run_dir, "recovery_done"), 120, "the recovery")
+            (taken,) = _events(run_dir, "controller_restarted")
+            os.kill(taken["pid"], signal.SIGKILL)
             wait_for(lambda: os.path.exists(os.path.join(run_dir, "summary.json")), 400,
                      "the job to end under the new controller")
             with open(os.path.join(run_dir, "summary.json")) as f:
@@ -126,7 +136,7 @@ def test_the_host_of_the_controller_and_the_etcd_leader_dies_and_the_job_goes_on
     silent = [e for e in events if e["event"] == "controller_silent"]
     assert silent and silent[0]["node"] == 0 and silent[0]["takes_over"], silent
     restarted = [e for e in events if e["event"] == "controller_restarted"]
-    assert restarted and restarted[0]["takeover"] and restarted[0]["node"] == 1
+    assert [(e["node"], e["takeover"]) for e in restarted] == [(1, True), (1, False)]
     (lost,) = [e for e in events if e["event"] == "host_lost"]
     assert lost["node"] == 0 and lost["time"] > killed_at
     assert summary["weights_sha256"] == baseline

@@ -425,7 +425,9 @@ class Coordinator:
         if takeover and not storeaddr.is_etcd(control["store"]):
             raise ValueError("a controller takes over on another host only with the store on "
                              "etcd (process.etcd): the built-in store lives on host 0")
-        if not takeover and not pid_alive(control["agent_pid"]):
+        # control.json names host 0's agent: its PID means something on host 0 only (a
+        # controller restarted by the agent of the host that took over runs elsewhere)
+        if node == 0 and not takeover and not pid_alive(control["agent_pid"]):
             raise ValueError(f"the job in {run_dir!r} has ended (its agent, PID "
                              f"{control['agent_pid']}, is gone)")
         self = cls(cfg, run_dir, quiet)
