@@ -120,8 +120,7 @@ class Agent:
         self._takeovers: set[tuple[int, int]] = set()   # (incarnation, rank) tried
         self.node = node
         # this host's address: its workers' gloo binds (the built-in store's host by default)
-        self.address = address or (store.rpartition(":")[0] if not storeaddr.is_etcd(store)
-                                    else "127.0.0.1")
+        self.address = address or ("127.0.0.1" if self.etcd else store.rpartition(":")[0])
         self.cfg = cfg
         self.children: dict[str, Child] = {}
         self.controllers: list[subprocess.Popen] = []   # the ones this agent restarted
