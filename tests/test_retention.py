@@ -112,3 +112,37 @@ def test_store_keys_do_not_grow_with_events(tmp_path):
         [r["status"] for r in summary["recoveries"]]
     assert events.count("done") >= 4, summary["migrations"]
     assert abs(keys["last"] - keys["first"]) < 12, keys
+
+
+def test_keys_go_only_once_the_snapshot_that_no_longer_needs_them_is_saved():
+    """A controller that completes a recovery and dies before its next snapshot save is
+    resumed from a snapshot where that recovery still waits for its recovered count: the
+    count must still be there (it once was deleted at once, and the resumed controller
+    waited for it until the job's timeout: CI, a controller killed 0.1 s after the
+    recovery)."""
+    from types import SimpleNamespace
+
+    from trainmover.control.retention import Retention
+    from trainmover.core import protocol as P
+
+    class Store:
+        def __init__(self):
+            self.deleted = []
+
+        def delete_key(self, key):
+            self.deleted.append(key)
+            return True
+
+    store = Store()
+    membership = SimpleNamespace(generations={}, standbys={}, workers={})
+    ret = Retention(SimpleNamespace(store=store, membership=membership, cmd_next={"w1": 3}))
+    ret.recovery_done(7, [1], ["w0", "w1"], failed=["w1"])
+    ret.migration_done(2, ["w0"], [])
+    assert store.deleted == []
+    ret.snapshot_saved(exits_seen=1)
+    assert P.recovered_count_key(7) in store.deleted
+    assert P.failure_key(1, "w0") in store.deleted and P.command_key("w1", 2) in store.deleted
+    assert P.mig_key(2, "go") in store.deleted and P.agent_exit_key(1) in store.deleted
+    store.deleted.clear()
+    ret.snapshot_saved(exits_seen=1)
+    assert store.deleted == []           # each key once

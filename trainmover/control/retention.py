@@ -45,6 +45,12 @@ class Retention:
         self.high: dict[str, int] = {}       # epoch -> highest step voted in it, at most
         self.exits_deleted = 0               # exit records deleted up to this index
         self.generations_deleted: dict[str, int] = {}   # group -> generations below deleted
+        # Keys found dead this round, deleted once the snapshot of this round is saved: a
+        # controller that dies before that save is resumed from a snapshot that still
+        # needs them (a recovery not yet marked complete waits for its recovered count; one
+        # dead controller's successor waited for a deleted count forever). Not snapshotted:
+        # the successor decides the same deletions again.
+        self._doomed: list[str] = []
 
     def poll(self) -> None:
         """Delete the commit keys of decided steps, every ``controller.gc_every_steps``."""
@@ -69,57 +75,61 @@ class Retention:
             del self.started[old]
 
     def _delete_steps(self, epoch: int, start: int, stop: int) -> None:
-        store = self.ctx.store
         for step in range(start, stop):
             for what in P.COMMIT_KEYS:
-                store.delete_key(P.commit_key(epoch, step, what))
+                self._drop(P.commit_key(epoch, step, what))
 
     def process_exited(self, name: str, pid: int | None) -> None:
         m = self.ctx.membership
         if m is not None and name in m.standbys and name not in m.workers:
             self.process_gone(name)    # a standby that exited never comes back
 
+    def _drop(self, key: str) -> None:
+        self._doomed.append(key)
+
     def snapshot_saved(self, exits_seen: int) -> None:
-        """A controller snapshot counting ``exits_seen`` exit records as read was saved."""
+        """A controller snapshot was saved, counting ``exits_seen`` exit records as read and
+        holding the state in which the keys doomed so far are dead: they go now."""
+        doomed, self._doomed = self._doomed, []
+        for key in doomed:
+            self.ctx.store.delete_key(key)
         for index in range(self.exits_deleted + 1, exits_seen + 1):
-            self.ctx.store.delete_key(P.agent_exit_key(index))
+            self.ctx.store.delete_key(P.agent_exit_key(index))  # the save counted them
         self.exits_deleted = max(self.exits_deleted, exits_seen)
 
     def replaced_groups(self, channels: list[tuple[str, int]] = ()) -> None:
         """Delete the rendezvous keys of every communicator generation older than the live
         one, and of the given transfer channels (name, generation)."""
-        m, store = self.ctx.membership, self.ctx.store
+        m = self.ctx.membership
         for name, live in m.generations.items():
             old = range(self.generations_deleted.get(name, 0), live)
             size = m.layout.group(name).size if old else 0
             for gen in old:
                 for key in P.rendezvous_keys(name, gen, size):
-                    store.delete_key(key)
+                    self._drop(key)
             self.generations_deleted[name] = max(live, self.generations_deleted.get(name, 0))
         for name, gen in channels:
             for key in P.rendezvous_keys(name, gen, 2):
-                store.delete_key(key)
+                self._drop(key)
 
     def process_gone(self, name: str) -> None:
         """``name`` is out of the job for good (see the module doc): its own keys go."""
-        store = self.ctx.store
         for index in range(1, self.ctx.cmd_next.get(name, 1)):
-            store.delete_key(P.command_key(name, index))
+            self._drop(P.command_key(name, index))
         for key in (P.membership_key(name), P.standby_state_key(name), P.agent_proc_key(name),
                     P.perf_key(name)):
-            store.delete_key(key)
+            self._drop(key)
 
     def migration_done(self, migration_id: int, participants: list[str],
                        leavers: list[str]) -> None:
-        store = self.ctx.store
         for what in ("ready_count", "switched_count", "go", "switch_at", "abort"):
-            store.delete_key(P.mig_key(migration_id, what))
+            self._drop(P.mig_key(migration_id, what))
         for w in participants:
             for what in ("ready", "switched", "steps"):
-                store.delete_key(P.mig_key(migration_id, what, w))
+                self._drop(P.mig_key(migration_id, what, w))
         for w in leavers:
             for what in ("at_switch", "outcome"):
-                store.delete_key(P.mig_key(migration_id, what, w))
+                self._drop(P.mig_key(migration_id, what, w))
 
     def migration_accounted(self, migration_id: int, participants: list[str],
                             leavers: list[str], channels: list[tuple[str, int]]) -> None:
@@ -131,13 +141,12 @@ class Retention:
 
     def recovery_done(self, recovery_id: int, epochs: list[int], workers: list[str],
                       failed: list[str] = (), channels: list[tuple[str, int]] = ()) -> None:
-        store = self.ctx.store
         for w in failed:
             self.process_gone(w)
         self.replaced_groups(channels)
-        store.delete_key(P.recovered_count_key(recovery_id))
+        self._drop(P.recovered_count_key(recovery_id))
         for epoch in epochs:
-            store.delete_key(P.abort_key(epoch))
-            store.delete_key(P.failure_count_key(epoch))
+            self._drop(P.abort_key(epoch))
+            self._drop(P.failure_count_key(epoch))
             for w in workers:
-                store.delete_key(P.failure_key(epoch, w))
+                self._drop(P.failure_key(epoch, w))
