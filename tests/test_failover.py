@@ -281,3 +281,55 @@ def test_junk_at_the_stop_request_does_not_disable_trainmover_stop(tmp_path):
     summary = request_stop(run_dir, timeout_s=120)
     assert summary.get("stopped") is True and summary["steps"] < STEPS, summary
     job_.wait(60)
+
+
+def test_of_two_controllers_registering_together_the_older_steps_down():
+    """The controller's own agent restarts it while a successor host takes over: two
+    controllers take incarnations 3 and 4; whichever writes its record last, the one of
+    incarnation 4 is the job's and 3 steps down (both once ran: 4 wrote first, 3
+    overwrote it, and neither read an incarnation above its own)."""
+    from types import SimpleNamespace
+
+    from trainmover.control.coordinator import Superseded
+    from trainmover.core import protocol as P
+    from trainmover.core.auth import AuthStore
+
+    class Raw:                         # compare-and-set as the stores do it
+        def __init__(self):
+            self.kv = {}
+
+        def compare_set(self, key, expected, desired):
+            expected = expected.encode() if isinstance(expected, str) else expected
+            desired = desired.encode() if isinstance(desired, str) else desired
+            if self.kv.get(key, b"") == expected:
+                self.kv[key] = desired
+            return self.kv.get(key, expected)
+
+        def get(self, key):
+            return self.kv[key]
+
+    def controller(store, incarnation, pid):
+        c = object.__new__(Coordinator)
+        c.ctx, c.incarnation, c.node = SimpleNamespace(store=store), incarnation, 1
+        os_getpid = os.getpid
+        os.getpid = lambda: pid
+        try:
+            c._register()
+        finally:
+            os.getpid = os_getpid
+        return c
+
+    def record(store):
+        return P.read_message(P.ControllerInfo, store.get(P.CONTROLLER_KEY))
+
+    for first, second in ((4, 3), (3, 4), (2, 3)):
+        store = AuthStore(Raw(), b"k" * 32)
+        store.raw.kv[P.CONTROLLER_KEY] = b"forged"     # junk there is replaced
+        controller(store, first, 1000 + first)
+        if second < first:
+            with pytest.raises(Superseded):
+                controller(store, second, 1000 + second)
+        else:
+            controller(store, second, 1000 + second)
+        newest = max(first, second)
+        assert (record(store).incarnation, record(store).pid) == (newest, 1000 + newest)

@@ -89,9 +89,11 @@ def test_the_host_of_the_controller_and_the_etcd_leader_dies_and_the_job_goes_on
             order = [spaces[leader]] + [s for s in spaces if s != spaces[leader]]
             addr = [hosts.addresses[s] for s in order]
             # the heartbeat timeout must cover the store's own failover: writes in flight
-            # when the etcd leader dies stall for a try (etcdstore.ATTEMPT_S) and an election
+            # when the etcd leader dies stall for a try (etcdstore.ATTEMPT_S) and an election;
+            # the takeover waits longer than a controller takes to restart on a loaded
+            # machine (~2 s in CI), or the next host would take over from the restarted one
             cfg = job_config(addr[0], 3, steps=STEPS, process_etcd=cluster.address(),
-                             controller_beat_interval_s=0.5, controller_takeover_after_s=3.0,
+                             controller_beat_interval_s=0.5, controller_takeover_after_s=5.0,
                              health_heartbeat_timeout_s=5.0, recovery_report_timeout_s=10.0)
             os.makedirs(run_dir)
             with open(os.path.join(run_dir, "..", "job-config.json"), "w") as f:

@@ -132,8 +132,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     from trainmover.view.launch import check_dashboard, serve_when_started
 
-    coord = Coordinator.resume(args.resume, quiet=args.quiet, force=args.force,
-                               node=args.node, takeover=args.takeover)
+    try:
+        coord = Coordinator.resume(args.resume, quiet=args.quiet, force=args.force,
+                                   node=args.node, takeover=args.takeover)
+    except Superseded as exc:   # a newer controller registered first
+        print(f"trainmover: this controller stepped down: {exc}", file=sys.stderr)
+        return 3
     try:
         check_dashboard(coord.cfg.dashboard)
     except ValueError as exc:   # the job is running: it goes on without its dashboard

@@ -67,6 +67,8 @@ from trainmover.core.proc import pid_alive
 
 MAX_HOLES_FILLED = 1000   # per host, by a resumed controller (see resume)
 SET_BATCH = 1024          # keys of the outbox a request (_flush)
+REGISTER_TRIES = 16       # compare-and-sets of the controller record (_register); each lost
+                          # one means another controller wrote it meanwhile
 
 __all__ = ["Coordinator", "JobFailed", "Superseded", "run_job", "worker_names"]
 
@@ -297,10 +299,29 @@ class Coordinator:
         ctx.procs.store, ctx.procs.events = ctx.store, ctx.events
         ctx.secret = self._run_key          # the snapshot holders' frames are the run's
         self.incarnation = ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
-        ctx.store.set(P.CONTROLLER_KEY,
-                      P.write_message(P.ControllerInfo(os.getpid(), self.incarnation,
-                                                       self.node)))
+        self._register()
         self._beat()
+
+    def _register(self) -> None:
+        """Make this controller's record the job's, unless a newer incarnation's is there
+        (then step down). Two controllers starting together (the controller's own agent
+        restarts it while a successor host takes over) once both wrote the record, the
+        older last, and each then read an incarnation not above its own: both ran."""
+        mine = P.write_message(P.ControllerInfo(os.getpid(), self.incarnation, self.node))
+        expected: bytes | str = ""
+        for _ in range(REGISTER_TRIES):
+            got = self.ctx.store.compare_set(P.CONTROLLER_KEY, expected, mine)
+            if got == mine.encode():
+                return
+            try:
+                current = P.read_message(P.ControllerInfo, got)
+            except P.MessageError:
+                current = None       # not a record: replaced like an older one
+            if current is not None and current.incarnation > self.incarnation:
+                raise Superseded(f"controller incarnation {current.incarnation} (PID "
+                                 f"{current.pid}) took over from {self.incarnation}")
+            expected = got
+        raise RuntimeError(f"the controller record kept changing ({REGISTER_TRIES} tries)")
 
     def _beat(self) -> None:
         """With the store on etcd: the beat the other hosts' agents watch (one key, written

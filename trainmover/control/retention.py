@@ -23,6 +23,9 @@ The rule, per key family (``core/protocol.py``):
   recovery that replaced generation ``g`` is accounted (no one builds it again); a
   transfer channel's, with its migration or recovery.
 Everything else is bounded by the job's size (roles, hosts, structures), not its length.
+
+A key found dead is deleted only after the controller's next snapshot save: the state that
+no longer needs it is then what a resumed controller starts from.
 """
 from __future__ import annotations
 
