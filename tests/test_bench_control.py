@@ -45,3 +45,15 @@ def test_the_simulated_jobs_settings_take_overrides_named_before_anything_starts
                  "--out", str(tmp_path)]) == 2
     assert "nosuch" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_counters_rate_is_read_over_a_window_with_fewer_than_two_samples_inside():
+    # a short steady window on a loaded machine held one store reading (CI saw None)
+    from trainmover.bench.control import rate
+
+    samples = [(0.0, 0.0), (1.0, 100.0), (2.0, 300.0)]
+    assert rate(samples, 0.5, 1.5) == pytest.approx(150.0)   # 50 at 0.5, 200 at 1.5
+    assert rate(samples, 1.2, 1.4) == pytest.approx(200.0)   # no sample inside
+    assert rate(samples, 0.0, 2.0) == pytest.approx(150.0)
+    assert rate(samples, 1.5, 2.5) is None                    # none after the window
+    assert rate(samples, 1.0, 1.0) is None

@@ -334,9 +334,11 @@ class Agent:
         if now - self._controller_read_at < self._controller_check_s():
             return True
         self._controller_read_at = now
-        if self.store.check([P.CONTROLLER_KEY]):
+        # one round trip (valid: absent or forged read as None), every controller_check_s
+        raw = self.store.valid(P.CONTROLLER_KEY)
+        if raw is not None:
             try:
-                current = P.read_message(P.ControllerInfo, self.store.get(P.CONTROLLER_KEY))
+                current = P.read_message(P.ControllerInfo, raw)
             except P.MessageError as exc:
                 self.events.emit("message_rejected", key=P.CONTROLLER_KEY, error=str(exc))
                 current = self._controller

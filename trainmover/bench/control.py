@@ -189,12 +189,29 @@ class CpuSampler:
 
 
 def rate(samples: list[tuple[float, float]], t0: float, t1: float) -> float | None:
-    """The growth per second of a sampled counter between ``t0`` and ``t1`` (the samples
-    nearest inside them)."""
-    inside = [s for s in samples if t0 <= s[0] <= t1]
-    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+    """The growth per second of a sampled counter between ``t0`` and ``t1``, its values at
+    both read by linear interpolation between the samples around them. A short window on
+    a loaded machine may hold fewer than two samples (a suite in CI saw none): the
+    samples just outside it still bound it. None when no sample precedes ``t0`` or none
+    follows ``t1``."""
+    if t1 <= t0:
         return None
-    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+    at0, at1 = value_at(samples, t0), value_at(samples, t1)
+    if at0 is None or at1 is None:
+        return None
+    return (at1 - at0) / (t1 - t0)
+
+
+def value_at(samples: list[tuple[float, float]], t: float) -> float | None:
+    """A sampled counter's value at ``t``, interpolated between the samples around it."""
+    before = [s for s in samples if s[0] <= t]
+    after = [s for s in samples if s[0] >= t]
+    if not before or not after:
+        return None
+    (ta, va), (tb, vb) = max(before), min(after)
+    if tb == ta:
+        return va
+    return va + (vb - va) * (t - ta) / (tb - ta)
 
 
 def quantile(values: list[float], q: float) -> float | None:
