@@ -1,9 +1,9 @@
 """A leaver's state transfer against a plain gloo pair, outside a job: two processes, a
-TrainState of about SIZE_MB (Linear(1024, 1024) blocks, AdamW stepped once), sent with
+TrainState of about SIZE_MB (Linear(WIDTH, WIDTH) blocks, 1024 unless given, AdamW stepped once), sent with
 ``send_state``/``recv_state`` over the migration's channel, then the same bytes as one warm
 buffer over the same channel.
 
-    python benchmarks/transfer_pair.py SIZE_MB [BUCKET_MB] [REPEATS]
+    python benchmarks/transfer_pair.py SIZE_MB [BUCKET_MB] [REPEATS] [WIDTH]
 
 Prints each repeat's seconds for both; it is a probe for profiling (run the transfer under
 ``py-spy``), not a benchmark result: ``trainmover bench state-size`` measures migrations."""
@@ -19,10 +19,14 @@ from torch import nn  # noqa: E402
 
 from mp_harness import run_processes, values  # noqa: E402
 
-MB_PER_BLOCK = 12.6     # fp32 weights and bias of Linear(1024, 1024) and AdamW's two moments
 
 
-def _side(rank, address, size_mb, bucket_mb, repeats):
+def mb_per_block(width: int) -> float:
+    """fp32 weight and bias of Linear(width, width) and AdamW's two moments."""
+    return 12 * (width * width + width) / 2**20
+
+
+def _side(rank, address, size_mb, bucket_mb, repeats, width):
     from trainmover.comm.groups import (AbortSignal, GroupBuilder, StoreClients,
                                         build_comm_groups)
     from trainmover.core.topology import GroupSpec, Layout, Role
@@ -35,10 +39,10 @@ def _side(rank, address, size_mb, bucket_mb, repeats):
     channel = builder.build_ranked(GroupSpec("xfer.t", "xfer", (Role(0, 0, 0),) * 2), rank, 0,
                                    abortable=False)
     torch.manual_seed(rank)
-    net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(max(1, round(size_mb /
-                                                                          MB_PER_BLOCK)))])
+    blocks = max(1, round(size_mb / mb_per_block(width)))
+    net = nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])
     opt = torch.optim.AdamW(net.parameters())
-    net(torch.randn(2, 1024)).sum().backward()
+    net(torch.randn(2, width)).sum().backward()
     opt.step()
     opt.zero_grad()
     groups = build_comm_groups(builder, Layout(), Role(0, 0, 0))[0]
@@ -69,7 +73,8 @@ if __name__ == "__main__":
     size = float(sys.argv[1])
     bucket = float(sys.argv[2]) if len(sys.argv) > 2 else 25.0
     repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-    res = values(run_processes(_side, 2, size, bucket, repeats, timeout=600))[1]
+    width = int(sys.argv[4]) if len(sys.argv) > 4 else 1024
+    res = values(run_processes(_side, 2, size, bucket, repeats, width, timeout=600))[1]
     print(f"{res['bytes'] / 1e6:.1f} MB: transfer "
           f"{[round(t, 3) for t in res['transfer_s']]} s, one warm buffer "
           f"{[round(t, 3) for t in res['plain_s']]} s")

@@ -131,8 +131,10 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=Fals
               in_place_min=None):
     if in_place_min is not None:
         # the large tensors' in-place path, with tensors this small: a.weight (4,800 bytes)
-        # in place, the rest of the net packed through the buckets
+        # in place, the rest of the net packed in chunks of 512 bytes: many chunks through
+        # the ring's two staging buffers, each reused
         transfer.IN_PLACE_MIN_BYTES = in_place_min
+        transfer.STAGING_CHUNK_BYTES = 512
     signal = AbortSignal()
     builder = GroupBuilder(StoreClients(address), torch.device("cpu"), 30, abort_signal=signal)
     spec = GroupSpec("xfer.t", "xfer", (Role(0, 0, 0), Role(0, 0, 0)))
@@ -151,7 +153,9 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=Fals
     net, opt, sched = trained(1 if rank == 0 else 2, 3 if rank == 0 else 0)
     groups = build_comm_groups(builder, Layout(), Role(0, 0, 0))[0]
     buckets = GradBuckets(list(net.parameters()), 4000, groups) if use_buckets else None
-    extra = {"sched": sched, "note": "leaver" if rank == 0 else "joiner"}
+    # a registered tensor of another dtype, not contiguous on either side (a transpose)
+    table = (torch.randn(6, 5) if rank == 0 else torch.zeros(6, 5)).to(torch.bfloat16).t()
+    extra = {"sched": sched, "note": "leaver" if rank == 0 else "joiner", "table": table}
     state = TrainState(net, opt, extra=extra, buckets=buckets)
     torch.manual_seed(100 + rank)
     allocated = None
@@ -177,6 +181,7 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=Fals
     tensors, _ = state.entries()
     # plain lists: tensors sent through the result queue would outlive their process
     digest = {k: v.reshape(-1).tolist() for k, v in tensors.items()}
+    assert extra["table"] is table and not table.is_contiguous()   # received in place
     return (out, info["bytes"], digest, extra["note"], torch.randint(0, 10**9, (1,)).item(),
             allocated)
 
@@ -187,7 +192,7 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=Fals
                           (True, True, False, None), (True, False, True, None),
                           (True, False, False, 4000)],
                          ids=["buckets", "plain", "after-an-epoch-abort", "layout-in-phase-1",
-                              "buckets-large-in-place"])
+                              "large-in-place-small-in-many-chunks"])
 def test_live_transfer_moves_the_whole_state(use_buckets, epoch_aborted, layout_first,
                                              in_place_min):
     res = values(run_processes(_transfer, 2, use_buckets, epoch_aborted, layout_first,

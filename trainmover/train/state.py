@@ -26,6 +26,7 @@ tensors, identical for any layout that trained the same model, which is what
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 
@@ -46,7 +47,9 @@ def shard_dim(p: torch.Tensor) -> int | None:
     return getattr(p, SHARD_ATTR, None)
 
 
+@functools.cache
 def _dtensor_type():
+    """DTensor's class, looked up once (every entry of a transfer asks)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:          # a torch without DTensor: no tensor is one
@@ -230,7 +233,9 @@ class TrainState:
             out[pname] = optim_entries_layout(st)
         return out
 
-    def _apply_meta(self, meta: dict) -> None:
+    def _apply_meta(self, meta: dict) -> bool:
+        """Returns whether the optimizer's state entries changed (``_match_optim``): the
+        only change of it that ``entries()`` sees."""
         if self.optimizer is not None and meta.get("param_groups"):
             self.apply_group_settings(meta["param_groups"])
         for key, saved in meta.get("extra", {}).items():
@@ -241,27 +246,31 @@ class TrainState:
                 target.load_state_dict(saved["state_dict"])
             else:
                 self.extra[key] = saved["value"]
-        self._match_optim(meta.get("optim_state"))
+        return self._match_optim(meta.get("optim_state"))
 
-    def _match_optim(self, layout: dict[str, dict[str, list]] | None) -> None:
+    def _match_optim(self, layout: dict[str, dict[str, list]] | None) -> bool:
         """Give the live optimizer the state entries of ``layout`` (the sender's, or the
         checkpoint's): create those it lacks (a fresh optimizer creates its state lazily, at
         its first step) and drop those the layout lacks (a rollback to a checkpoint taken
-        before the first step: the optimizer is fresh again, as it was then)."""
+        before the first step: the optimizer is fresh again, as it was then). Returns
+        whether it created or dropped any."""
         if self.optimizer is None or layout is None:
-            return
+            return False
         by_name = {n: p for n, p in canonical_params(self.model)}
+        changed = False
         for pname, p in by_name.items():
             st = self.optimizer.state.get(p)
             if st is None:
                 continue
             if pname not in layout:
                 del self.optimizer.state[p]
+                changed = True
                 continue
             for key in [k for k, v in st.items()
                         if isinstance(v, torch.Tensor) and k not in layout[pname]]:
                 del st[key]
-        self.ensure_optim(layout, by_name)
+                changed = True
+        return self.ensure_optim(layout, by_name) > 0 or changed
 
     def apply_group_settings(self, saved: list[dict]) -> None:
         """The optimizer's param-group settings (lr, betas, weight decay, ...) from their
@@ -275,8 +284,10 @@ class TrainState:
                       else v for k, v in values.items()})
 
     def ensure_optim(self, layout: dict[str, dict[str, list]], by_name: dict | None = None
-                     ) -> None:
-        """Create (zeroed) the optimizer state entries of ``layout`` this optimizer lacks."""
+                     ) -> int:
+        """Create (zeroed) the optimizer state entries of ``layout`` this optimizer lacks;
+        returns how many."""
+        created = 0
         if by_name is None:
             by_name = {n: p for n, p in canonical_params(self.model)}
         for pname, entries in layout.items():
@@ -297,6 +308,8 @@ class TrainState:
                 else:
                     st[key] = torch.zeros(shape, dtype=getattr(torch, dtype),
                                           device="cpu" if where == "cpu" else p.device)
+                created += 1
+        return created
 
     # --- checkpoints -----------------------------------------------------------------------
     def local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:

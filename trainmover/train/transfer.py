@@ -1,12 +1,11 @@
 """The state's wire transfer: a leaver (or a replica) sends a ``TrainState`` to a joiner over
 a point-to-point group, for a planned migration and a recovery from a replica.
 
-The sender needs no extra memory for parameters and moments: a large tensor (from
-``IN_PLACE_MIN_BYTES``) travels in place, smaller ones packed through the gradient buckets
-when there are any (the gradients are zero at a step boundary). Entries travel in flight
-together within ``TRANSFER_WINDOW_BYTES``, so the link does not wait for a round trip per
-entry and packing overlaps sending. Small entries (and the generators' states) travel
-packed in one message. A striped recovery (``recv_striped``) takes a share of the entries
+Neither side makes a copy of the state: a large tensor (from ``IN_PLACE_MIN_BYTES``)
+travels in place, the smaller ones (and the generators' states) packed into chunks through
+two staging buffers of ``STAGING_CHUNK_BYTES``. Entries travel in flight together within
+``TRANSFER_WINDOW_BYTES``, so the link does not wait for a round trip per entry and packing
+overlaps sending. A striped recovery (``recv_striped``) takes a share of the entries
 from each of several replicas at once, one channel each.
 """
 from __future__ import annotations
@@ -17,9 +16,8 @@ from collections import deque
 
 import torch
 
-from trainmover.train.state import (_SMALL, TrainState, _as_bytes, _from_json_tensor,
-                                    _json_tensor, _rng_states, _set_rng_states,
-                                    canonical_params)
+from trainmover.train.state import (TrainState, _as_bytes, _from_json_tensor, _json_tensor,
+                                    _rng_states, _set_rng_states)
 
 
 # The layout message's tags, apart from the state's (0, 1, then one per entry from 2).
@@ -70,15 +68,12 @@ def _optim_bytes(state: TrainState) -> int:
 def send_state(state: TrainState, group, peer: int, resume_step: int,
                skip_params: frozenset[str] = frozenset(), part: tuple[int, int] = (0, 1)
                ) -> dict:
-    """Leaver (or replica) side: the whole state and the step to resume at. Large tensors
-    are sent in place; smaller parameters and moments go packed through the gradient
-    buckets when there are any (at an iteration boundary the gradients are zero: the
-    buckets are zeroed again after use), so the sender needs no extra memory. The
-    smallest entries travel packed in one message. ``skip_params``: parameters the joiner
-    already holds current (pre-copied): neither they nor their optimizer state travel.
+    """Leaver (or replica) side: the whole state and the step to resume at (``_move``: large
+    tensors in place, the others packed into small staging chunks). ``skip_params``:
+    parameters the joiner already holds current (pre-copied): neither they nor their
+    optimizer state travel.
     ``part``: (i, k) of a striped recovery: this sender's share (``_share``) only, each
-    share as its own message set (no bucket staging: the joiner receives every share at
-    once), the generators' states with share 0."""
+    share as its own message set, the generators' states with share 0."""
     t0 = time.perf_counter()
     i, k = part
     meta = state.meta()
@@ -92,7 +87,7 @@ def send_state(state: TrainState, group, peer: int, resume_step: int,
     tensors = _unskipped(state, skip_params)
     if k > 1:
         tensors = _share(tensors, i, k)
-    nbytes = _move(state, group, peer, tensors, rng, sending=True, staged=k == 1)
+    nbytes = _move(state, group, peer, tensors, rng, sending=True)
     return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
 
 
@@ -128,7 +123,7 @@ def recv_striped(state: TrainState, groups: list, peer: int) -> tuple[int, dict]
     def receive(i: int) -> None:
         try:
             counts[i] = _move(state, groups[i], peer, _share(tensors, i, k),
-                              rng if i == 0 else {}, sending=False, staged=False)
+                              rng if i == 0 else {}, sending=False)
         except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
             errors.append(exc)
 
@@ -159,10 +154,14 @@ def recv_state(state: TrainState, group, peer: int,
     """Joiner side: overwrites the whole state (but the ``skip_params``, as the sender's).
     Returns the step to resume at."""
     t0 = time.perf_counter()
-    meta = recv_json(group, peer)
-    state._apply_meta(meta)
-    rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
+    # the entries are listed while the sender prepares its metadata, off the transfer's
+    # critical path (a few microseconds an entry: milliseconds for a model of many
+    # tensors); listed again only where the metadata changed the optimizer's entries
     tensors = _unskipped(state, skip_params)
+    meta = recv_json(group, peer)
+    if state._apply_meta(meta):
+        tensors = _unskipped(state, skip_params)
+    rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
     nbytes = _move(state, group, peer, tensors, rng, sending=False)
     _set_rng_states(rng)
     return int(meta["resume_step"]), {"bytes": nbytes, "seconds": time.perf_counter() - t0}
@@ -185,79 +184,53 @@ def skipped(name: str, skip_params: frozenset[str]) -> bool:
 
 
 def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
-          rng: dict[str, torch.Tensor], sending: bool, staged: bool = True) -> int:
+          rng: dict[str, torch.Tensor], sending: bool) -> int:
     """Both sides walk the same entries in the same order (names sorted; the receiver
-    allocated what it lacked from the sender's layout first), each entry with its own
-    tag, several in flight at once (``_pipelined``): packing the next bucket overlaps
-    sending the last, and the link never waits for a round trip between entries.
-    ``staged``: small entries may be packed through the gradient buckets (not when several
-    transfers run at once on one process: they would share the buffers)."""
-    tag, nbytes = 2, 0
-    by_param = {id(p): n for n, p in canonical_params(state.model)} \
-        if state.model is not None else {}
-    bucketed: set[str] = set()
+    allocated what it lacked from the sender's layout first). A large entry travels in
+    place as its own message; the others, and the generators' states, are packed in name
+    order into chunks of ``STAGING_CHUNK_BYTES`` through a ring of two staging buffers, so
+    that packing the next chunk overlaps sending the last and the staging memory is
+    bounded whatever the model. Everything is in flight together within
+    ``TRANSFER_WINDOW_BYTES`` (``_pipelined``): the link never waits for a round trip
+    between entries. Each transfer owns its staging ring, so several may run at once on
+    one process (a striped recovery)."""
+    large, small = [], []
+    for name in sorted(tensors):
+        t = tensors[name]
+        (large if _large(t) else small).append(t)
+    small += [t for _, t in sorted(rng.items())]
     with torch.no_grad():
-        if state.buckets is not None and staged:
-            # kinds of per-parameter tensors: the parameter itself and each moment
-            kinds = ["model"] + sorted({k.split("/")[1] for k in tensors
-                                        if k.startswith("optim/")})
-            for kind in kinds:
-                # each bucket has its own buffer: a kind's buckets travel together, and
-                # the next kind reuses the buffers once they are done. Only a bucket's small
-                # tensors are packed (at the front of its buffer); large ones travel in
-                # place (below), with no copy on either side: packing and unpacking them
-                # took about 40% of the transfer's time on a CPU (benchmarks/transfer_pair.py)
-                items = []
-                for buf, parts in _bucket_parts(state, kind, tensors, by_param):
-                    small = [(n, t) for n, t in parts or () if not _large(t)]
-                    if small:
-                        used = sum(t.numel() for _, t in small)
-                        items.append((used * buf.element_size(), buf[:used], small))
-                tags = range(tag, tag + len(items))
-                tag += len(items)
-                _pipelined(list(zip(tags, items)), group, peer, sending,
-                           pack=_pack_bucket, unpack=_unpack_bucket)
-                for size, _, parts in items:
-                    nbytes += size
-                    bucketed.update(name for name, _ in parts)
-        small = [(n, t) for n, t in tensors.items()
-                 if n not in bucketed and t.numel() < _SMALL] + sorted(rng.items())
-        # a tensor travels on the group's device (NCCL takes no CPU tensor; a user's
-        # extra state may live on the CPU), in place where it can
-        large = [(t.numel() * t.element_size(), t, None) for n, t in tensors.items()
-                 if n not in bucketed and t.numel() >= _SMALL]
-        _pipelined(list(zip(range(tag, tag + len(large)), large)), group, peer, sending,
+        items = [(t.numel() * t.element_size(), t, None) for t in large]
+        _pipelined(list(zip(range(2, 2 + len(items)), items)), group, peer, sending,
                    pack=_pack_tensor, unpack=_unpack_tensor)
-        tag += len(large)
-        nbytes += sum(size for size, _, _ in large)
-        if small:
-            sizes = [t.numel() * t.element_size() for _, t in small]
-            packed = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
-            if sending:
-                offset = 0
-                for (_, t), n in zip(small, sizes):
-                    packed[offset:offset + n].copy_(_as_bytes(t).to(group.device))
-                    offset += n
-                group.send(packed, peer, tag=tag).wait()
-            else:
-                group.recv(packed, peer, tag=tag).wait()
-                offset = 0
-                for (_, t), n in zip(small, sizes):
-                    _as_bytes(t).copy_(packed[offset:offset + n])
-                    offset += n
-            nbytes += packed.numel()
-        if state.buckets is not None:
-            for buf in state.buckets.buffers:
-                # the gradients are zero at a step boundary (the step that follows
-                # accumulates into them, with or without a zero_grad that sets them to
-                # None); last, off the wire's way: the buffers staged small entries
-                buf.zero_()
+        nbytes = sum(size for size, _, _ in items)
+        chunks = _chunks(small)
+        if chunks:
+            # a chunk holds one entry over the chunk size (under IN_PLACE_MIN_BYTES, were
+            # that set above it) alone: the buffers are as large as the largest chunk
+            cap = max(_chunk_bytes(chunk) for chunk in chunks)
+            ring = [torch.empty(cap, dtype=torch.uint8, device=group.device)
+                    for _ in range(min(2, len(chunks)))]
+            # each chunk counted at the ring's buffer size: at most two in flight, so a
+            # buffer is packed (or received into) again only once its last use finished
+            staged = [(cap, ring[i % len(ring)], chunk) for i, chunk in enumerate(chunks)]
+            tag = 2 + len(items)
+            _pipelined(list(zip(range(tag, tag + len(staged)), staged)), group, peer,
+                       sending, pack=_pack_chunk, unpack=_unpack_chunk,
+                       window=len(ring) * cap)
+            nbytes += sum(_chunk_bytes(chunk) for chunk in chunks)
     return nbytes
 
 
-# From this size an entry travels as its own message rather than packed with others: the
-# per-message cost (tens of microseconds) is then a few percent of its time on the link.
-IN_PLACE_MIN_BYTES = 1 << 20
+# From this size an entry travels as its own message rather than packed with others: a
+# message costs gloo tens of microseconds on each side, which at 256 KiB is under a tenth of
+# its time on the link (100 MB as 256 KiB messages: 0.036 s, as one: 0.033 s here), while
+# packing costs a copy on each side.
+IN_PLACE_MIN_BYTES = 1 << 18
+
+# The staging chunk of the smaller entries: big enough that a chunk's message cost is
+# negligible, small enough that the two buffers of a transfer's ring are no memory to speak of.
+STAGING_CHUNK_BYTES = 4 << 20
 
 
 def _large(t: torch.Tensor) -> bool:
@@ -265,33 +238,32 @@ def _large(t: torch.Tensor) -> bool:
     return t.numel() * t.element_size() >= IN_PLACE_MIN_BYTES
 
 
-def _bucket_parts(state: TrainState, kind: str, tensors: dict[str, torch.Tensor],
-                  by_param: dict):
-    """Per gradient bucket: the buffer and the (name, tensor) of ``kind`` of each of its
-    parameters, in bucket order; None where some parameter has no such tensor."""
-    for bucket, buf in zip(state.buckets.buckets, state.buckets.buffers):
-        parts = []
-        for p in bucket:
-            pname = by_param.get(id(p))
-            name = f"model/{pname}" if kind == "model" else f"optim/{kind}/{pname}"
-            t = tensors.get(name)
-            if pname is None or t is None or t.numel() != p.numel() or t.dtype != buf.dtype:
-                parts = None
-                break
-            parts.append((name, t))
-        yield buf, parts
+def _chunks(tensors: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, int]]]:
+    """``tensors`` (each under a chunk) in order, as chunks of (tensor, bytes) of at most
+    ``STAGING_CHUNK_BYTES`` together."""
+    chunks: list[list[tuple[torch.Tensor, int]]] = []
+    used = STAGING_CHUNK_BYTES
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if used + n > STAGING_CHUNK_BYTES:
+            chunks.append([])
+            used = 0
+        chunks[-1].append((t, n))
+        used += n
+    return chunks
 
 
 # How many bytes of a state transfer may be in flight at once: enough to keep the link busy
-# while the next entry is packed (a few gradient buckets), and a bound on the staging
-# memory a transfer may add (a GPU tensor over gloo is copied to the host while in flight).
+# while the next entry is packed, and a bound on the staging memory a transfer may add (a
+# GPU tensor over gloo is copied to the host while in flight).
 TRANSFER_WINDOW_BYTES = 64 << 20
 
 
-def _pipelined(items: list, group, peer: int, sending: bool, pack, unpack) -> None:
+def _pipelined(items: list, group, peer: int, sending: bool, pack, unpack,
+               window: int = TRANSFER_WINDOW_BYTES) -> None:
     """Send (or receive) ``items`` = [(tag, (nbytes, tensor, parts))] in order, several in
-    flight: at most ``TRANSFER_WINDOW_BYTES`` (always at least one), the oldest finished
-    first. ``pack(tensor, parts, device)`` gives what to send; ``unpack(tensor, parts,
+    flight: at most ``window`` bytes (always at least one), the oldest finished first.
+    ``pack(tensor, parts, device)`` gives what to send; ``unpack(tensor, parts,
     received)`` puts a received one in place, given what ``pack``'s receive twin gave."""
     flight: deque = deque()
     held = 0
@@ -305,7 +277,7 @@ def _pipelined(items: list, group, peer: int, sending: bool, pack, unpack) -> No
         held -= size
 
     for tag, (size, tensor, parts) in items:
-        while flight and held + size > TRANSFER_WINDOW_BYTES:
+        while flight and held + size > window:
             finish_oldest()
         if sending:
             wire = pack(tensor, parts, group.device)
@@ -320,26 +292,40 @@ def _pipelined(items: list, group, peer: int, sending: bool, pack, unpack) -> No
 
 
 def _receive_buffer(tensor: torch.Tensor, parts, device) -> torch.Tensor:
-    """Where an entry is received: a bucket's own buffer, or the tensor itself when it is
-    contiguous on the group's device, else a staging tensor."""
-    if parts is not None or (tensor.is_contiguous() and tensor.device == device):
+    """Where an entry is received: a chunk's part of its staging buffer, or the tensor
+    itself when it is contiguous on the group's device, else a staging tensor."""
+    if parts is not None:
+        return tensor[:_chunk_bytes(parts)]
+    if tensor.is_contiguous() and tensor.device == device:
         return tensor
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
 
 
-def _pack_bucket(buf: torch.Tensor, parts, device) -> torch.Tensor:
-    offset = 0
-    for _, t in parts:
-        buf[offset:offset + t.numel()].copy_(t.reshape(-1))
-        offset += t.numel()
-    return buf
+def _chunk_bytes(chunk) -> int:
+    return sum(n for _, n in chunk)
 
 
-def _unpack_bucket(buf: torch.Tensor, parts, received: torch.Tensor) -> None:
-    offset = 0
-    for _, t in parts:
-        t.copy_(buf[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+# A chunk is packed and unpacked with one call over all its entries (torch.cat, a foreach
+# copy): a chunk may hold thousands of small entries, and one copy call per entry cost a
+# few microseconds of Python each (8 ms for 700 entries here, a quarter of a 100 MB
+# transfer's time).
+def _pack_chunk(buf: torch.Tensor, chunk, device) -> torch.Tensor:
+    out = buf[:_chunk_bytes(chunk)]
+    torch.cat([_as_bytes(t.contiguous()).to(device) for t, _ in chunk], out=out)
+    return out
+
+
+def _unpack_chunk(buf: torch.Tensor, chunk, received: torch.Tensor) -> None:
+    parts = received.split([n for _, n in chunk])
+    direct = [(_as_bytes(t), part) for (t, _), part in zip(chunk, parts)
+              if t.is_contiguous() and t.device == received.device]
+    if direct:
+        torch._foreach_copy_([d for d, _ in direct], [p for _, p in direct])
+    for (t, _), part in zip(chunk, parts):
+        if not (t.is_contiguous() and t.device == received.device):
+            staging = torch.empty(t.shape, dtype=t.dtype, device=received.device)
+            _as_bytes(staging).copy_(part)
+            t.copy_(staging)
 
 
 def _pack_tensor(t: torch.Tensor, parts, device) -> torch.Tensor:
