@@ -404,4 +404,15 @@ def main(args) -> int:
         bench_state_size(sizes, args.repeats, scenarios, args.out, args.name, command,
                          strategies=strategies)
         return 0
+    if args.bench == "transfer":
+        from trainmover.bench.transfer import bench_transfer
+
+        try:
+            sizes = [float(x) for x in args.sizes.split(",")]
+        except ValueError:
+            raise ValueError(f"--sizes {args.sizes!r}: a comma list of numbers (MB)") from None
+        command = (f"trainmover bench transfer --sizes {args.sizes} --repeats {args.repeats} "
+                   f"--name {args.name} --out {args.out}")
+        bench_transfer(sizes, args.repeats, args.out, args.name, command)
+        return 0
     raise ValueError(f"unknown benchmark {args.bench!r}")

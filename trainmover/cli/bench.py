@@ -277,6 +277,18 @@ def add_bench_parser(sub) -> None:
     ss.add_argument("--out", default="benchmarks/results",
                     help="directory of the result (NAME.json and NAME.md)")
     ss.set_defaults(fn=cmd_bench)
+    xfer = bsub.add_parser("transfer", help="the state transfer of a migration or a replica "
+                                            "recovery against the link it runs on, outside a "
+                                            "job: the built-in trainer's state per --sizes, "
+                                            "sent whole and as one buffer over one gloo pair")
+    xfer.add_argument("--sizes", default="100,500,2000",
+                      help="comma list of state sizes per worker in MB (as bench state-size)")
+    xfer.add_argument("--repeats", type=int, default=5,
+                      help="transfers per size (median, min, max; at least 3)")
+    xfer.add_argument("--name", default="transfer", help="result file name under --out")
+    xfer.add_argument("--out", default="benchmarks/results",
+                      help="directory of the result (NAME.json and NAME.md)")
+    xfer.set_defaults(fn=cmd_bench)
     ctl = bsub.add_parser("control", help="the control plane against the number of workers: "
                                           "simulated hosts of 8 workers on the real store, "
                                           "agents, worker control code and controller; step "

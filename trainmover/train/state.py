@@ -168,6 +168,10 @@ class TrainState:
                 out.append((f"extra/{key}", v, None))
         return sorted(out, key=lambda e: e[0])
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """``entries()``'s tensors alone (what a transfer moves: no shard dimensions)."""
+        return {name: _local(t) for name, t, _ in self._live()}
+
     def entries(self) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
         """The live tensors this process holds, by name (no copies: a DTensor's local shard),
         and each entry's tensor-parallel shard dimension."""

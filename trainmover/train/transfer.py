@@ -171,7 +171,7 @@ def _unskipped(state: TrainState, skip_params: frozenset[str]) -> dict[str, torc
     """The entries that travel: all but a skipped parameter's own and its optimizer state's
     (``optim/<key>/<param>``). Both sides decide alike from names alone (the receiver's
     optimizer entries were made the sender's by the metadata first)."""
-    tensors, _ = state.entries()
+    tensors = state.tensors()
     if not skip_params:
         return tensors
     return {n: t for n, t in tensors.items() if not skipped(n, skip_params)}
@@ -188,38 +188,50 @@ def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
     """Both sides walk the same entries in the same order (names sorted; the receiver
     allocated what it lacked from the sender's layout first). A large entry travels in
     place as its own message; the others, and the generators' states, are packed in name
-    order into chunks of ``STAGING_CHUNK_BYTES`` through a ring of two staging buffers, so
-    that packing the next chunk overlaps sending the last and the staging memory is
-    bounded whatever the model. Everything is in flight together within
+    order into chunks of ``STAGING_CHUNK_BYTES`` through a ring of two staging buffers
+    (staging memory bounded whatever the model). Everything is in flight together within
     ``TRANSFER_WINDOW_BYTES`` (``_pipelined``): the link never waits for a round trip
-    between entries. Each transfer owns its staging ring, so several may run at once on
-    one process (a striped recovery)."""
+    between entries. The chunks go after the first half window of large entries, so that
+    the sender packs them and the receiver unpacks them while large entries are on the
+    wire (last, the receiver's unpacking was the transfer's tail). Each transfer owns its
+    staging ring, so several may run at once on one process (a striped recovery)."""
     large, small = [], []
     for name in sorted(tensors):
         t = tensors[name]
         (large if _large(t) else small).append(t)
     small += [t for _, t in sorted(rng.items())]
+    items = [_Item(t.numel() * t.element_size(), t) for t in large]
+    chunks = _chunks(small)
+    if chunks:
+        # a chunk holds one entry over the chunk size (under IN_PLACE_MIN_BYTES, were that
+        # set above it) alone: the buffers are as large as the largest chunk
+        cap = max(_chunk_bytes(chunk) for chunk in chunks)
+        ring = [torch.empty(cap, dtype=torch.uint8, device=group.device)
+                for _ in range(min(2, len(chunks)))]
+        at, head = 0, 0
+        while at < len(items) and head < TRANSFER_WINDOW_BYTES // 2:
+            head += items[at].size
+            at += 1
+        staged = [_Item(_chunk_bytes(chunk), ring[i % len(ring)], chunk)
+                  for i, chunk in enumerate(chunks)]
+        for i, item in enumerate(staged):
+            # a ring buffer is packed (or received into) again only once the chunk that
+            # used it before is finished (sent, or received and unpacked)
+            item.after = at + i - len(ring) if i >= len(ring) else None
+        items[at:at] = staged
     with torch.no_grad():
-        items = [(t.numel() * t.element_size(), t, None) for t in large]
-        _pipelined(list(zip(range(2, 2 + len(items)), items)), group, peer, sending,
-                   pack=_pack_tensor, unpack=_unpack_tensor)
-        nbytes = sum(size for size, _, _ in items)
-        chunks = _chunks(small)
-        if chunks:
-            # a chunk holds one entry over the chunk size (under IN_PLACE_MIN_BYTES, were
-            # that set above it) alone: the buffers are as large as the largest chunk
-            cap = max(_chunk_bytes(chunk) for chunk in chunks)
-            ring = [torch.empty(cap, dtype=torch.uint8, device=group.device)
-                    for _ in range(min(2, len(chunks)))]
-            # each chunk counted at the ring's buffer size: at most two in flight, so a
-            # buffer is packed (or received into) again only once its last use finished
-            staged = [(cap, ring[i % len(ring)], chunk) for i, chunk in enumerate(chunks)]
-            tag = 2 + len(items)
-            _pipelined(list(zip(range(tag, tag + len(staged)), staged)), group, peer,
-                       sending, pack=_pack_chunk, unpack=_unpack_chunk,
-                       window=len(ring) * cap)
-            nbytes += sum(_chunk_bytes(chunk) for chunk in chunks)
-    return nbytes
+        _pipelined(items, group, peer, sending, first_tag=2)
+    return sum(item.size for item in items)
+
+
+class _Item:
+    """One message of a transfer: ``size`` bytes of ``tensor`` (in place), or, with
+    ``chunk``, of the entries packed into ``tensor`` (a ring buffer). ``after``: the index
+    of an item that must be finished before this one is posted."""
+    __slots__ = ("size", "tensor", "chunk", "after")
+
+    def __init__(self, size: int, tensor: torch.Tensor, chunk=None):
+        self.size, self.tensor, self.chunk, self.after = size, tensor, chunk, None
 
 
 # From this size an entry travels as its own message rather than packed with others: a
@@ -259,46 +271,50 @@ def _chunks(tensors: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, int]]]
 TRANSFER_WINDOW_BYTES = 64 << 20
 
 
-def _pipelined(items: list, group, peer: int, sending: bool, pack, unpack,
-               window: int = TRANSFER_WINDOW_BYTES) -> None:
-    """Send (or receive) ``items`` = [(tag, (nbytes, tensor, parts))] in order, several in
-    flight: at most ``window`` bytes (always at least one), the oldest finished first.
-    ``pack(tensor, parts, device)`` gives what to send; ``unpack(tensor, parts,
-    received)`` puts a received one in place, given what ``pack``'s receive twin gave."""
+def _pipelined(items: list[_Item], group, peer: int, sending: bool, first_tag: int) -> None:
+    """Send (or receive) ``items`` in order, the i-th on tag ``first_tag + i``, several in
+    flight: at most ``TRANSFER_WINDOW_BYTES`` (always at least one) and none before the
+    item it comes ``after`` finished; the oldest finished first."""
     flight: deque = deque()
     held = 0
 
     def finish_oldest() -> None:
         nonlocal held
-        work, size, tensor, parts, wire = flight.popleft()
+        _, work, item, wire = flight.popleft()
         work.wait()
         if not sending:
-            unpack(tensor, parts, wire)
-        held -= size
+            if item.chunk is not None:
+                _unpack_chunk(item.chunk, wire)
+            elif wire is not item.tensor:
+                item.tensor.copy_(wire)
+        held -= item.size
 
-    for tag, (size, tensor, parts) in items:
-        while flight and held + size > window:
+    for i, item in enumerate(items):
+        while flight and (held + item.size > TRANSFER_WINDOW_BYTES or
+                          (item.after is not None and flight[0][0] <= item.after)):
             finish_oldest()
         if sending:
-            wire = pack(tensor, parts, group.device)
-            work = group.send(wire, peer, tag=tag)
+            wire = _pack_chunk(item.tensor, item.chunk) if item.chunk is not None else \
+                item.tensor.contiguous().to(group.device)
+            work = group.send(wire, peer, tag=first_tag + i)
         else:
-            wire = _receive_buffer(tensor, parts, group.device)
-            work = group.recv(wire, peer, tag=tag)
-        flight.append((work, size, tensor, parts, wire))
-        held += size
+            wire = _receive_buffer(item, group.device)
+            work = group.recv(wire, peer, tag=first_tag + i)
+        flight.append((i, work, item, wire))
+        held += item.size
     while flight:
         finish_oldest()
 
 
-def _receive_buffer(tensor: torch.Tensor, parts, device) -> torch.Tensor:
-    """Where an entry is received: a chunk's part of its staging buffer, or the tensor
-    itself when it is contiguous on the group's device, else a staging tensor."""
-    if parts is not None:
-        return tensor[:_chunk_bytes(parts)]
-    if tensor.is_contiguous() and tensor.device == device:
-        return tensor
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+def _receive_buffer(item: _Item, device) -> torch.Tensor:
+    """Where an item is received: its chunk's part of its ring buffer, or the tensor itself
+    when it is contiguous on the group's device, else a staging tensor."""
+    t = item.tensor
+    if item.chunk is not None:
+        return t[:item.size]
+    if t.is_contiguous() and t.device == device:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
 def _chunk_bytes(chunk) -> int:
@@ -309,29 +325,21 @@ def _chunk_bytes(chunk) -> int:
 # copy): a chunk may hold thousands of small entries, and one copy call per entry cost a
 # few microseconds of Python each (8 ms for 700 entries here, a quarter of a 100 MB
 # transfer's time).
-def _pack_chunk(buf: torch.Tensor, chunk, device) -> torch.Tensor:
+def _pack_chunk(buf: torch.Tensor, chunk) -> torch.Tensor:
     out = buf[:_chunk_bytes(chunk)]
-    torch.cat([_as_bytes(t.contiguous()).to(device) for t, _ in chunk], out=out)
+    torch.cat([_as_bytes(t.contiguous()).to(buf.device) for t, _ in chunk], out=out)
     return out
 
 
-def _unpack_chunk(buf: torch.Tensor, chunk, received: torch.Tensor) -> None:
+def _unpack_chunk(chunk, received: torch.Tensor) -> None:
     parts = received.split([n for _, n in chunk])
+    device = received.device
     direct = [(_as_bytes(t), part) for (t, _), part in zip(chunk, parts)
-              if t.is_contiguous() and t.device == received.device]
+              if t.is_contiguous() and t.device == device]
     if direct:
         torch._foreach_copy_([d for d, _ in direct], [p for _, p in direct])
     for (t, _), part in zip(chunk, parts):
-        if not (t.is_contiguous() and t.device == received.device):
-            staging = torch.empty(t.shape, dtype=t.dtype, device=received.device)
+        if not (t.is_contiguous() and t.device == device):
+            staging = torch.empty(t.shape, dtype=t.dtype, device=device)
             _as_bytes(staging).copy_(part)
             t.copy_(staging)
-
-
-def _pack_tensor(t: torch.Tensor, parts, device) -> torch.Tensor:
-    return t.contiguous().to(device)
-
-
-def _unpack_tensor(t: torch.Tensor, parts, received: torch.Tensor) -> None:
-    if received is not t:
-        t.copy_(received)
