@@ -54,8 +54,8 @@ class GradBuckets:
         Why: an all-reduce the step abandoned cannot be cancelled (gloo), and it still holds
         the old buffers; if the lost peer's data arrives later (a host whose link comes
         back), it completes and writes the sum into them. Left in use, they would corrupt a
-        later step's gradients or a state transfer staged through them. The abandoned
-        operation keeps its own reference to the old memory, so dropping ours is safe."""
+        later step's gradients. The abandoned operation keeps its own reference to the old
+        memory, so dropping ours is safe."""
         self._armed = False
         self._works = []
         self._allocate([torch.zeros_like(buf) for buf in self.buffers])

@@ -77,7 +77,7 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
     t0 = time.perf_counter()
     report_failure(ctx, step, error, groups)
     if state is not None and state.buckets is not None:
-        state.buckets.quarantine()   # before any transfer is staged through them
+        state.buckets.quarantine()   # before the gradients are used again
     layout = ctx.cfg.layout
     while True:
         cmd = ctx.commands.next()
