@@ -43,3 +43,22 @@ def stop_children(procs: list, grace_s: float = 5.0) -> None:
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
             p.join()
+
+
+def run_pair(target, args: tuple, what: str, timeout_s: float) -> dict:
+    """Two spawned processes ``target(rank, store_address, *args, out)`` over a store of
+    their own (the gloo pair's rendezvous): ``{rank: result}`` (``collect``)."""
+    import multiprocessing as mp
+
+    from trainmover.comm.groups import start_store_server
+
+    ctx = mp.get_context("spawn")
+    store = start_store_server()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, store.address, *args, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return collect(procs, out, what, timeout_s)
+    finally:
+        store.close()

@@ -19,14 +19,13 @@ What is measured (the README's words, kept true here):
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import statistics
 import tempfile
 import time
 
-from trainmover.bench.children import collect
+from trainmover.bench.children import run_pair
 from trainmover.bench.report import (BenchLine, fmt_spread, git_commit, machine_description,
                                      spread, write_result)
 from trainmover.core.accounting import downtime_phrase, downtime_value, within_noise
@@ -240,19 +239,7 @@ def _p2p_child(rank: int, address, nbytes: int, repeats: int, out) -> None:
 def p2p_seconds(nbytes: int, repeats: int = 5, timeout_s: float = 120.0) -> float:
     """The median time to move ``nbytes`` from one process to another over gloo on this
     machine, as one buffer (send, then a one-byte acknowledgement back)."""
-    from trainmover.comm.groups import start_store_server
-
-    ctx = mp.get_context("spawn")
-    store = start_store_server()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_p2p_child, args=(r, store.address, nbytes, repeats, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = collect(procs, out, "bandwidth measurement", timeout_s)
-    finally:
-        store.close()
+    got = run_pair(_p2p_child, (nbytes, repeats), "bandwidth measurement", timeout_s)
     return statistics.median(got[0])
 
 

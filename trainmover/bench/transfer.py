@@ -20,7 +20,6 @@ the stayers and the standby's other work; ``bench state-size`` reports that figu
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -106,21 +105,9 @@ def _pair_child(rank: int, address, model: dict, repeats: int, out) -> None:
 
 def measure_pair(model: dict, repeats: int, timeout_s: float = 900.0) -> dict:
     """One size: the sender's figures (``_pair_child``)."""
-    from trainmover.bench.children import collect
-    from trainmover.comm.groups import start_store_server
+    from trainmover.bench.children import run_pair
 
-    ctx = mp.get_context("spawn")
-    store = start_store_server()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_pair_child, args=(r, store.address, model, repeats, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = collect(procs, out, "the transfer measurement", timeout_s)
-    finally:
-        store.close()
-    return got[0]
+    return run_pair(_pair_child, (model, repeats), "the transfer measurement", timeout_s)[0]
 
 
 def bench_transfer(sizes: list[float], repeats: int, out_dir: str, name: str,
