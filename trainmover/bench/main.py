@@ -17,7 +17,7 @@ import torch
 from trainmover.comm.groups import GroupBuilder, StoreAddress, StoreClients, build_comm_groups, start_store_server
 from trainmover.core.config import JobConfig
 from trainmover.train.data import BatchSource, load_tokens
-from trainmover.train.engine import Engine, lr_at
+from trainmover.train.engine import Engine, adamw, lr_at
 from trainmover.bench.children import collect
 from trainmover.bench.report import git_commit, machine_description, write_result
 from trainmover.core.events import read_jsonl
@@ -88,11 +88,7 @@ def _ddp_steps(cfg: JobConfig, rank: int, address: StoreAddress) -> list[float]:
     model.init_weights(cfg.train.seed)
     ddp = DDP(model, bucket_cap_mb=cfg.train.bucket_mb)
     tc = cfg.train
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False)
+    opt = adamw(list(model.parameters()), tc)
     data = load_tokens(cfg.data)
     batches = BatchSource(data, cfg.model.seq_len, tc.global_batch, tc.seed, cfg.model.vocab_size)
     m = tc.num_microbatches

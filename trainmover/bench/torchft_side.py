@@ -70,7 +70,7 @@ def replica_main(argv: list[str]) -> int:
     from trainmover.core.topology import Layout, Role
     from trainmover.recipes import get_recipe
     from trainmover.train.data import BatchSource, load_tokens
-    from trainmover.train.engine import lr_at
+    from trainmover.train.engine import adamw, lr_at
     from trainmover.train.model import GPTStage
 
     torch.set_num_threads(1)
@@ -86,11 +86,7 @@ def replica_main(argv: list[str]) -> int:
     groups, _ = build_comm_groups(builder, local, Role(0, 0, 0))   # trivial: no traffic
     model = GPTStage(cfg.model, local, 0, 0, groups)
     model.init_weights(tc.seed)
-    decay = [q for q in model.parameters() if q.dim() >= 2]
-    no_decay = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False)
+    opt = adamw(list(model.parameters()), tc)
 
     def state_dict():
         return {"model": model.state_dict(), "optim": opt.state_dict()}

@@ -34,12 +34,14 @@ COPIES_PER_SIZE = 6
 
 
 def _state(model_cfg, builder, device):
-    """The built-in trainer's state for one whole model (a DP worker's): GPTStage, AdamW as
-    ``Engine`` builds it, stepped once on zero gradients (its moments exist, zero)."""
+    """The built-in trainer's state for one whole model (a DP worker's): GPTStage, its AdamW
+    (``engine.adamw``), stepped once on zero gradients (its moments exist, zero)."""
     import torch
 
     from trainmover.comm.groups import build_comm_groups
+    from trainmover.core.config import TrainConfig
     from trainmover.core.topology import Layout, Role
+    from trainmover.train.engine import adamw
     from trainmover.train.model import GPTStage
     from trainmover.train.state import TrainState
 
@@ -48,9 +50,7 @@ def _state(model_cfg, builder, device):
     model = GPTStage(model_cfg, layout, 0, 0, groups).to(device)
     model.init_weights(0)
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                             {"params": [p for p in params if p.dim() < 2],
-                              "weight_decay": 0.0}], foreach=False)
+    opt = adamw(params, TrainConfig())
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -73,7 +73,7 @@ def _pair_child(rank: int, address, model: dict, repeats: int, out) -> None:
     state = _state(ModelConfig(**model), builder, device)
     ack = torch.zeros(1, dtype=torch.uint8)
 
-    def acknowledged(fn) -> float:
+    def acknowledged(fn) -> tuple[float, object]:
         t0 = time.perf_counter()
         got = fn()
         if rank == 0:

@@ -33,6 +33,15 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw(params: list, tc) -> torch.optim.AdamW:
+    """The built-in trainer's optimizer (``TrainConfig`` ``tc``): AdamW with weight decay on
+    matrices only, foreach off; the benchmarks that build its model outside a job use it too."""
+    return torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False)
+
+
 @dataclass
 class StepResult:
     step: int
@@ -57,12 +66,7 @@ class Engine:
         self.model.init_weights(tc.seed)
         self.params = list(self.model.parameters())
         self.grads = GradBuckets(self.params, int(tc.bucket_mb * 2**20), groups)
-        decay = [p for p in self.params if p.dim() >= 2]
-        no_decay = [p for p in self.params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": tc.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=False)
+        self.optimizer = adamw(self.params, tc)
         self.forward = torch.compile(self.model) if tc.compile else self.model
         self.act_shape = (self.micro_batch, cfg.model.seq_len, cfg.model.d_model)
         self.on_point: Callable[[str, int], None] | None = None   # fault points
