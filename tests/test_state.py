@@ -153,8 +153,9 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=Fals
     net, opt, sched = trained(1 if rank == 0 else 2, 3 if rank == 0 else 0)
     groups = build_comm_groups(builder, Layout(), Role(0, 0, 0))[0]
     buckets = GradBuckets(list(net.parameters()), 4000, groups) if use_buckets else None
-    # a registered tensor of another dtype, not contiguous on either side (a transpose)
-    table = (torch.randn(6, 5) if rank == 0 else torch.zeros(6, 5)).to(torch.bfloat16).t()
+    # a registered tensor of another dtype, not contiguous on either side (a transpose), of
+    # 15 bf16 values: packed with the fp32 entries, theirs start at an aligned offset after
+    table = (torch.randn(5, 3) if rank == 0 else torch.zeros(5, 3)).to(torch.bfloat16).t()
     extra = {"sched": sched, "note": "leaver" if rank == 0 else "joiner", "table": table}
     state = TrainState(net, opt, extra=extra, buckets=buckets)
     torch.manual_seed(100 + rank)
@@ -174,6 +175,12 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=Fals
         if layout_first:
             for work, _ in posted:
                 work.wait()
+            # after phase 1 (where each side took its state's view): a moment replaced by
+            # another tensor (a new object: the view is taken again) and a parameter's data
+            # replaced (the same object: the view reads it as it is now)
+            st = opt.state[net.a.weight]
+            st["exp_avg"] = st["exp_avg"] + 1.0
+            net.b.weight.data = net.b.weight.data * 2.0
         info = send_state(state, channel, 1, resume_step=17)
         out = None
     else:
@@ -207,6 +214,38 @@ def test_live_transfer_moves_the_whole_state(use_buckets, epoch_aborted, layout_
     assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)
     assert note == "leaver"     # JSON extras are replaced in the registered dict
     assert rng_a == rng_b       # the joiner continues the leaver's random stream
+
+
+def test_the_transfer_view_is_kept_while_the_state_holds_the_same_tensors():
+    net, opt, sched = trained(1, 2)
+    extra = {"table": torch.ones(3), "note": "a"}
+    state = TrainState(net, opt, extra=extra)
+    view = state.transfer_view()
+    assert sorted(view.tensors) == sorted(state.tensors())
+    assert view.layout == state._optim_layout()
+    opt.step()                  # in place: the same tensors
+    extra["note"] = "b"         # not a tensor
+    net.a.weight.data = net.a.weight.data.clone()   # the same parameter, other storage
+    assert state.transfer_view() is view and view.tensors["model/a.weight"] is net.a.weight
+    # each change makes the view be taken again: a moment replaced, a registered tensor
+    # replaced, a parameter replaced, a parameter's data of another shape, an optimizer
+    # entry dropped
+    moments = opt.state[net.b.bias]
+    for change in (lambda: moments.__setitem__("exp_avg", torch.zeros(2)),
+                   lambda: extra.__setitem__("table", torch.ones(3)),
+                   lambda: setattr(net.b, "bias", nn.Parameter(torch.zeros(2))),
+                   lambda: setattr(net.b.weight, "data", torch.zeros(2, 31)),
+                   lambda: opt.state.pop(net.a.bias)):
+        change()
+        again = state.transfer_view()
+        assert again is not view
+        view = again
+    assert view.tensors["extra/table"] is extra["table"]
+    assert view.tensors["model/b.bias"] is net.b.bias
+    assert view.tensors["optim/exp_avg/b.bias"] is moments["exp_avg"]
+    assert view.layout["b.weight"]["exp_avg"][0] == [2, 30]   # its moments, not its data
+    assert view.tensors["model/b.weight"].shape == (2, 31)
+    assert "a.bias" not in view.layout and "optim/exp_avg/a.bias" not in view.tensors
 
 
 def _doomed(rank, address):

@@ -7,9 +7,13 @@ build that model and its optimizer as the trainer does (AdamW with its two param
 stepped once so that its moments exist), and then, ``--repeats`` times each, in the same
 processes over the same gloo pair (the migration's kind of channel):
 
-- ``transfer``: the leaver's ``send_state`` and the joiner's ``recv_state`` (the whole state,
-  its metadata and the generators' states), timed on the sender from its call to a one-byte
+- ``transfer``: as a planned migration's switch, after its phase 1 (untimed: the leaver's
+  ``post_layout`` and the joiner's ``recv_layout``, where each side takes its state's view),
+  the leaver's ``send_state`` and the joiner's ``recv_state`` (the whole state, its metadata
+  and the generators' states), timed on the sender from its call to a one-byte
   acknowledgement the receiver sends once its ``recv_state`` returned;
+- ``view taken inside``: the same with nothing before it, as a recovery from a replica (each
+  side's state view built inside the transfer);
 - ``one buffer``: the same bytes as one warm buffer, then the same acknowledgement: the
   link's own time (``bench state-size``'s point-to-point figure).
 
@@ -64,7 +68,7 @@ def _pair_child(rank: int, address, model: dict, repeats: int, out) -> None:
     from trainmover.comm.groups import GroupBuilder, StoreClients
     from trainmover.core.config import ModelConfig
     from trainmover.core.topology import GroupSpec, Role
-    from trainmover.train.transfer import recv_state, send_state
+    from trainmover.train.transfer import post_layout, recv_layout, recv_state, send_state
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -82,12 +86,26 @@ def _pair_child(rank: int, address, model: dict, repeats: int, out) -> None:
             group.send(ack, 0).wait()
         return time.perf_counter() - t0, got
 
-    result = {"transfer_s": [], "one_buffer_s": [], "tensors": len(state.entries()[0])}
+    def transfer(phase_1: bool) -> tuple[float, dict]:
+        if phase_1:
+            # untimed, as in a planned migration before its switch: the leaver posts its
+            # layout, the joiner takes it (each side's state view is taken there)
+            if rank == 0:
+                for work, _ in post_layout(state, group, 1):
+                    work.wait()
+            else:
+                recv_layout(state, group, 0)
+        else:
+            state._view = None    # as a replica recovery: the view taken inside
+        return acknowledged((lambda: send_state(state, group, 1, 7)) if rank == 0
+                            else (lambda: recv_state(state, group, 0)[1]))
+
+    result = {"transfer_s": [], "cold_s": [], "one_buffer_s": [],
+              "tensors": len(state.entries()[0])}
     buffer = None
     for i in range(repeats + 1):   # the first round connects and touches pages: not counted
-        seconds, got = acknowledged(
-            (lambda: send_state(state, group, 1, 7)) if rank == 0
-            else (lambda: recv_state(state, group, 0)[1]))
+        seconds, got = transfer(phase_1=True)
+        cold, _ = transfer(phase_1=False)
         if buffer is None:
             result["bytes"] = got["bytes"]
             buffer = torch.ones(got["bytes"], dtype=torch.uint8)    # warm: touched once
@@ -96,6 +114,7 @@ def _pair_child(rank: int, address, model: dict, repeats: int, out) -> None:
             else (lambda: group.recv(buffer, 0).wait()))
         if i > 0:
             result["transfer_s"].append(seconds)
+            result["cold_s"].append(cold)
             result["one_buffer_s"].append(one)
     out.put((rank, result))
     out.close()
@@ -127,17 +146,20 @@ def bench_transfer(sizes: list[float], repeats: int, out_dir: str, name: str,
         model = size_model(size_mb)
         got = measure_pair({k: getattr(model, k) for k in info["model"]}, repeats)
         ratios = [o / t for o, t in zip(got["one_buffer_s"], got["transfer_s"])]
+        cold_ratios = [o / t for o, t in zip(got["one_buffer_s"], got["cold_s"])]
         rows.append({"size_mb": size_mb, "model": info["model"], "params": info["params"],
                      "state_bytes": got["bytes"], "tensors": got["tensors"],
                      "transfer_s": spread(got["transfer_s"]),
                      "one_buffer_s": spread(got["one_buffer_s"]),
                      "efficiency": spread(ratios),
+                     "cold_s": spread(got["cold_s"]), "cold_efficiency": spread(cold_ratios),
                      "transfer_gb_per_s": got["bytes"] / statistics.median(got["transfer_s"])
                      / 1e9,
                      "runs": got})
         print(f"{size_mb:g} MB: transfer {fmt_spread(rows[-1]['transfer_s'])} s, one buffer "
               f"{fmt_spread(rows[-1]['one_buffer_s'])} s, efficiency "
-              f"{fmt_spread(rows[-1]['efficiency'], 2)}", flush=True)
+              f"{fmt_spread(rows[-1]['efficiency'], 2)} (view taken inside: "
+              f"{fmt_spread(rows[-1]['cold_efficiency'], 2)})", flush=True)
     result = {"benchmark": "transfer", "sizes_mb": list(sizes), "repeats": repeats,
               "rows": rows, "command": command, "commit": git_commit(),
               "machine": machine_description(),
@@ -154,24 +176,30 @@ def transfer_table(result: dict) -> str:
              f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}; took "
              f"{result['wall_s'] / 60:.1f} min", "",
              "| state (MB, measured) | model | transfer (s) | one buffer (s) | "
-             "efficiency (one buffer / transfer) | transfer GB/s |",
-             "|---|---|---|---|---|---|"]
+             "efficiency (one buffer / transfer) | transfer GB/s | view taken inside: "
+             "transfer (s) | efficiency |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "not_run" in r:
-            lines.append(f"| {r['size_mb']:g} (not run: {r['not_run']}) | | | | | |")
+            lines.append(f"| {r['size_mb']:g} (not run: {r['not_run']}) | | | | | | | |")
             continue
         md = r["model"]
+        cold = (f"{fmt_spread(r['cold_s'])} | {fmt_spread(r['cold_efficiency'], 2)}"
+                if "cold_s" in r else "| ")
         lines.append(f"| {r['state_bytes'] / 1e6:.1f} | d{md['d_model']} x {md['n_layers']} "
-                     f"({r['params'] / 1e6:.1f} M, {r['tensors']} tensors) | {fmt_spread(r['transfer_s'])} | "
+                     f"({r['params'] / 1e6:.1f} M, {r['tensors']} tensors) | "
+                     f"{fmt_spread(r['transfer_s'])} | "
                      f"{fmt_spread(r['one_buffer_s'])} | {fmt_spread(r['efficiency'], 2)} | "
-                     f"{r['transfer_gb_per_s']:.2f} |")
+                     f"{r['transfer_gb_per_s']:.2f} | {cold} |")
     lines += ["", "How to read it: two processes on this machine each build the built-in "
               "trainer's model of the size and its AdamW (moments present) and, in turn, "
-              "send the whole state with `send_state`/`recv_state` (the migration's and a "
-              "replica recovery's transfer: metadata, parameters, moments, generator "
-              "states) and the same bytes as one warm buffer, over the same gloo pair; each "
-              "timed on the sender up to a one-byte acknowledgement. Efficiency: each "
-              "repeat's one-buffer time over its transfer time. Inside a job the transfer "
+              "send the whole state with `send_state`/`recv_state` (metadata, parameters, "
+              "moments, generator states) and the same bytes as one warm buffer, over the "
+              "same gloo pair; each timed on the sender up to a one-byte acknowledgement. "
+              "`transfer`: as a planned migration's switch, after its phase 1 (untimed: "
+              "`post_layout`/`recv_layout`, where each side takes its state's view); `view "
+              "taken inside`: as a recovery from a replica, nothing before it. Efficiency: "
+              "each repeat's one-buffer time over its transfer time. Inside a job the transfer "
               "shares the cores with the other workers: `bench state-size` reports that "
               "figure.", ""]
     return "\n".join(lines)

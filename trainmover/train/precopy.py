@@ -33,10 +33,11 @@ import time
 
 import torch
 
-from trainmover.train.state import (StateError, TrainState, _as_bytes, _dtensor_type,
+from trainmover.train.state import (StateError, TrainState, _dtensor_type,
                                     _json_tensor, _jsonable, canonical_params,
                                     optim_entries_layout)
-from trainmover.train.transfer import _large, recv_json, skipped
+from trainmover.train.transfer import (_Chunk, _large, _pack_chunk, _unpack_chunk, recv_json,
+                                       skipped)
 
 # The pre-copy's tags on the channel, clear of the layout's and the switch transfer's.
 PRECOPY_TAG = 1 << 21
@@ -132,8 +133,9 @@ class _Channel:
                 self.post(t if t.is_contiguous() and t.device == self.group.device
                           else t.contiguous().to(self.group.device))
         if small:
-            self.post(torch.cat([_as_bytes(t.contiguous()).to(self.group.device)
-                                 for t in small]))
+            chunk = _Chunk(small)
+            self.post(_pack_chunk(torch.empty(chunk.size, dtype=torch.uint8,
+                                              device=self.group.device), chunk))
 
     def recv_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Into ``tensors`` (the twin of ``send_tensors``, the same list in the same order)."""
@@ -147,19 +149,15 @@ class _Channel:
         small = [t for t in tensors if not _large(t)]
         packed = None
         if small:
-            packed = torch.empty(sum(t.numel() * t.element_size() for t in small),
-                                 dtype=torch.uint8, device=self.group.device)
+            chunk = _Chunk(small)
+            packed = torch.empty(chunk.size, dtype=torch.uint8, device=self.group.device)
             works.append((self.group.recv(packed, self.peer, tag=self._next()), None, None))
         for work, t, wire in works:
             work.wait()
             if t is not None and wire is not t:
                 t.copy_(wire)
         if packed is not None:
-            offset = 0
-            for t in small:
-                n = t.numel() * t.element_size()
-                _as_bytes(t).copy_(packed[offset:offset + n])
-                offset += n
+            _unpack_chunk(chunk, packed)
 
     def settle(self) -> None:
         works, self.works = self.works, []

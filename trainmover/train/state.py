@@ -29,6 +29,7 @@ import ctypes
 import functools
 import hashlib
 import json
+from dataclasses import dataclass, field
 
 import torch
 
@@ -123,6 +124,18 @@ def canonical_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return [(rename(n), p) for n, p in model.named_parameters()]
 
 
+@dataclass
+class TransferView:
+    """A state as a transfer moves it (``TrainState.transfer_view``): the tensors by name (in
+    name order), the optimizer's layout and that layout as sent (JSON bytes: two sides hold
+    the same layout exactly when these are equal). ``plans``: what the transfer derives from
+    the view (``train/transfer.py``), kept with it. Read-only to its users."""
+    tensors: dict[str, torch.Tensor]
+    layout: dict[str, dict[str, list]]
+    layout_blob: torch.Tensor
+    plans: dict = field(default_factory=dict)
+
+
 class StateError(ValueError):
     """State that does not fit the registered model and optimizer (a checkpoint or transfer
     made for another model, a missing entry)."""
@@ -144,10 +157,14 @@ class TrainState:
                 raise ValueError(f"extra keys must be strings without '/', got {key!r}")
         self._param_names = {id(p): n for n, p in canonical_params(model)} \
             if model is not None else {}
+        self._view = None   # transfer_view's, with the _identity it was built for
 
     # --- the named view ------------------------------------------------------------------
-    def _live(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
-        """(name, live tensor as registered, its parameter or None), sorted by name."""
+    def _live(self, layout: dict[str, dict[str, list]] | None = None
+              ) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """(name, live tensor as registered, its parameter or None), sorted by name.
+        ``layout``, if given, is filled with the optimizer's layout (``_optim_layout``) on
+        the same walk: a transfer needs both, and the walk is per-entry Python."""
         out = []
         if self.model is not None:
             rename = _rename(self.model)
@@ -159,10 +176,14 @@ class TrainState:
                 pname = self._param_names.get(id(p))
                 if pname is None:
                     continue
+                entries = {}
                 for key in sorted(st):
                     v = st[key]
                     if isinstance(v, torch.Tensor):
                         out.append((f"optim/{key}/{pname}", v, p if v.shape == p.shape else None))
+                        entries[key] = _entry_layout(v)
+                if layout is not None:
+                    layout[pname] = entries
         for key, v in sorted(self.extra.items()):
             if isinstance(v, torch.Tensor):
                 out.append((f"extra/{key}", v, None))
@@ -171,6 +192,38 @@ class TrainState:
     def tensors(self) -> dict[str, torch.Tensor]:
         """``entries()``'s tensors alone (what a transfer moves: no shard dimensions)."""
         return {name: _local(t) for name, t, _ in self._live()}
+
+    def transfer_view(self) -> "TransferView":
+        """What a transfer moves (``tensors()``, but the live tensors themselves: a parameter
+        whose ``.data`` was replaced is read as it is now) and the optimizer's layout
+        (``_optim_layout()``), from one walk of the state. Kept while ``_identity()`` stays
+        the same, so a transfer after the first (every planned migration, as a worker's
+        roles come and go) pays for a cheaper walk."""
+        identity = self._identity()
+        if self._view is not None and self._view[0] == identity:
+            return self._view[1]
+        layout: dict[str, dict[str, list]] = {}
+        with torch.no_grad():   # a DTensor's local tensor itself, not an autograd view
+            tensors = {name: t.to_local() if isinstance(t, _dtensor_type()) else t
+                       for name, t, _ in self._live(layout)}
+        view = TransferView(tensors, layout, _json_tensor(layout))
+        self._view = (identity, view)
+        return view
+
+    def _identity(self) -> list:
+        """What ``transfer_view`` depends on: every registered tensor's key, object, local
+        tensor (a DTensor's), shape, dtype and device, in the state's own order. One tuple
+        an entry: about a third of building the view (names, sorting, the layout)."""
+        values = []
+        if self.model is not None:
+            values += self.model.state_dict(keep_vars=True).items()
+        if self.optimizer is not None:
+            for p, st in self.optimizer.state.items():
+                values.append((None, p))
+                values += st.items()
+        values += self.extra.items()
+        return [(k, id(v), id(getattr(v, "_local_tensor", v)), v.shape, v.dtype, v.device)
+                if isinstance(v, torch.Tensor) else (k, None) for k, v in values]
 
     def entries(self) -> tuple[dict[str, torch.Tensor], dict[str, int | None]]:
         """The live tensors this process holds, by name (no copies: a DTensor's local shard),
@@ -203,8 +256,9 @@ class TrainState:
                 out[name] = box
         return out
 
-    def meta(self) -> dict:
-        """Everything of the state that is not a tensor, as JSON values."""
+    def meta(self, with_layout: bool = True) -> dict:
+        """Everything of the state that is not a tensor, as JSON values. ``with_layout``:
+        with the optimizer's layout (a transfer sends its own, ``TransferView``)."""
         groups = []
         if self.optimizer is not None:
             for g in self.optimizer.param_groups:
@@ -217,11 +271,15 @@ class TrainState:
                 extra[key] = {"state_dict": v.state_dict()}
             else:
                 extra[key] = {"value": v}
-        out = {"param_groups": groups, "extra": extra, "optim_state": self._optim_layout()}
         try:
-            json.dumps(out)
+            # the registered extras are the only part that may not be JSON (the settings are
+            # filtered, the layout is built of lists, strings and ints)
+            json.dumps(extra)
         except TypeError as exc:
             raise ValueError(f"registered extra state is not JSON-serializable: {exc}") from exc
+        out = {"param_groups": groups, "extra": extra}
+        if with_layout:
+            out["optim_state"] = self._optim_layout()
         return out
 
     def _optim_layout(self) -> dict[str, dict[str, list]]:
@@ -352,10 +410,18 @@ def optim_entries_layout(st: dict) -> dict[str, list]:
     lives: AdamW keeps its step count on the CPU even for CUDA parameters (unless
     capturable), and refuses it anywhere else; a moment of a sharded parameter (FSDP2) is a
     DTensor placed like it."""
-    return {k: [list(v.shape), str(v.dtype).removeprefix("torch."),
-                "dtensor" if isinstance(v, _dtensor_type()) else
-                "cpu" if v.device.type == "cpu" else "param"]
-            for k, v in sorted(st.items()) if isinstance(v, torch.Tensor)}
+    return {k: _entry_layout(v) for k, v in sorted(st.items()) if isinstance(v, torch.Tensor)}
+
+
+def _entry_layout(v: torch.Tensor) -> list:
+    return [list(v.shape), _dtype_name(v.dtype),
+            "dtensor" if isinstance(v, _dtensor_type()) else
+            "cpu" if v.device.type == "cpu" else "param"]
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _jsonable(v) -> bool:
@@ -373,11 +439,6 @@ def _json_tensor(obj) -> torch.Tensor:
 
 def _from_json_tensor(t: torch.Tensor) -> dict:
     return json.loads(bytes(t.cpu().numpy().tobytes()).decode()) if t.numel() else {}
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (a 0-dim one is viewed as 1 element)."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 def _rng_states() -> dict[str, torch.Tensor]:

@@ -15,12 +15,13 @@ import time
 from collections import deque
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
-from trainmover.train.state import (TrainState, _as_bytes, _from_json_tensor, _json_tensor,
+from trainmover.train.state import (TrainState, _from_json_tensor, _json_tensor,
                                     _rng_states, _set_rng_states)
 
 
-# The layout message's tags, apart from the state's (0, 1, then one per entry from 2).
+# The layout message's tags, apart from the state's (``DATA_FIRST_TAG``).
 LAYOUT_TAG = 1 << 20
 
 
@@ -38,7 +39,7 @@ def post_layout(state: TrainState, group, peer: int, precopy: bool = False) -> l
 
     ``precopy``: the state is pre-copied from now on (``train/precopy.py``), which the
     joiner learns here, before anything of it arrives."""
-    blob = _json_tensor({"optim_state": state._optim_layout(),
+    blob = _json_tensor({"optim_state": _prepare(state).layout,
                          "precopy": precopy}).to(group.device)
     head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
     # each tensor kept with its work: alive until the send completes
@@ -54,8 +55,18 @@ def recv_layout(state: TrainState, group, peer: int) -> dict:
     layout = recv_json(group, peer, LAYOUT_TAG)
     before = _optim_bytes(state)
     state._match_optim(layout["optim_state"])
+    _prepare(state)
     return {"bytes": _optim_bytes(state) - before, "seconds": time.perf_counter() - t0,
             "precopy": bool(layout.get("precopy"))}
+
+
+def _prepare(state: TrainState):
+    """Phase 1, each side: the state's view and the plan of a switch without pre-copy, taken
+    now, off the switch (where a cheaper check finds the view still valid:
+    ``TrainState.transfer_view``; a pre-copy's switch plans for the parameters it holds)."""
+    view = state.transfer_view()
+    _plan(view, frozenset(), 0, 1)
+    return view
 
 
 def _optim_bytes(state: TrainState) -> int:
@@ -76,19 +87,78 @@ def send_state(state: TrainState, group, peer: int, resume_step: int,
     share as its own message set, the generators' states with share 0."""
     t0 = time.perf_counter()
     i, k = part
-    meta = state.meta()
+    view = state.transfer_view()
+    meta = state.meta(with_layout=False)
     meta["resume_step"] = resume_step
     rng = _rng_states() if i == 0 else {}
     meta["rng"] = {name: v.numel() for name, v in rng.items()}
     blob = _json_tensor(meta).to(group.device)
-    head = torch.tensor([blob.numel()], dtype=torch.int64, device=group.device)
-    group.send(head, peer, tag=0).wait()
-    group.send(blob, peer, tag=1).wait()
-    tensors = _unskipped(state, skip_params)
-    if k > 1:
-        tensors = _share(tensors, i, k)
-    nbytes = _move(state, group, peer, tensors, rng, sending=True)
+    layout = view.layout_blob.to(group.device)
+    head = torch.tensor([blob.numel(), layout.numel()], dtype=torch.int64, device=group.device)
+    sent = [group.send(head, peer, tag=0), group.send(blob, peer, tag=1),
+            group.send(layout, peer, tag=2)]
+    large, chunks = _plan(view, skip_params, i, k)
+    # the metadata delivered before the entries are posted: the receiver can post nothing
+    # before it has it, and posted behind a window of entries it reached the receiver 2-5
+    # ms later (on this machine's two cores, where this thread posting and packing competes
+    # with both sides' I/O threads)
+    for work in sent:
+        work.wait()
+    nbytes = _move(group, peer, large, chunks + _rng_chunk(rng), sending=True)
     return {"bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def _recv_meta(group, peer: int) -> tuple[dict, torch.Tensor]:
+    """``send_state``'s metadata and its optimizer layout (as sent: JSON bytes, on the CPU)."""
+    head = torch.zeros(2, dtype=torch.int64, device=group.device)
+    group.recv(head, peer, tag=0).wait()
+    blob_n, layout_n = (int(n) for n in head.tolist())
+    blob = torch.zeros(blob_n, dtype=torch.uint8, device=group.device)
+    layout = torch.zeros(layout_n, dtype=torch.uint8, device=group.device)
+    works = [group.recv(blob, peer, tag=1), group.recv(layout, peer, tag=2)]
+    for work in works:
+        work.wait()
+    return _from_json_tensor(blob), layout.cpu()
+
+
+def _apply_sent(state: TrainState, view, meta: dict, layout: torch.Tensor):
+    """The receiver's state given the sender's metadata and optimizer layout, and its view
+    as a transfer moves it (``view``: ``TrainState.transfer_view``, taken before the
+    metadata arrived). The optimizer is matched to the sender's only where their layouts
+    differ (a planned migration's joiner matched it in phase 1, a replica's is alike); the
+    view is taken again only where that changed it."""
+    state._apply_meta(meta)
+    if not torch.equal(layout, view.layout_blob) and \
+            state._match_optim(_from_json_tensor(layout)):
+        view = state.transfer_view()
+    return view
+
+
+def _plan(view, skip_params: frozenset[str], i: int, k: int
+          ) -> tuple[list[torch.Tensor], list["_Chunk"]]:
+    """The entries that travel (``_unskipped``; share ``i`` of ``k``), in name order, as the
+    large ones (each its own message) and chunks of the others. Both sides derive it from
+    names, sizes and dtypes alone. Kept with the view (one plan: the last asked for), so
+    that a state whose tensors did not change is not sorted and chunked again."""
+    key = (skip_params, i, k)
+    plan = view.plans.get(key)
+    if plan is None:
+        tensors = _unskipped(view.tensors, skip_params)
+        if k > 1:
+            tensors = _share(tensors, i, k)
+        large, small = [], []
+        for name in sorted(tensors):
+            t = tensors[name]
+            (large if _large(t) else small).append(t)
+        plan = (large, _chunks(small))
+        view.plans.clear()
+        view.plans[key] = plan
+    return plan
+
+
+def _rng_chunk(rng: dict[str, torch.Tensor]) -> list["_Chunk"]:
+    """The generators' states, a chunk of their own (a few KB): taken at each transfer."""
+    return [_Chunk([t for _, t in sorted(rng.items())])] if rng else []
 
 
 def _share(tensors: dict[str, torch.Tensor], i: int, k: int) -> dict[str, torch.Tensor]:
@@ -109,21 +179,24 @@ def recv_striped(state: TrainState, groups: list, peer: int) -> tuple[int, dict]
     (share i from the i-th sender), all at once, each on its own thread. The metadata is
     share 0's (every sender's is the same state's)."""
     t0 = time.perf_counter()
-    metas = [recv_json(g, peer) for g in groups]
-    steps = {m["resume_step"] for m in metas}
+    view = state.transfer_view()
+    sent = [_recv_meta(g, peer) for g in groups]
+    steps = {m["resume_step"] for m, _ in sent}
     if len(steps) != 1:
         raise RuntimeError(f"striped recovery: the replicas sent the states of steps "
                            f"{sorted(steps)}")
-    state._apply_meta(metas[0])
-    rng = {name: torch.zeros(n, dtype=torch.uint8) for name, n in metas[0]["rng"].items()}
-    tensors = _unskipped(state, frozenset())
+    meta, layout = sent[0]
+    view = _apply_sent(state, view, meta, layout)
+    rng = {name: torch.zeros(n, dtype=torch.uint8) for name, n in meta["rng"].items()}
     k = len(groups)
+    plans = [_plan(view, frozenset(), i, k) for i in range(k)]
     counts, errors = [0] * k, []
 
     def receive(i: int) -> None:
         try:
-            counts[i] = _move(state, groups[i], peer, _share(tensors, i, k),
-                              rng if i == 0 else {}, sending=False)
+            large, chunks = plans[i]
+            counts[i] = _move(groups[i], peer, large, chunks + (_rng_chunk(rng) if i == 0
+                                                                  else []), sending=False)
         except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
             errors.append(exc)
 
@@ -136,8 +209,8 @@ def recv_striped(state: TrainState, groups: list, peer: int) -> tuple[int, dict]
     if errors:
         raise errors[0]
     _set_rng_states(rng)
-    return int(metas[0]["resume_step"]), {"bytes": sum(counts), "shares": counts,
-                                          "seconds": time.perf_counter() - t0}
+    return int(meta["resume_step"]), {"bytes": sum(counts), "shares": counts,
+                                      "seconds": time.perf_counter() - t0}
 
 
 def recv_json(group, peer: int, tag: int = 0) -> dict:
@@ -154,24 +227,23 @@ def recv_state(state: TrainState, group, peer: int,
     """Joiner side: overwrites the whole state (but the ``skip_params``, as the sender's).
     Returns the step to resume at."""
     t0 = time.perf_counter()
-    # the entries are listed while the sender prepares its metadata, off the transfer's
-    # critical path (a few microseconds an entry: milliseconds for a model of many
-    # tensors); listed again only where the metadata changed the optimizer's entries
-    tensors = _unskipped(state, skip_params)
-    meta = recv_json(group, peer)
-    if state._apply_meta(meta):
-        tensors = _unskipped(state, skip_params)
+    # the state's view is taken while the sender prepares its metadata, off the transfer's
+    # critical path (a few microseconds an entry: milliseconds for a model of many tensors)
+    view = state.transfer_view()
+    meta, layout = _recv_meta(group, peer)
+    view = _apply_sent(state, view, meta, layout)
     rng = {k: torch.zeros(n, dtype=torch.uint8) for k, n in meta["rng"].items()}
-    nbytes = _move(state, group, peer, tensors, rng, sending=False)
+    large, chunks = _plan(view, skip_params, 0, 1)
+    nbytes = _move(group, peer, large, chunks + _rng_chunk(rng), sending=False)
     _set_rng_states(rng)
     return int(meta["resume_step"]), {"bytes": nbytes, "seconds": time.perf_counter() - t0}
 
 
-def _unskipped(state: TrainState, skip_params: frozenset[str]) -> dict[str, torch.Tensor]:
+def _unskipped(tensors: dict[str, torch.Tensor], skip_params: frozenset[str]
+               ) -> dict[str, torch.Tensor]:
     """The entries that travel: all but a skipped parameter's own and its optimizer state's
     (``optim/<key>/<param>``). Both sides decide alike from names alone (the receiver's
     optimizer entries were made the sender's by the metadata first)."""
-    tensors = state.tensors()
     if not skip_params:
         return tensors
     return {n: t for n, t in tensors.items() if not skipped(n, skip_params)}
@@ -183,9 +255,9 @@ def skipped(name: str, skip_params: frozenset[str]) -> bool:
         (name.startswith("optim/") and name.split("/", 2)[2] in skip_params)
 
 
-def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
-          rng: dict[str, torch.Tensor], sending: bool) -> int:
-    """Both sides walk the same entries in the same order (names sorted; the receiver
+def _move(group, peer: int, large: list[torch.Tensor], chunks: list["_Chunk"],
+          sending: bool) -> int:
+    """Both sides walk the same entries in the same order (``_plan``; the receiver
     allocated what it lacked from the sender's layout first). A large entry travels in
     place as its own message; the others, and the generators' states, are packed in name
     order into chunks of ``STAGING_CHUNK_BYTES`` through a ring of two staging buffers
@@ -195,24 +267,18 @@ def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
     the sender packs them and the receiver unpacks them while large entries are on the
     wire (last, the receiver's unpacking was the transfer's tail). Each transfer owns its
     staging ring, so several may run at once on one process (a striped recovery)."""
-    large, small = [], []
-    for name in sorted(tensors):
-        t = tensors[name]
-        (large if _large(t) else small).append(t)
-    small += [t for _, t in sorted(rng.items())]
     items = [_Item(t.numel() * t.element_size(), t) for t in large]
-    chunks = _chunks(small)
     if chunks:
         # a chunk holds one entry over the chunk size (under IN_PLACE_MIN_BYTES, were that
         # set above it) alone: the buffers are as large as the largest chunk
-        cap = max(_chunk_bytes(chunk) for chunk in chunks)
+        cap = max(chunk.size for chunk in chunks)
         ring = [torch.empty(cap, dtype=torch.uint8, device=group.device)
                 for _ in range(min(2, len(chunks)))]
         at, head = 0, 0
         while at < len(items) and head < TRANSFER_WINDOW_BYTES // 2:
             head += items[at].size
             at += 1
-        staged = [_Item(_chunk_bytes(chunk), ring[i % len(ring)], chunk)
+        staged = [_Item(chunk.size, ring[i % len(ring)], chunk)
                   for i, chunk in enumerate(chunks)]
         for i, item in enumerate(staged):
             # a ring buffer is packed (or received into) again only once the chunk that
@@ -220,8 +286,12 @@ def _move(state: TrainState, group, peer: int, tensors: dict[str, torch.Tensor],
             item.after = at + i - len(ring) if i >= len(ring) else None
         items[at:at] = staged
     with torch.no_grad():
-        _pipelined(items, group, peer, sending, first_tag=2)
-    return sum(item.size for item in items)
+        _pipelined(items, group, peer, sending, first_tag=DATA_FIRST_TAG)
+    return sum(item.chunk.nbytes if item.chunk is not None else item.size for item in items)
+
+
+# The data's first tag: 0, 1 and 2 carry the metadata (its sizes, itself, the layout)
+DATA_FIRST_TAG = 3
 
 
 class _Item:
@@ -250,19 +320,44 @@ def _large(t: torch.Tensor) -> bool:
     return t.numel() * t.element_size() >= IN_PLACE_MIN_BYTES
 
 
-def _chunks(tensors: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, int]]]:
-    """``tensors`` (each under a chunk) in order, as chunks of (tensor, bytes) of at most
-    ``STAGING_CHUNK_BYTES`` together."""
-    chunks: list[list[tuple[torch.Tensor, int]]] = []
+class _Chunk:
+    """Small entries packed together: ``runs`` of (offset, bytes, dtype, tensors), one per
+    dtype in order of first appearance, each run's entries in name order and its offset
+    aligned to ``_RUN_ALIGN`` (a run is viewed as its dtype); ``size``: the chunk's bytes,
+    ``nbytes``: its entries' (the runs' alignment apart). Both sides build the same chunks
+    from the entries' names, dtypes and sizes alone."""
+    __slots__ = ("runs", "size", "nbytes")
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        self.runs, at = [], 0
+        for dtype, ts in by_dtype.items():
+            at = -(-at // _RUN_ALIGN) * _RUN_ALIGN
+            n = sum(t.numel() for t in ts) * ts[0].element_size()
+            self.runs.append((at, n, dtype, ts))
+            at += n
+        self.size, self.nbytes = at, sum(run[1] for run in self.runs)
+
+
+# A run of a chunk starts at a multiple of the largest element size (complex128)
+_RUN_ALIGN = 16
+
+
+def _chunks(tensors: list[torch.Tensor]) -> list[_Chunk]:
+    """``tensors`` (each under a chunk) in order, as chunks of at most
+    ``STAGING_CHUNK_BYTES`` of entries together (and their runs' alignment)."""
+    groups: list[list[torch.Tensor]] = []
     used = STAGING_CHUNK_BYTES
     for t in tensors:
         n = t.numel() * t.element_size()
         if used + n > STAGING_CHUNK_BYTES:
-            chunks.append([])
+            groups.append([])
             used = 0
-        chunks[-1].append((t, n))
+        groups[-1].append(t)
         used += n
-    return chunks
+    return [_Chunk(ts) for ts in groups]
 
 
 # How many bytes of a state transfer may be in flight at once: enough to keep the link busy
@@ -317,29 +412,27 @@ def _receive_buffer(item: _Item, device) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
-def _chunk_bytes(chunk) -> int:
-    return sum(n for _, n in chunk)
-
-
-# A chunk is packed and unpacked with one call over all its entries (torch.cat, a foreach
-# copy): a chunk may hold thousands of small entries, and one copy call per entry cost a
-# few microseconds of Python each (8 ms for 700 entries here, a quarter of a 100 MB
-# transfer's time).
-def _pack_chunk(buf: torch.Tensor, chunk) -> torch.Tensor:
-    out = buf[:_chunk_bytes(chunk)]
-    torch.cat([_as_bytes(t.contiguous()).to(buf.device) for t, _ in chunk], out=out)
+# A chunk is packed and unpacked with two calls per dtype over all its entries (views of
+# the staging buffer shaped like the entries, made by torch in one call, and a foreach copy
+# to or from them, which also handles strides and devices): a chunk may hold thousands of
+# small entries, and Python calls per entry cost microseconds each (a copy call per entry:
+# 8 ms for 700 entries here, a quarter of a 100 MB transfer's time; byte views and
+# torch.cat per entry: 1.4 ms to pack and 1.9 ms to unpack 434 entries, against 0.3 ms
+# and 0.7 ms this way).
+@torch.no_grad()
+def _pack_chunk(buf: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+    out = buf[:chunk.size]
+    for view, ts in _run_views(out, chunk):
+        torch._foreach_copy_(view, ts)
     return out
 
 
-def _unpack_chunk(chunk, received: torch.Tensor) -> None:
-    parts = received.split([n for _, n in chunk])
-    device = received.device
-    direct = [(_as_bytes(t), part) for (t, _), part in zip(chunk, parts)
-              if t.is_contiguous() and t.device == device]
-    if direct:
-        torch._foreach_copy_([d for d, _ in direct], [p for _, p in direct])
-    for (t, _), part in zip(chunk, parts):
-        if not (t.is_contiguous() and t.device == device):
-            staging = torch.empty(t.shape, dtype=t.dtype, device=device)
-            _as_bytes(staging).copy_(part)
-            t.copy_(staging)
+@torch.no_grad()
+def _unpack_chunk(chunk: _Chunk, received: torch.Tensor) -> None:
+    for view, ts in _run_views(received, chunk):
+        torch._foreach_copy_(ts, view)
+
+
+def _run_views(buf: torch.Tensor, chunk: _Chunk):
+    for at, n, dtype, ts in chunk.runs:
+        yield _unflatten_dense_tensors(buf[at:at + n].view(dtype), ts), ts
