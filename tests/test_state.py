@@ -185,6 +185,7 @@ def _transfer(rank, address, use_buckets, epoch_aborted=False, layout_first=Fals
         out = None
     else:
         out, info = recv_state(state, channel, 0)
+    assert state._view is None      # released by the transfer: it holds the state's tensors
     tensors, _ = state.entries()
     # plain lists: tensors sent through the result queue would outlive their process
     digest = {k: v.reshape(-1).tolist() for k, v in tensors.items()}
@@ -246,6 +247,9 @@ def test_the_transfer_view_is_kept_while_the_state_holds_the_same_tensors():
     assert view.layout["b.weight"]["exp_avg"][0] == [2, 30]   # its moments, not its data
     assert view.tensors["model/b.weight"].shape == (2, 31)
     assert "a.bias" not in view.layout and "optim/exp_avg/a.bias" not in view.tensors
+    # entries dropped here (a rollback to a fresh optimizer's checkpoint): the view, which
+    # holds the dropped tensors, is released at once
+    assert state._match_optim({}) and state._view is None
 
 
 def _doomed(rank, address):

@@ -96,7 +96,7 @@ def _pair_child(rank: int, address, model: dict, repeats: int, out) -> None:
             else:
                 recv_layout(state, group, 0)
         else:
-            state._view = None    # as a replica recovery: the view taken inside
+            state.release_view()    # as a replica recovery: the view taken inside
         return acknowledged((lambda: send_state(state, group, 1, 7)) if rank == 0
                             else (lambda: recv_state(state, group, 0)[1]))
 

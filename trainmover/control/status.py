@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 
 from trainmover.core import protocol as P
 from trainmover.core import rundir
@@ -52,22 +52,31 @@ class JobStatus:
     store_keys: int | None = None
     as_of: float | None = None               # when this view was taken (unix seconds)
     source: str = "store"                    # "controller" (status.json) | "store"
+    interval_s: float | None = None          # how often the controller writes status.json
 
     def free_standbys(self, state: str = "warm") -> list[str]:
         return [s.name for s in self.standbys if s.state == state and s.alive]
 
 
 def status_from_state(state: dict, perf: dict[str, dict | None], controller_pid: int | None,
-                      store_keys: int | None = None, source: str = "store") -> JobStatus:
+                      store_keys: int | None = None, source: str = "store",
+                      recorded: bool = False) -> JobStatus:
     """The status in a controller's state (``Coordinator._snapshot()``: live, or as read
-    back from the store); ``perf``: each worker's newest ``StepPerf`` as a dict."""
+    back from the store); ``perf``: each worker's newest ``StepPerf`` as a dict.
+
+    ``recorded``: a process is alive while the agents' records say it runs (started, no
+    exit recorded): the controller's own view, kept current every round, on every host.
+    Otherwise (read back from the store while the controller is down) its PID is also
+    probed here: a process that died since the last save shows dead (on this host; another
+    host's PID means nothing here)."""
     ctx, procs = state["ctx"], state["ctx"]["procs"]
     m = ctx["membership"]
 
     def proc(name: str, **extra) -> ProcessStatus:
         view = procs.procs.get(name)
         pid = view.pid if view is not None else None
-        alive = view is not None and view.code is None and pid is not None and pid_alive(pid)
+        alive = view is not None and view.code is None and pid is not None and \
+            (recorded or pid_alive(pid))
         return ProcessStatus(name, pid, view.node if view is not None else 0, alive, **extra)
 
     mig, rec = state["migrations"]["active"], state["recovery"]["active"]
@@ -87,8 +96,17 @@ def status_from_state(state: dict, perf: dict[str, dict | None], controller_pid:
 
 def write_status_file(run_dir: str, status: JobStatus) -> None:
     """``status.json`` (mode 0600), replaced atomically (a reader never sees half of it),
-    not written through a symlink planted in its place."""
-    rundir.write_atomic(os.path.join(run_dir, STATUS_FILE), json.dumps(asdict(status)).encode())
+    not written through a symlink planted in its place. The dataclasses are encoded as
+    their fields by json's own encoder (``dataclasses.asdict`` copies every nested value
+    first: 0.28 s of a 0.32 s write at 2,048 workers, every status interval)."""
+    rundir.write_atomic(os.path.join(run_dir, STATUS_FILE),
+                        json.dumps(status, default=_fields).encode())
+
+
+def _fields(obj) -> dict:
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return obj.__dict__
+    raise TypeError(f"{type(obj).__name__} is not JSON")
 
 
 def fresh_limit_s(run_dir: str) -> float:
@@ -110,7 +128,13 @@ def read_status_file(run_dir: str, max_age_s: float) -> JobStatus | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or time.time() - (data.get("as_of") or 0) > max_age_s:
+    if not isinstance(data, dict):
+        return None
+    # a controller of many workers writes the file less often than configured, and says so
+    every = data.get("interval_s")
+    if isinstance(every, (int, float)):
+        max_age_s = max(max_age_s, STATUS_FRESH_INTERVALS * every)
+    if time.time() - (data.get("as_of") or 0) > max_age_s:
         return None
     if not (data.get("controller_pid") and pid_alive(data["controller_pid"])):
         return None
@@ -151,9 +175,16 @@ def _perf(store, worker: str) -> dict | None:
     if not store.check([key]):
         return None
     try:
-        return asdict(P.read_message(P.StepPerf, store.get(key)))
+        return status_perf(P.read_message(P.StepPerf, store.get(key)))
     except P.MessageError:
         return None
+
+
+def status_perf(perf: P.StepPerf) -> dict:
+    """A worker's step measurements as the status shows them: the newest window's, without
+    the history of windows kept for the straggler detector (a status interval's encoding of
+    every worker's history was most of the file's cost, and nothing reads it there)."""
+    return {k: v for k, v in vars(perf).items() if k != "recent"}
 
 
 def render(st: JobStatus) -> str:

@@ -727,7 +727,9 @@ class ControllerConfig:
     # (whatever is in flight, and every order sent, is saved before it goes out).
     snapshot_interval_s: float = 1.0
     # How often <run dir>/status.json (what `trainmover status` reads) is rewritten; it is
-    # taken from a snapshot, so no more often than those are computed.
+    # taken from a snapshot, so no more often than those are computed, and less often where
+    # writing it would take over 5% of the controller's time (thousands of workers: the file
+    # says how often, and its readers wait for that).
     status_interval_s: float = 1.0
     # How often the standbys' readiness (cold, warming, warm) is read: it changes in seconds.
     standby_poll_s: float = 0.25

@@ -198,7 +198,12 @@ class TrainState:
         whose ``.data`` was replaced is read as it is now) and the optimizer's layout
         (``_optim_layout()``), from one walk of the state. Kept while ``_identity()`` stays
         the same, so a transfer after the first (every planned migration, as a worker's
-        roles come and go) pays for a cheaper walk."""
+        roles come and go) pays for a cheaper walk.
+
+        The view holds the state's tensors: a transfer releases it when done
+        (``release_view``), as does an abandoned migration and a change of the optimizer's
+        entries here (``_match_optim``), so that it never keeps a replaced tensor's memory
+        beyond a migration's phase 1 (the only time it is kept between transfers)."""
         identity = self._identity()
         if self._view is not None and self._view[0] == identity:
             return self._view[1]
@@ -209,6 +214,10 @@ class TrainState:
         view = TransferView(tensors, layout, _json_tensor(layout))
         self._view = (identity, view)
         return view
+
+    def release_view(self) -> None:
+        """Drop the view ``transfer_view`` keeps (and the tensors it holds)."""
+        self._view = None
 
     def _identity(self) -> list:
         """What ``transfer_view`` depends on: every registered tensor's key, object, local
@@ -332,7 +341,10 @@ class TrainState:
                         if isinstance(v, torch.Tensor) and k not in layout[pname]]:
                 del st[key]
                 changed = True
-        return self.ensure_optim(layout, by_name) > 0 or changed
+        changed = self.ensure_optim(layout, by_name) > 0 or changed
+        if changed:
+            self.release_view()
+        return changed
 
     def apply_group_settings(self, saved: list[dict]) -> None:
         """The optimizer's param-group settings (lr, betas, weight decay, ...) from their

@@ -85,6 +85,14 @@ def send_state(state: TrainState, group, peer: int, resume_step: int,
     optimizer state travel.
     ``part``: (i, k) of a striped recovery: this sender's share (``_share``) only, each
     share as its own message set, the generators' states with share 0."""
+    try:
+        return _send_state(state, group, peer, resume_step, skip_params, part)
+    finally:
+        state.release_view()
+
+
+def _send_state(state: TrainState, group, peer: int, resume_step: int,
+                skip_params: frozenset[str], part: tuple[int, int]) -> dict:
     t0 = time.perf_counter()
     i, k = part
     view = state.transfer_view()
@@ -178,6 +186,13 @@ def recv_striped(state: TrainState, groups: list, peer: int) -> tuple[int, dict]
     """Joiner side of a striped recovery: a share of the state from each of ``groups``
     (share i from the i-th sender), all at once, each on its own thread. The metadata is
     share 0's (every sender's is the same state's)."""
+    try:
+        return _recv_striped(state, groups, peer)
+    finally:
+        state.release_view()
+
+
+def _recv_striped(state: TrainState, groups: list, peer: int) -> tuple[int, dict]:
     t0 = time.perf_counter()
     view = state.transfer_view()
     sent = [_recv_meta(g, peer) for g in groups]
@@ -226,6 +241,14 @@ def recv_state(state: TrainState, group, peer: int,
                skip_params: frozenset[str] = frozenset()) -> tuple[int, dict]:
     """Joiner side: overwrites the whole state (but the ``skip_params``, as the sender's).
     Returns the step to resume at."""
+    try:
+        return _recv_state(state, group, peer, skip_params)
+    finally:
+        state.release_view()
+
+
+def _recv_state(state: TrainState, group, peer: int, skip_params: frozenset[str]
+                ) -> tuple[int, dict]:
     t0 = time.perf_counter()
     # the state's view is taken while the sender prepares its metadata, off the transfer's
     # critical path (a few microseconds an entry: milliseconds for a model of many tensors)

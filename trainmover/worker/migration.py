@@ -392,6 +392,8 @@ class Migrations:
         part.dropped = True
         for g in list(part.built.values()):
             g.shutdown()
+        if self.state is not None:
+            self.state.release_view()   # taken for the switch in phase 1 (post_layout)
         self.events.emit("migration_dropped", migration_id=part.migration_id, reason=reason)
         del self.active[part.migration_id]
 
