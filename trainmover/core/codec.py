@@ -23,6 +23,10 @@ class SnapshotError(ValueError):
 _SIMPLE = (bool, int, float, str)
 
 
+def _same(obj):
+    return obj
+
+
 class Codec:
     def __init__(self, *registered: type, max_bytes: int = 64 * 2**20):
         self.types = {t.__name__: t for t in registered}
@@ -30,35 +34,54 @@ class Codec:
             raise ValueError("two registered types share a name")
         self.max_bytes = max_bytes
         self._hints: dict[type, dict] = {}
+        self._encoders: dict[type, typing.Callable] = {}
 
     # --- writing ------------------------------------------------------------------------------
     def dumps(self, obj) -> str:
-        return json.dumps(self.encode(obj), sort_keys=True, separators=(",", ":"))
+        # encode() builds a fresh tree (no value appears twice in it): nothing to check for
+        # cycles
+        return json.dumps(self.encode(obj), sort_keys=True, separators=(",", ":"),
+                          check_circular=False)
 
     def encode(self, obj):
-        if obj is None or isinstance(obj, _SIMPLE) and not isinstance(obj, enum.Enum):
-            return obj
+        # one encoder per class, made at its first value (the controller encodes its whole
+        # snapshot every busy round: thousands of dataclasses, whose fields and registration
+        # were looked up again for each one)
         cls = type(obj)
-        if isinstance(obj, enum.Enum):
+        enc = self._encoders.get(cls)
+        if enc is None:
+            enc = self._encoders[cls] = self._encoder_for(cls)
+        return enc(obj)
+
+    def _encoder_for(self, cls: type):
+        encode = self.encode
+        if cls is type(None) or issubclass(cls, _SIMPLE) and not issubclass(cls, enum.Enum):
+            return _same
+        if issubclass(cls, enum.Enum):
             self._check_registered(cls)
-            return {"__enum__": cls.__name__, "value": obj.value}
-        if dataclasses.is_dataclass(obj):
+            return lambda obj: {"__enum__": cls.__name__, "value": obj.value}
+        if dataclasses.is_dataclass(cls):
             self._check_registered(cls)
             skip = getattr(cls, "__snapshot_exclude__", ())
-            return {"__type__": cls.__name__,
-                    "fields": {f.name: self.encode(getattr(obj, f.name))
-                               for f in dataclasses.fields(obj) if f.init and f.name not in skip}}
-        if isinstance(obj, (list, tuple)):
-            return [self.encode(v) for v in obj]
-        if isinstance(obj, (set, frozenset)):
-            return {"__set__": sorted((self.encode(v) for v in obj), key=json.dumps)}
-        if isinstance(obj, dict):
-            for k in obj:
-                if not isinstance(k, str) or k.startswith("__"):
-                    raise SnapshotError(f"dict key {k!r}: keys must be strings not starting "
-                                        f"with '__'")
-            return {k: self.encode(v) for k, v in obj.items()}
+            names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in skip]
+            return lambda obj: {"__type__": cls.__name__,
+                                "fields": {n: encode(getattr(obj, n)) for n in names}}
+        if issubclass(cls, (list, tuple)):
+            return lambda obj: [encode(v) for v in obj]
+        if issubclass(cls, (set, frozenset)):
+            return lambda obj: {"__set__": sorted((encode(v) for v in obj), key=json.dumps)}
+        if issubclass(cls, dict):
+            return self._encode_dict
         raise SnapshotError(f"cannot encode a {cls.__name__} (not a registered type)")
+
+    def _encode_dict(self, obj: dict) -> dict:
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str) or k.startswith("__"):
+                raise SnapshotError(f"dict key {k!r}: keys must be strings not starting "
+                                    f"with '__'")
+            out[k] = self.encode(v)
+        return out
 
     def _check_registered(self, cls: type) -> None:
         if self.types.get(cls.__name__) is not cls:
