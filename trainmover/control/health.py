@@ -77,6 +77,11 @@ class Health:
                                                         if w not in handled]) \
             if look and self._new_reports() else {}
         silent, beating = [], set()      # beating: hosts with a worker heard recently
+        # once a round, not per worker (a loop over every worker: what it does per worker
+        # is what the controller's round costs at scale)
+        silence_s = health.silence_s()
+        if look:
+            self.read_hosts(now)
         for w in list(ctx.membership.workers):
             if w in handled or not ctx.procs.known(w):
                 continue
@@ -90,15 +95,15 @@ class Health:
                 continue
             if code == 0 or not look:
                 continue
-            beat = self._beat(w)
+            beat = self._beat(w, read=False)
             quiet = None if beat is None else now - beat
-            if quiet is not None and quiet > health.silence_s() and \
+            if quiet is not None and quiet > silence_s and \
                     ctx.store.valid(P.finished_key(w)) is not None:
                 continue   # done with the job: its heartbeat may stop
             if quiet is not None and quiet > timeout:
                 out.append(Failure(w, "hang", now, f"no heartbeat for {quiet:.2f} s"))
                 continue
-            if quiet is not None and quiet > health.silence_s():
+            if quiet is not None and quiet > silence_s:
                 silent.append((w, quiet))
             elif quiet is not None:
                 beating.add(node)
@@ -130,12 +135,13 @@ class Health:
         if now - self._standbys_looked_at < health.check_interval_s:
             return []
         self._standbys_looked_at = now
+        self.read_hosts(now)
         out = []
         for name, st in list(ctx.membership.standbys.items()):
             if st is C.StandbyState.DEAD or not ctx.procs.known(name) or \
                     not ctx.procs.running(name) or ctx.procs.procs[name].node in ctx.procs.lost:
                 continue
-            beat = self._beat(name)
+            beat = self._beat(name, read=False)
             if beat is None:
                 pid = ctx.procs.pid(name)
                 if pid is None:
@@ -253,12 +259,14 @@ class Health:
                     if moved(None if mine is None else mine[0], *entry):
                         self._beats[name] = (tuple(entry), now)
 
-    def _beat(self, worker: str) -> float | None:
-        """Time the worker's heartbeat last moved (None before its first beat)."""
+    def _beat(self, worker: str, read: bool = True) -> float | None:
+        """Time the worker's heartbeat last moved (None before its first beat). ``read``:
+        read the hosts' beats first (``read_hosts``), which a loop over workers does once."""
         pid = self.ctx.procs.pid(worker)
         if pid is None:
             return None   # not started yet
-        self.read_hosts(time.time())
+        if read:
+            self.read_hosts(time.time())
         seen = self._beats.get(worker)
         if seen is None or seen[0][0] != pid:
             return None   # none yet, or only a former incarnation's: its own beats only
