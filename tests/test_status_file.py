@@ -8,8 +8,8 @@ import time
 from types import SimpleNamespace as NS
 
 from trainmover.control.processes import ProcView
-from trainmover.control.status import (read_status_file, status_from_state, status_perf,
-                                       write_status_file)
+from trainmover.control.status import (STATUS_MAX_INTERVAL_S, read_status_file,
+                                       status_from_state, status_perf, write_status_file)
 from trainmover.core import protocol as P
 
 DEAD_PID = 2 ** 22 + 1          # above the kernel's pid_max default: no such process
@@ -73,5 +73,9 @@ def test_a_file_written_less_often_than_configured_stays_fresh_for_its_own_inter
     write_status_file(run_dir, st)
     assert read_status_file(run_dir, 3.0) == st             # 10 s < 3 x 5 s
     st.as_of = time.time() - 20
+    write_status_file(run_dir, st)
+    assert read_status_file(run_dir, 3.0) is None
+    # whatever interval a file claims, it is stale after 3 x STATUS_MAX_INTERVAL_S
+    st.interval_s, st.as_of = 1e9, time.time() - 3 * STATUS_MAX_INTERVAL_S - 1
     write_status_file(run_dir, st)
     assert read_status_file(run_dir, 3.0) is None

@@ -23,6 +23,10 @@ STATUS_FILE = "status.json"
 # status.json older than this many of the controller's write intervals is stale (the
 # controller is down, or too busy to write it): the store is read instead
 STATUS_FRESH_INTERVALS = 3
+# The longest interval a controller writes status.json at, however many workers (a write of
+# 100K workers' status takes about 2 s here: every 40 s at its 5% share), and the longest a
+# reader honours whatever the file says
+STATUS_MAX_INTERVAL_S = 60.0
 
 
 @dataclass
@@ -98,7 +102,7 @@ def write_status_file(run_dir: str, status: JobStatus) -> None:
     """``status.json`` (mode 0600), replaced atomically (a reader never sees half of it),
     not written through a symlink planted in its place. The dataclasses are encoded as
     their fields by json's own encoder (``dataclasses.asdict`` copies every nested value
-    first: 0.28 s of a 0.32 s write at 2,048 workers, every status interval)."""
+    first: most of a 0.41 s write at 2,048 workers, ``benchmarks/status_write.py``)."""
     rundir.write_atomic(os.path.join(run_dir, STATUS_FILE),
                         json.dumps(status, default=_fields).encode())
 
@@ -133,7 +137,7 @@ def read_status_file(run_dir: str, max_age_s: float) -> JobStatus | None:
     # a controller of many workers writes the file less often than configured, and says so
     every = data.get("interval_s")
     if isinstance(every, (int, float)):
-        max_age_s = max(max_age_s, STATUS_FRESH_INTERVALS * every)
+        max_age_s = max(max_age_s, STATUS_FRESH_INTERVALS * min(every, STATUS_MAX_INTERVAL_S))
     if time.time() - (data.get("as_of") or 0) > max_age_s:
         return None
     if not (data.get("controller_pid") and pid_alive(data["controller_pid"])):
