@@ -12,7 +12,7 @@ from trainmover.agent.votes import Channels, VoteRelay
 from trainmover.comm.groups import AbortSignal, StoreClients, start_store_server
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore
-from trainmover.worker.liveness import HostVote
+from trainmover.worker.liveness import HostVote, Inbox
 
 SECRET = b"h" * 64
 
@@ -35,7 +35,8 @@ def job():
         child = SimpleNamespace(name=name, channel=mine, beats=0)
         all_channels[i // 2].add(child)
         relays[i // 2].expect(name)          # started as a worker there
-        workers[name] = SimpleNamespace(channel=theirs, child=child, node=i // 2)
+        workers[name] = SimpleNamespace(channel=theirs, child=child, node=i // 2,
+                                        inbox=Inbox(theirs, stores))
     yield SimpleNamespace(server=server, stores=stores, relays=relays, workers=workers,
                           channels=all_channels)
     server.close()
@@ -46,7 +47,7 @@ def vote_all(job, names, epoch, step, signal=None):
     out = {}
 
     def one(name):
-        vote = HostVote(job.workers[name].channel, job.stores, epoch,
+        vote = HostVote(job.workers[name].inbox, job.stores, epoch,
                         signal or AbortSignal(), voter=name)
         out[name] = vote(step, {})
 

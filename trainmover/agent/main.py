@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 
 from trainmover.agent import forkserver
+from trainmover.agent.aborts import AbortRelay
 from trainmover.agent.beat import HostBeat
 from trainmover.agent.feeds import FenceWatch, RequestFeed
 from trainmover.agent.votes import Channels, VoteRelay
@@ -137,6 +138,7 @@ class Agent:
         self._host_beat: HostBeat | None = None       # the host's heartbeat (a thread)
         self._relay: VoteRelay | None = None          # its processes' votes, relayed
         self._channels: Channels | None = None        # its processes' channels, read
+        self._aborts: AbortRelay | None = None        # its processes' abort watches
         self.snapshots: SnapshotServer | None = None   # the peer-snapshot holder, if used
         self.hash_seed = jobfile.python_hash_seed(load_secret(run_dir))
         self.forks: forkserver.ForkServer | None = None   # agent.fork_server, once started
@@ -291,6 +293,7 @@ class Agent:
             if self._channels is not None:
                 self._channels.remove(child)      # closed by the channels' reader
                 self._relay.forget(child.name)
+                self._aborts.forget(child.name)
             else:
                 child.channel.close()
         record = P.ExitRecord(child.name, child.incarnation, code, time.time())
@@ -315,7 +318,7 @@ class Agent:
     # --- the controller ----------------------------------------------------------------------
     def _watch(self, now: float) -> str | None:
         """Why this agent must stop (None: it goes on)."""
-        for part in (self._host_beat, self._relay):
+        for part in (self._host_beat, self._relay, self._aborts):
             if part.error is not None:
                 raise part.error
         if self.node == 0 and not self.etcd:
@@ -441,7 +444,7 @@ class Agent:
         # (else they are forked once the store is up: the fork server imports torch meanwhile)
         run_key = jobfile.run_key(self.run_dir)
         if self.listen_fd is not None:
-            # four connections a worker: a soft limit of 1024 descriptors would refuse the
+            # a few connections a worker: a soft limit of 1024 descriptors would refuse the
             # workers of a job past ~250 of them
             raise_open_files()
             # served from a thread of this process for the job's lifetime (torch-free: the
@@ -470,7 +473,9 @@ class Agent:
         # reader of their channels (beats and votes)
         self._relay = VoteRelay(client(), client(), self.node, self.cfg.layout.num_roles,
                                 self.cfg.agent.vote_coalesce_s)
-        self._channels = Channels(self._relay.vote)
+        # its processes' watches of the controller's aborts, one a host (agent/aborts.py)
+        self._aborts = AbortRelay(client)
+        self._channels = Channels(self._relay.vote, self._aborts.watch)
         for c in self.children.values():
             if c.channel is not None:
                 self._track(c, c.standby)

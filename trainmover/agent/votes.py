@@ -1,5 +1,5 @@
 """The host's agent as the relay of its processes' commit votes, and the reader of their
-channels.
+channels (beats, votes, asks for an epoch's abort: ``agent/aborts.py``).
 
 Why: with every worker voting in the job's one store, a step cost that store about four
 requests a worker: 64K a step at 16K workers, most of its capacity at one step a second
@@ -48,11 +48,12 @@ DECISIONS_KEPT = 64          # decided steps remembered for a vote that comes la
 
 class Channels:
     """Reads every message the agent's processes send on their channels: beats are
-    counted on the process's record (``Child.beats``), votes handed to ``on_vote``. The
-    channels are closed here (``remove``), never under this thread's ``select``."""
+    counted on the process's record (``Child.beats``), votes handed to ``on_vote``, asks
+    for an epoch's abort to ``on_watch`` (``agent/aborts.py``). The channels are closed
+    here (``remove``), never under this thread's ``select``."""
 
-    def __init__(self, on_vote):
-        self.on_vote = on_vote
+    def __init__(self, on_vote, on_watch=None):
+        self.on_vote, self.on_watch = on_vote, on_watch
         self._lock = threading.Lock()
         self._open: dict[int, object] = {}          # descriptor -> the process's record
         self._closing: list = []
@@ -119,6 +120,10 @@ class Channels:
             got = P.read_channel_message(raw)
             if got is not None and got[0] == "v":
                 self.on_vote(child, got[1], got[2], got[3])
+                continue
+            epoch = P.read_watch_message(raw)
+            if epoch is not None and self.on_watch is not None:
+                self.on_watch(child, epoch)
 
 
 @dataclass

@@ -6,9 +6,10 @@ What runs as in a job, and what stands in for it:
 - as in a job: each host's agent (``agent.main.Agent``: its request feed, its host's
   heartbeat with its processes' beats, fencing watch, process and exit records), and each
   worker's control code: its heartbeat (``worker.liveness.Heartbeat``, on its channel to
-  the agent), abort watcher, commit vote (``HostVote``, through the agent) and command
-  channel (``worker.migration.CommandChannel``), each with its own authenticated store
-  client, writing signed messages, as a worker's threads do;
+  the agent), its watch of the controller's aborts and commit vote (``Inbox``, ``HostVote``:
+  through the agent), and command channel (``worker.migration.CommandChannel``), each
+  with its own authenticated store client, writing signed messages, as a worker's threads
+  do;
 - stood in for: a step's compute (a wait of ``compute_s``, cut short by an abort); a process
   (a greenlet whose store connections are closed when it is "killed"); tensors (none: a state
   transfer takes no time); a group's rendezvous (each member sets an address the size of
@@ -46,7 +47,7 @@ from trainmover.core.auth import AuthStore  # noqa: E402
 from trainmover.core.events import EventLog, JsonlWriter  # noqa: E402
 from trainmover.core.proc import PR_SET_PDEATHSIG, prctl, raise_open_files  # noqa: E402
 from trainmover.core.topology import Role, reporter_role  # noqa: E402
-from trainmover.worker.liveness import AbortWatcher, Heartbeat, HostVote  # noqa: E402
+from trainmover.worker.liveness import AbortWatcher, Heartbeat, HostVote, Inbox  # noqa: E402
 from trainmover.worker.migration import CommandChannel  # noqa: E402
 
 
@@ -197,9 +198,10 @@ class _Recovers:
         self.epoch, self.step = cmd.epoch, cmd.resume_step
 
     def _plan_abort(self, epoch: int) -> AbortSignal:
-        """The signal of ``epoch``'s abort, watched as a worker watches it."""
+        """The signal of ``epoch``'s abort, watched as a worker watches it (through its
+        agent)."""
         abort = AbortSignal()
-        AbortWatcher(self.stores, abort, epoch)
+        self.inbox.watch_abort(abort, epoch)
         return abort
 
     def _carry_out(self, cmd: P.Recover) -> None:
@@ -238,7 +240,7 @@ class SimWorker(_Recovers):
 
     def __init__(self, agent: "SimAgent", req: P.AgentSpawn, channel: socket.socket):
         self.agent, self.cfg = agent, agent.cfg
-        self.channel = channel       # its end of its channel to the agent (heartbeats)
+        self.channel = channel       # its end of its channel to the agent
         self.name, self.standby = req.name, req.standby
         self.layout = self.cfg.layout
         self.stores = SimStores(agent.host, agent.port, agent.run_key,
@@ -270,6 +272,7 @@ class SimWorker(_Recovers):
         store = self.stores.get()
         cfg = self.cfg
         Heartbeat(self.channel, self.name, cfg.health.heartbeat_interval_s)
+        self.inbox = Inbox(self.channel, self.stores)
         self.commands = CommandChannel(self.stores, self.name)
         if self.standby:
             store.set(P.standby_state_key(self.name),
@@ -290,9 +293,8 @@ class SimWorker(_Recovers):
         reporter = self.role == reporter_role(self.layout)
         metrics = JsonlWriter(os.path.join(self.agent.run_dir, "metrics.jsonl")) \
             if reporter else None
-        abort = AbortSignal()
-        AbortWatcher(self.stores, abort, self.epoch)
-        vote = HostVote(self.channel, self.stores, self.epoch, abort,
+        abort = self._plan_abort(self.epoch)
+        vote = HostVote(self.inbox, self.stores, self.epoch, abort,
                         self.name if reporter else None, voter=self.name)
         last = time.time()
         while self.step < cfg.train.steps:
@@ -393,14 +395,15 @@ class LightAgent(SimAgent):
     """A host's agent as in a job (its request feed, heartbeat, fencing watch, records and
     vote relay), whose workers are light (``LightWorker``): each step, after the compute,
     it hands the relay a vote for each of them and waits for the decision, as their
-    channels would; their beats move every heartbeat interval. What it leaves out: the
-    host's local traffic (channels), and one abort watch a worker (one a host here)."""
+    channels would; their beats move every heartbeat interval; one watch of each epoch's
+    abort for all of them, as the agent's relay keeps (``agent/aborts.py``). What it
+    leaves out: the host's local traffic (channels)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._decisions: dict[tuple[int, int], bytes] = {}
         self._decided = gevent.event.Event()
-        self._aborts: dict[int, AbortSignal] = {}
+        self._epoch_aborts: dict[int, AbortSignal] = {}
         self._abort_stores = SimStores(self.host, self.port, self.run_key,
                                        self.cfg.comm.group_timeout_s)
         gevent.spawn(self._steps)
@@ -427,10 +430,10 @@ class LightAgent(SimAgent):
 
     def abort_of(self, epoch: int) -> AbortSignal:
         """The host's one watch of ``epoch``'s abort, shared by its light workers."""
-        if epoch not in self._aborts:
-            self._aborts[epoch] = AbortSignal()
-            AbortWatcher(self._abort_stores, self._aborts[epoch], epoch)
-        return self._aborts[epoch]
+        if epoch not in self._epoch_aborts:
+            self._epoch_aborts[epoch] = AbortSignal()
+            AbortWatcher(self._abort_stores, self._epoch_aborts[epoch], epoch)
+        return self._epoch_aborts[epoch]
 
     def _beats(self) -> None:
         while True:
@@ -447,11 +450,9 @@ class LightAgent(SimAgent):
         workers = [c.worker for c in self.children.values()]
         for w in workers:
             w.ready.wait()
-        stores = SimStores(self.host, self.port, self.run_key, self.cfg.comm.group_timeout_s)
         epoch, step, compute_s = 0, 0, self.spec.compute_s
         while True:
-            abort = AbortSignal()
-            AbortWatcher(stores, abort, epoch)
+            abort = self.abort_of(epoch)
             last = time.time()
             while True:
                 if abort.wait(compute_s):

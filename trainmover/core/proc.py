@@ -68,7 +68,7 @@ def rss_mb() -> dict:
 
 def raise_open_files(at_least: int = 0) -> int:
     """Let this process open as many descriptors as its hard limit allows (the soft limit
-    is often 1024, and the job's store holds four connections a worker: a job of 256
+    is often 1024, and the job's store holds a few connections a worker: a job of 300
     workers would reach it), or ``at_least`` where a privileged process may raise the hard
     limit too (the control-plane benchmark's tens of thousands of connections). Returns the
     limit in force."""

@@ -771,10 +771,37 @@ each step there and hears the step's decision back (``agent/votes.py``).
 
 The channel's messages, one datagram each (no signature: only the process and its agent
 hold the pair): ``b"b"`` a beat; ``v <epoch> <step> <voter>`` a vote to commit the step;
-``d <epoch> <step> <commit|abort>`` the step's decision, agent to process."""
+``d <epoch> <step> <commit|abort>`` the step's decision, agent to process; ``w <epoch>`` the
+process asks to hear of the epoch's abort, and ``a <epoch> <reason>`` is that abort, agent
+to process (``agent/aborts.py``)."""
 
 CHANNEL_BEAT = b"b"
 CHANNEL_MAX = 256
+ABORT_REASON_MAX = 200       # an abort's reason, cut to fit a channel message
+
+
+def watch_message(epoch: int) -> bytes:
+    return f"w {epoch}".encode()
+
+
+def read_watch_message(raw: bytes) -> int | None:
+    """The epoch of a ``w <epoch>`` message, None for anything else."""
+    kind, _, epoch = raw.partition(b" ")
+    if kind != b"w" or not epoch.isdigit():
+        return None
+    return int(epoch)
+
+
+def abort_message(epoch: int, reason: str) -> bytes:
+    return f"a {epoch} ".encode() + reason.encode()[:ABORT_REASON_MAX]
+
+
+def read_abort_message(raw: bytes) -> tuple[int, str] | None:
+    """``(epoch, reason)`` of an ``a <epoch> <reason>`` message, None for anything else."""
+    parts = raw.split(b" ", 2)
+    if len(parts) != 3 or parts[0] != b"a" or not parts[1].isdigit():
+        return None
+    return int(parts[1]), parts[2].decode(errors="replace")
 
 
 def vote_message(epoch: int, step: int, voter: str) -> bytes:

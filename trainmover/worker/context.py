@@ -20,7 +20,8 @@ from trainmover.core import faults, jobfile
 from trainmover.core import protocol as P
 from trainmover.core.events import EventLog
 from trainmover.core.topology import Role
-from trainmover.worker.liveness import Heartbeat, MainProgress, agent_channel
+from trainmover.worker.liveness import (AbortWatcher, Heartbeat, Inbox, MainProgress,
+                                        agent_channel)
 from trainmover.worker.migration import CommandChannel
 
 
@@ -87,6 +88,8 @@ class WorkerContext:
         self.heartbeat = Heartbeat(channel, name, cfg.health.heartbeat_interval_s,
                                    self.progress, cfg.health.main_stall_s, self.events) \
             if cfg.health.recover and channel is not None else None
+        # the steps' decisions and the controller's aborts come back on it
+        self.inbox = Inbox(channel, self.stores) if channel is not None else None
         self.commands = CommandChannel(self.stores, name, on_wait=self.progress.tick)
         self.launch: Launch | None = None
         self.runtime = None          # the Runtime of the script run in progress
@@ -111,6 +114,15 @@ class WorkerContext:
             # rather than silently making runs differ
             torch.use_deterministic_algorithms(True)
         return torch.device("cuda", torch.cuda.current_device())
+
+    def watch_abort(self, epoch: int) -> None:
+        """Fire ``abort`` when the controller aborts ``epoch``: heard through the host's
+        agent (one wait a host in the store), or in the store by a worker no agent
+        started."""
+        if self.inbox is not None:
+            self.inbox.watch_abort(self.abort, epoch)
+        else:
+            AbortWatcher(self.stores, self.abort, epoch)
 
     def fault(self, point: str, step: int | None = None, on_commerr=None) -> None:
         """A named point where tests and chaos runs inject faults (``core.faults``)."""

@@ -4,9 +4,11 @@
   every interval (no store traffic: the agent counts its processes' beats and writes one
   ``HostBeat`` for the host). A process that is stopped (SIGSTOP) or wedged stops beating;
   the controller fences it.
-- ``AbortWatcher``: a daemon thread blocks on ``abort/<epoch>``; when the controller writes it,
-  the worker's ``AbortSignal`` fires: the step in flight is doomed (``comm/groups.py``), and
-  any wait outside a step raises ``StepAborted``.
+- ``Inbox.watch_abort``: the host's agent waits for ``abort/<epoch>`` (once for the host) and
+  says so on the worker's channel; then the worker's ``AbortSignal`` fires: the step in
+  flight is doomed (``comm/groups.py``), and any wait outside a step raises
+  ``StepAborted``. ``AbortWatcher`` is the same wait in the worker's own thread, for a
+  worker no agent started (or whose agent is gone).
 - ``CommitVote``: no step is ever half-applied. After a step's collectives (gradients, norm,
   loss) and before the optimizer touches anything, every worker adds its vote; the last voter
   writes ``commit`` with a compare-and-set; the controller, on a failure, writes ``abort``
@@ -148,7 +150,10 @@ class AbortWatcher:
         self._thread.start()
 
     def _loop(self, epoch: int) -> None:
-        store = self._stores.get()
+        try:
+            store = self._stores.get()
+        except Exception:  # noqa: BLE001 - the store is gone (the job with it)
+            return
         key = P.abort_key(epoch)
         while True:
             try:
@@ -252,36 +257,28 @@ class CommitVote:
             time.sleep(FORGED_ABORT_POLL_S)
 
 
-class HostVote:
-    """The step's commit vote through the host's agent (``agent/votes.py``): the worker
-    sends its vote on its channel and waits there for the decision, which the agent
-    relays once the host's ballot is in the store and the job's decision is taken. The
-    store sees one ballot a host, not one a worker. The decision is the store's, one
-    compare-and-set as with ``CommitVote``: when this epoch is aborted (``signal``), or
-    every ``BALLOT_RECHECK_ALL_S`` of a long wait (an agent that is gone), the worker reads
-    it there itself."""
+class Inbox:
+    """The worker's side of its channel to its host's agent, read by a daemon thread: the
+    steps' decisions (for ``HostVote``) and the aborts of the epochs it watches
+    (``watch_abort``: the agent waits for them in the store, once for its host:
+    ``agent/aborts.py``). The beats go the other way (``Heartbeat``).
 
-    def __init__(self, channel: socket.socket, stores: StoreClients, epoch: int,
-                 signal: AbortSignal, reporter: str | None = None,
-                 progress: MainProgress | None = None, voter: str = ""):
-        self.channel, self.signal = channel, signal
-        self.store = stores.get()
-        self.epoch = epoch
-        self.reporter, self.progress = reporter, progress
-        self.voter = voter or reporter or ""
+    If the agent goes (the channel closes), the epochs still watched are watched in the
+    store itself (``AbortWatcher``), as is every later one, and the votes read the
+    decision there (``HostVote``)."""
 
-    def __call__(self, step: int, info: dict) -> bool:
-        if self.reporter is not None:
-            # kept with the vote, as CommitVote does (a reporter dying after the decision)
-            self.store.set(P.commit_key(self.epoch, step, "metrics"),
-                           P.encode({"step": step, **info, "worker": self.reporter}))
-        self._send(P.vote_message(self.epoch, step, self.voter))
-        waiting = self.progress.waiting() if self.progress is not None else \
-            contextlib.nullcontext()
-        with waiting:
-            return self._wait(step) == b"commit"
+    DECISIONS_KEPT = 64
 
-    def _send(self, message: bytes) -> None:
+    def __init__(self, channel: socket.socket, stores: StoreClients):
+        self.channel, self._stores = channel, stores
+        channel.setblocking(False)
+        self.closed = False
+        self._cv = threading.Condition()
+        self._decisions: dict[tuple[int, int], bytes] = {}
+        self._watches: dict[int, list[AbortSignal]] = {}
+        threading.Thread(target=self._loop, name="agent-inbox", daemon=True).start()
+
+    def send(self, message: bytes) -> None:
         """Onto the channel (non-blocking: the heartbeat shares it), waiting while the
         agent has not read what is in it yet."""
         while True:
@@ -293,25 +290,116 @@ class HostVote:
                 poller.register(self.channel, select.POLLOUT)
                 poller.poll(FORGED_ABORT_POLL_S * 1000)
 
+    def watch_abort(self, signal: AbortSignal, epoch: int) -> None:
+        """Fire ``signal`` when the controller aborts ``epoch`` (as ``AbortWatcher``). A
+        worker watches one epoch at a time: the earlier ones' watches end here, as its
+        agent ends them on this ask."""
+        with self._cv:
+            if not self.closed:
+                for old in [e for e in self._watches if e < epoch]:
+                    del self._watches[old]
+                self._watches.setdefault(epoch, []).append(signal)
+        if self.closed:
+            AbortWatcher(self._stores, signal, epoch)
+            return
+        try:
+            self.send(P.watch_message(epoch))
+        except OSError:
+            pass           # the agent is gone: the reader hands the watch to the store
+
+    def decision(self, epoch: int, step: int, timeout_s: float) -> bytes | None:
+        """The step's decision as the agent relayed it, waiting up to ``timeout_s``."""
+        key = (epoch, step)
+        with self._cv:
+            if key not in self._decisions and not self.closed:
+                self._cv.wait(timeout_s)
+            return self._decisions.pop(key, None)
+
+    def _loop(self) -> None:
+        poller = select.poll()
+        poller.register(self.channel, select.POLLIN)
+        while True:
+            # poll, not select: a worker's descriptors pass select's limit of 1024 with
+            # its groups' connections in a job of thousands
+            if not poller.poll(1000):
+                continue
+            try:
+                raw = self.channel.recv(P.CHANNEL_MAX)
+            except BlockingIOError:
+                continue
+            except OSError:
+                raw = b""
+            if not raw:
+                self._agent_gone()
+                return
+            got = P.read_channel_message(raw)
+            if got is not None and got[0] == "d":
+                with self._cv:
+                    self._decisions[(got[1], got[2])] = got[3].encode()
+                    while len(self._decisions) > self.DECISIONS_KEPT:
+                        del self._decisions[next(iter(self._decisions))]
+                    self._cv.notify_all()
+                continue
+            abort = P.read_abort_message(raw)
+            if abort is not None:
+                with self._cv:
+                    signals = self._watches.pop(abort[0], [])
+                for signal in signals:
+                    signal.set(f"epoch {abort[0]} aborted: {abort[1]}")
+
+    def _agent_gone(self) -> None:
+        with self._cv:
+            self.closed = True
+            watches, self._watches = self._watches, {}
+            self._cv.notify_all()
+        for epoch, signals in watches.items():
+            for signal in signals:
+                AbortWatcher(self._stores, signal, epoch)
+
+
+class HostVote:
+    """The step's commit vote through the host's agent (``agent/votes.py``): the worker
+    sends its vote on its channel and waits there for the decision (``Inbox``), which the
+    agent relays once the host's ballot is in the store and the job's decision is taken. The
+    store sees one ballot a host, not one a worker. The decision is the store's, one
+    compare-and-set as with ``CommitVote``: when this epoch is aborted (``signal``), or
+    every ``BALLOT_RECHECK_ALL_S`` of a long wait (an agent that is gone), the worker reads
+    it there itself."""
+
+    def __init__(self, inbox: Inbox, stores: StoreClients, epoch: int,
+                 signal: AbortSignal, reporter: str | None = None,
+                 progress: MainProgress | None = None, voter: str = ""):
+        self.inbox, self.signal = inbox, signal
+        self.store = stores.get()
+        self.epoch = epoch
+        self.reporter, self.progress = reporter, progress
+        self.voter = voter or reporter or ""
+
+    def __call__(self, step: int, info: dict) -> bool:
+        if self.reporter is not None:
+            # kept with the vote, as CommitVote does (a reporter dying after the decision)
+            self.store.set(P.commit_key(self.epoch, step, "metrics"),
+                           P.encode({"step": step, **info, "worker": self.reporter}))
+        try:
+            self.inbox.send(P.vote_message(self.epoch, step, self.voter))
+        except OSError:
+            pass        # the agent is gone: the decision is read in the store
+        waiting = self.progress.waiting() if self.progress is not None else \
+            contextlib.nullcontext()
+        with waiting:
+            return self._wait(step) == b"commit"
+
     def _wait(self, step: int) -> bytes:
         decision = P.commit_key(self.epoch, step, "decision")
         deadline = time.monotonic() + store_timeout_s(self.store.raw)
         look_at = time.monotonic() + BALLOT_RECHECK_ALL_S
         while True:
-            # poll, not select: a worker's descriptors pass select's limit of 1024 with
-            # its groups' connections in a job of thousands
-            poller = select.poll()
-            poller.register(self.channel, select.POLLIN)
-            if poller.poll(FORGED_ABORT_POLL_S * 1000):
-                try:
-                    raw = self.channel.recv(P.CHANNEL_MAX)
-                except BlockingIOError:
-                    raw = None
-                if raw == b"":
-                    look_at = 0.0             # the agent is gone: the store says
-                got = P.read_channel_message(raw) if raw else None
-                if got is not None and got[:3] == ("d", self.epoch, step):
-                    return got[3].encode()
+            value = self.inbox.decision(self.epoch, step, FORGED_ABORT_POLL_S)
+            if value is not None:
+                return value
+            if self.inbox.closed:
+                look_at = 0.0                 # the agent is gone: the store says
+                time.sleep(FORGED_ABORT_POLL_S)
             now = time.monotonic()
             if self.signal.is_set() or now >= look_at:
                 value = self.store.valid(decision)

@@ -27,7 +27,7 @@ from trainmover.worker import migration as M
 from trainmover.worker import recover as R
 from trainmover.worker.context import Start
 from trainmover.worker.errors import DataNotDeterministic, UsageError
-from trainmover.worker.liveness import AbortWatcher, CommitVote, HostVote
+from trainmover.worker.liveness import CommitVote, HostVote
 from trainmover.worker.perf import StepMeter
 from trainmover.worker.recording import StepRecorder
 
@@ -217,12 +217,12 @@ class StepLoop:
             return
         if not watching:
             ctx.abort.clear()
-            AbortWatcher(ctx.stores, ctx.abort, ctx.epoch)
+            ctx.watch_abort(ctx.epoch)
         reporter = self.rt.name if self.rt.is_reporter else None
         # through the host's agent (one ballot a host: agent/votes.py); a worker no agent
         # started votes in the store itself
-        self.vote = HostVote(ctx.channel, ctx.stores, ctx.epoch, ctx.abort, reporter,
-                             ctx.progress, voter=self.rt.name) if ctx.channel is not None \
+        self.vote = HostVote(ctx.inbox, ctx.stores, ctx.epoch, ctx.abort, reporter,
+                             ctx.progress, voter=self.rt.name) if ctx.inbox is not None \
             else CommitVote(ctx.stores, self.rt.layout.num_roles, ctx.epoch, reporter,
                             ctx.progress, voter=self.rt.name)
 

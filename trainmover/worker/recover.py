@@ -27,7 +27,7 @@ from trainmover.core.topology import Role
 from trainmover.train.checkpoint import CheckpointCorrupt, load_local
 from trainmover.train.snapshot import fetch_snapshot
 from trainmover.train.transfer import recv_state, recv_striped, send_state
-from trainmover.worker.liveness import AbortWatcher, is_step_failure
+from trainmover.worker.liveness import is_step_failure
 from trainmover.worker.migration import transfer_spec
 
 # How often ``abortably`` looks at the abort signal while a group build runs: it is on the
@@ -89,7 +89,7 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
         # the recovery's own epoch: if the controller abandons this plan (a joiner or
         # another survivor failed meanwhile), every wait below is woken up
         ctx.abort.clear()
-        AbortWatcher(ctx.stores, ctx.abort, cmd.epoch)
+        ctx.watch_abort(cmd.epoch)
         try:
             built = abortably(ctx.abort, lambda: {
                 name: ctx.builder.build(layout.group(name), role, gen)
