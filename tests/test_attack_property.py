@@ -45,8 +45,7 @@ FAMILIES = {
                                     P.AGENT_EXIT_COUNT_KEY],
     "agent record": lambda s, j: [P.agent_key(0, "info"), P.agent_key(0, "snapshots"),
                                   P.agent_key(0, "fenced")],
-    "worker commands": lambda s, j: [P.command_key(w, k) for w in ("w1", "s0")
-                                     for k in (1, 2)],
+    "host commands": lambda s, j: [P.host_command_key(0, k) for k in (1, 2, 3)],
     "migration requests": lambda s, j: [P.REQUEST_COUNT_KEY, P.request_key(1),
                                         P.request_key(2)],
     "migration keys": lambda s, j: [P.mig_key(1, what) for what in

@@ -245,9 +245,8 @@ def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_j
     head = raw.add(P.agent_key(0, "req/count"), 0) + 1
     for i in range(head, head + 20):
         raw.set(P.agent_request_key(0, i), "junk")
-    for worker in ("w0", "w1", "w2", "w3"):
-        for i in range(1, 11):
-            raw.set(P.command_key(worker, i), "junk")
+    for i in range(1, 41):                    # the processes' commands, through the agent
+        raw.set(P.host_command_key(0, i), "junk")
 
     answer = request_migration(run_dir, ["w1"], timeout_s=120)
     assert answer["status"] == "done", answer

@@ -65,3 +65,53 @@ def test_the_outbox_goes_in_batches_in_order(tmp_path):
             [b"v0", b"v1100", f"v{n - 1}".encode()]
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_rounds_commands_go_last_as_one_message_a_host(tmp_path):
+    """Commands to processes of two hosts, interleaved with keys: after the keys, one
+    ``HostCommands`` a host holding its processes' commands in the order sent, numbered
+    from the host's counter; the same outbox sent again (a resumed controller) writes the
+    same messages at the same numbers."""
+    from trainmover.core import protocol as P
+
+    server = start_store_server(timeout_s=10, run_key=KEY)
+    try:
+        run_dir = str(tmp_path / "run")
+        os.makedirs(run_dir, mode=0o700)
+        co = Coordinator(job(), run_dir, quiet=True)
+        co._run_key = KEY
+        co.ctx.membership = C.Membership.initial(co.cfg.layout, ["w0", "w1", "w2", "w3"],
+                                                 ["s0"])
+        counting = Counting(server.client())
+        co.ctx.store = AuthStore(counting, KEY)
+        co.ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
+        co.ctx.hosts.update({"w0": 0, "w1": 1, "w2": 0, "s0": 1})
+        co.ctx.cmd_next = {"1": 4}
+        co.ctx.send("w0", P.Stop(1))
+        co.ctx.put("k/a", "1")
+        co.ctx.send("w1", P.Stop(2))
+        co.ctx.send("w2", P.Stop(3))
+        co.ctx.send("w0", P.Stop(4))
+        co.ctx.send("s0", P.Stop(5))
+        outbox = list(co.ctx.outbox)
+        co._flush(force=True)
+        assert counting.requests == [1, 3]            # the snapshot; the key and two hosts
+        assert co.ctx.cmd_next == {"0": 2, "1": 5}
+
+        def read(node, index):
+            raw = co.ctx.store.valid(P.host_command_key(node, index))
+            return [(name, P.decode_command(c).stop_id)
+                    for name, c in P.read_message(P.HostCommands, raw).commands]
+
+        assert read(0, 1) == [("w0", 1), ("w2", 3), ("w0", 4)]
+        assert read(1, 4) == [("w1", 2), ("s0", 5)]
+        # resumed from the snapshot taken before the send: the same outbox, the same numbers
+        for node in (0, 1):
+            server.client().delete_key(P.host_command_key(node, {0: 1, 1: 4}[node]))
+        co.ctx.cmd_next, co.ctx.outbox = {"1": 4}, outbox
+        co._flush(force=True)
+        assert read(0, 1) == [("w0", 1), ("w2", 3), ("w0", 4)]
+        assert read(1, 4) == [("w1", 2), ("s0", 5)]
+    finally:
+        server.close()

@@ -28,6 +28,7 @@ workers that connect early wait in its backlog.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import select
 import signal
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 from trainmover.agent import forkserver
 from trainmover.agent.aborts import AbortRelay
+from trainmover.agent.commands import CommandRelay
 from trainmover.agent.beat import HostBeat
 from trainmover.agent.feeds import FenceWatch, RequestFeed
 from trainmover.agent.votes import Channels, VoteRelay
@@ -139,6 +141,7 @@ class Agent:
         self._relay: VoteRelay | None = None          # its processes' votes, relayed
         self._channels: Channels | None = None        # its processes' channels, read
         self._aborts: AbortRelay | None = None        # its processes' abort watches
+        self._commands: CommandRelay | None = None    # the controller's commands to them
         self.snapshots: SnapshotServer | None = None   # the peer-snapshot holder, if used
         self.hash_seed = jobfile.python_hash_seed(load_secret(run_dir))
         self.forks: forkserver.ForkServer | None = None   # agent.fork_server, once started
@@ -189,6 +192,25 @@ class Agent:
         self.events.emit("process_started", name=name, pid=proc.pid, incarnation=incarnation,
                          standby=req.standby,
                          forked=isinstance(proc, forkserver.ForkedProcess))
+
+    def deliver(self, name: str, message: bytes) -> str:
+        """A command (``agent/commands.py``) onto the channel of the process ``name``."""
+        child = self.children.get(name)
+        if child is None:
+            return "unknown"
+        channel = child.channel
+        if child.reported or channel is None:
+            return "gone"
+        try:
+            channel.send(message)
+            return "sent"
+        except BlockingIOError:
+            return "later"
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                self.events.emit("message_rejected", key=f"command to {name}",
+                                 error=f"{len(message)} bytes: {exc}", level="error")
+            return "gone"
 
     def _track(self, child: Child, standby: bool) -> None:
         """Read the process's channel; a worker's votes are expected from its first step."""
@@ -318,7 +340,7 @@ class Agent:
     # --- the controller ----------------------------------------------------------------------
     def _watch(self, now: float) -> str | None:
         """Why this agent must stop (None: it goes on)."""
-        for part in (self._host_beat, self._relay, self._aborts):
+        for part in (self._host_beat, self._relay, self._aborts, self._commands):
             if part.error is not None:
                 raise part.error
         if self.node == 0 and not self.etcd:
@@ -475,6 +497,12 @@ class Agent:
                                 self.cfg.agent.vote_coalesce_s)
         # its processes' watches of the controller's aborts, one a host (agent/aborts.py)
         self._aborts = AbortRelay(client)
+        # the controller's commands to its processes, relayed on their channels
+        # (agent/commands.py)
+        self._commands = CommandRelay(
+            client(), self.node, self.cfg.agent.request_recheck_s, self.deliver,
+            on_reject=lambda key, why: self.events.emit("message_rejected", key=key,
+                                                        error=why, level="error"))
         self._channels = Channels(self._relay.vote, self._aborts.watch)
         for c in self.children.values():
             if c.channel is not None:

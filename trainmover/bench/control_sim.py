@@ -6,10 +6,9 @@ What runs as in a job, and what stands in for it:
 - as in a job: each host's agent (``agent.main.Agent``: its request feed, its host's
   heartbeat with its processes' beats, fencing watch, process and exit records), and each
   worker's control code: its heartbeat (``worker.liveness.Heartbeat``, on its channel to
-  the agent), its watch of the controller's aborts and commit vote (``Inbox``, ``HostVote``:
-  through the agent), and command channel (``worker.migration.CommandChannel``), each
-  with its own authenticated store client, writing signed messages, as a worker's threads
-  do;
+  the agent), its watch of the controller's aborts, commit vote and commands (``Inbox``,
+  ``HostVote``, ``worker.migration.CommandChannel``: through the agent), its store traffic
+  with its own authenticated store client, writing signed messages, as a worker does;
 - stood in for: a step's compute (a wait of ``compute_s``, cut short by an abort); a process
   (a greenlet whose store connections are closed when it is "killed"); tensors (none: a state
   transfer takes no time); a group's rendezvous (each member sets an address the size of
@@ -273,7 +272,7 @@ class SimWorker(_Recovers):
         cfg = self.cfg
         Heartbeat(self.channel, self.name, cfg.health.heartbeat_interval_s)
         self.inbox = Inbox(self.channel, self.stores)
-        self.commands = CommandChannel(self.stores, self.name)
+        self.commands = CommandChannel(self.stores, self.inbox, self.name)
         if self.standby:
             store.set(P.standby_state_key(self.name),
                       P.write_message(P.StandbyReport("warm")))
@@ -362,9 +361,10 @@ class SimAgent(Agent):
 
 
 class LightWorker(_Recovers):
-    """A worker of a light host: its own store traffic as a worker's (its command
-    channel, perf reports, failure report, rendezvous, recovery count), but for its beats
-    and votes, which its agent makes for all of its workers at once (``LightAgent``)."""
+    """A worker of a light host: its own store traffic as a worker's (perf reports,
+    failure report, rendezvous, recovery count), but for its beats and votes, which its
+    agent makes for all of its workers at once, and its commands, which its agent puts in
+    its queue instead of on a channel (``LightAgent``)."""
 
     def __init__(self, agent: "LightAgent", req: P.AgentSpawn):
         self.agent, self.cfg, self.layout = agent, agent.cfg, agent.cfg.layout
@@ -387,7 +387,7 @@ class LightWorker(_Recovers):
         # this greenlet ends here: its client would hold a descriptor for nothing (one
         # process holds every light worker's, under its descriptor limit)
         self.stores.release()
-        self.commands = CommandChannel(self.stores, self.name)
+        self.commands = CommandChannel(self.stores, None, self.name)   # filled by its agent
         self.ready.set()
 
 
@@ -423,6 +423,16 @@ class LightAgent(SimAgent):
         child.standby = standby
         if self._relay is not None and not standby:
             self._relay.expect(child.name)
+
+    def deliver(self, name: str, message: bytes) -> str:
+        """A command to a light worker: into its queue, as its channel's reader would."""
+        child = self.children.get(name)
+        if child is None or not child.worker.ready.is_set():
+            return "unknown"
+        if child.proc.poll() is not None:
+            return "gone"
+        child.worker.commands.queue.put(P.decode_command(P.read_command_message(message)))
+        return "sent"
 
     def _on_decided(self, key, value) -> None:
         self._decisions[key] = value

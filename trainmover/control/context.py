@@ -198,8 +198,9 @@ class JobContext:
         self.epoch = 0                       # the vote epoch the workers are in
         self.committed = -1                  # last step whose decision is known to be commit
         self.next_standby = cfg.standby.count
-        self.cmd_next: dict[str, int] = {}   # next command number per worker
-        self.outbox: list[tuple] = []        # ("set", key, value) | ("agent", node, request)
+        self.cmd_next: dict[str, int] = {}   # next command message number per host
+        # ("set", key, value) | ("agent", node, request) | ("cmd", node, process, command)
+        self.outbox: list[tuple] = []
         self.t_started = time.time()
         self.gpus = 0                        # GPUs per host (device "cuda")
         self.slots: dict[str, int] = {}      # process name -> its GPU on its host (LOCAL_RANK)
@@ -218,9 +219,9 @@ class JobContext:
         self.outbox.append(("set", key, value))
 
     def send(self, worker: str, command: P.Command) -> None:
-        index = self.cmd_next.get(worker, 1)
-        self.cmd_next[worker] = index + 1
-        self.put(P.command_key(worker, index), P.encode_command(command))
+        """A command to a process, through its host's agent (``agent/commands.py``): the
+        round's commands to one host go as one message, after the rest of the outbox."""
+        self.outbox.append(("cmd", self.place(worker), worker, P.encode_command(command)))
 
     def place(self, name: str) -> int:
         """The host of a process: ``w<i>`` and ``s<i>`` as ``HostsConfig`` says; a process

@@ -396,15 +396,29 @@ class Coordinator:
                 keys.clear()
                 values.clear()
 
+        # the processes' commands last, one message a host in the round's order: the keys
+        # and processes they refer to are in place before any of them is read. Numbered here
+        # from the snapshot's counters, so that a resumed controller sending this outbox
+        # again writes the same messages at the same numbers
+        commands: dict[int, list[list[str]]] = {}
         for item in ctx.outbox:
             if item[0] == "set":
                 keys.append(item[1])
                 values.append(item[2])
                 if len(keys) == SET_BATCH:
                     send_keys()
+            elif item[0] == "cmd":
+                commands.setdefault(item[1], []).append([item[2], item[3]])
             else:
                 send_keys()
                 ctx.procs.send(item[1], item[2])
+        for node, items in commands.items():
+            index = ctx.cmd_next.get(str(node), 1)
+            ctx.cmd_next[str(node)] = index + 1
+            keys.append(P.host_command_key(node, index))
+            values.append(P.write_message(P.HostCommands(items)))
+            if len(keys) == SET_BATCH:
+                send_keys()
         send_keys()
         ctx.outbox = []
 

@@ -13,11 +13,12 @@ The rule, per key family (``core/protocol.py``):
   ``abort/<epoch>``, once the recovery's accounting is written;
 - ``agent/exit/<n>`` (exit records), once a controller snapshot that counts them as read is
   saved (a resumed controller starts after them);
-- a process's own keys (``cmd/<name>/*``, ``membership/worker/<name>``, its standby state,
+- a process's own keys (``membership/worker/<name>``, its standby state,
   ``agent/proc/<name>``, ``perf/<name>``), once it is out of the job for good: a dead
   standby at its exit, a migration's leaver when the migration is accounted, a failed worker
-  when its recovery is; commands are also deleted by the worker as it reads them, agent
-  requests by the agent, a `trainmover migrate` request's keys by the client that made it;
+  when its recovery is; the processes' commands (``agent/<node>/cmd/<n>``) and agent
+  requests are deleted by the agent as it reads them (a host declared lost leaves the few
+  it had not read), a `trainmover migrate` request's keys by the client that made it;
 - ``mig/<id>/*`` of an aborted or interrupted migration, when a later one is accounted;
 - a communicator's rendezvous keys (``groups/<name>/gen<g>/...``), once a migration or
   recovery that replaced generation ``g`` is accounted (no one builds it again); a
@@ -117,8 +118,6 @@ class Retention:
 
     def process_gone(self, name: str) -> None:
         """``name`` is out of the job for good (see the module doc): its own keys go."""
-        for index in range(1, self.ctx.cmd_next.get(name, 1)):
-            self._drop(P.command_key(name, index))
         for key in (P.membership_key(name), P.standby_state_key(name), P.agent_proc_key(name),
                     P.perf_key(name)):
             self._drop(key)

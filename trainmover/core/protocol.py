@@ -1,10 +1,12 @@
 """The store keys and messages shared by the coordinator and the workers. Pure (no torch):
 everything that crosses a process boundary is named here, once.
 
-Commands are JSON objects appended to a per-worker list (``cmd/<worker>/<n>``, numbered by
-the controller, so a resumed controller re-sending one writes the same key twice, never two
-commands); a worker's command thread waits on the next index, so checking for a command costs
-the training loop one ``queue.Queue`` look-up per step.
+Commands are JSON objects sent to a host's processes as one message a controller round
+(``agent/<node>/cmd/<n>``, numbered by the controller, so a resumed controller re-sending
+one writes the same key twice, never two messages); the host's agent waits on the next
+index and relays each command on its process's channel, where the process's reader thread
+queues it, so checking for a command costs the training loop one ``queue.Queue`` look-up per
+step.
 """
 from __future__ import annotations
 
@@ -29,10 +31,6 @@ checking only that the store is still there (the store's API has no unbounded wa
 
 def membership_key(worker: str) -> str:
     return f"membership/worker/{worker}"
-
-
-def command_key(worker: str, index: int) -> str:
-    return f"cmd/{worker}/{index}"
 
 
 def standby_state_key(worker: str) -> str:
@@ -178,6 +176,12 @@ def agent_key(node: int, what: str) -> str:
 
 def agent_request_key(node: int, index: int) -> str:
     return f"agent/{node}/req/{index}"
+
+
+def host_command_key(node: int, index: int) -> str:
+    """The controller's commands to host ``node``'s processes, numbered (``HostCommands``):
+    its agent reads, deletes and relays each on the named process's channel."""
+    return f"agent/{node}/cmd/{index}"
 
 
 def agent_proc_key(name: str) -> str:
@@ -747,6 +751,23 @@ encode_agent_request, decode_agent_request = _tagged(AGENT_REQUESTS, "agent requ
 
 
 @dataclass(frozen=True)
+class HostCommands:
+    """``agent/<node>/cmd/<n>``: the commands of one controller round to processes of one
+    host, in order, each ``[process name, the command as encode_command wrote it]``."""
+
+    commands: list[list[str]]
+
+    def __post_init__(self) -> None:
+        for item in self.commands:
+            if len(item) != 2 or not PROCESS_NAME.fullmatch(item[0]):
+                raise MessageError(f"HostCommands entry {str(item)[:80]!r} is not "
+                                   f"[process name, command]")
+            if len(item[1]) > COMMAND_CHANNEL_MAX - 2:
+                raise MessageError(f"a command to {item[0]} of {len(item[1])} bytes exceeds "
+                                   f"{COMMAND_CHANNEL_MAX - 2}")
+
+
+@dataclass(frozen=True)
 class ProcRecord:
     """``agent/proc/<name>``: the PID of the process's current incarnation."""
 
@@ -773,10 +794,21 @@ The channel's messages, one datagram each (no signature: only the process and it
 hold the pair): ``b"b"`` a beat; ``v <epoch> <step> <voter>`` a vote to commit the step;
 ``d <epoch> <step> <commit|abort>`` the step's decision, agent to process; ``w <epoch>`` the
 process asks to hear of the epoch's abort, and ``a <epoch> <reason>`` is that abort, agent
-to process (``agent/aborts.py``)."""
+to process (``agent/aborts.py``); ``c <command>`` a command of the controller's, agent to
+process (``agent/commands.py``)."""
 
 CHANNEL_BEAT = b"b"
-CHANNEL_MAX = 256
+CHANNEL_MAX = 256            # what a process sends its agent
+COMMAND_CHANNEL_MAX = 1 << 16    # what an agent sends a process (a command at most)
+
+
+def command_message(command: str) -> bytes:
+    return b"c " + command.encode()
+
+
+def read_command_message(raw: bytes) -> bytes | None:
+    """The command of a ``c <command>`` message, None for anything else."""
+    return raw[2:] if raw[:2] == b"c " else None
 ABORT_REASON_MAX = 200       # an abort's reason, cut to fit a channel message
 
 

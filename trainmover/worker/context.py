@@ -90,7 +90,8 @@ class WorkerContext:
             if cfg.health.recover and channel is not None else None
         # the steps' decisions and the controller's aborts come back on it
         self.inbox = Inbox(channel, self.stores) if channel is not None else None
-        self.commands = CommandChannel(self.stores, name, on_wait=self.progress.tick)
+        self.commands = CommandChannel(self.stores, self.inbox, name,
+                                       on_wait=self.progress.tick)
         self.launch: Launch | None = None
         self.runtime = None          # the Runtime of the script run in progress
         self.shadow_times: list[float] = []   # the current shadow run's step times

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import select
 import socket
 import sys
@@ -259,9 +260,11 @@ class CommitVote:
 
 class Inbox:
     """The worker's side of its channel to its host's agent, read by a daemon thread: the
-    steps' decisions (for ``HostVote``) and the aborts of the epochs it watches
+    steps' decisions (for ``HostVote``), the aborts of the epochs it watches
     (``watch_abort``: the agent waits for them in the store, once for its host:
-    ``agent/aborts.py``). The beats go the other way (``Heartbeat``).
+    ``agent/aborts.py``) and the controller's commands (``commands``, for
+    ``worker/migration.CommandChannel``: ``agent/commands.py``). The beats go the other way
+    (``Heartbeat``).
 
     If the agent goes (the channel closes), the epochs still watched are watched in the
     store itself (``AbortWatcher``), as is every later one, and the votes read the
@@ -276,6 +279,7 @@ class Inbox:
         self._cv = threading.Condition()
         self._decisions: dict[tuple[int, int], bytes] = {}
         self._watches: dict[int, list[AbortSignal]] = {}
+        self.commands: queue.Queue = queue.Queue()      # the controller's, decoded
         threading.Thread(target=self._loop, name="agent-inbox", daemon=True).start()
 
     def send(self, message: bytes) -> None:
@@ -324,7 +328,7 @@ class Inbox:
             if not poller.poll(1000):
                 continue
             try:
-                raw = self.channel.recv(P.CHANNEL_MAX)
+                raw = self.channel.recv(P.COMMAND_CHANNEL_MAX)
             except BlockingIOError:
                 continue
             except OSError:
@@ -339,6 +343,14 @@ class Inbox:
                     while len(self._decisions) > self.DECISIONS_KEPT:
                         del self._decisions[next(iter(self._decisions))]
                     self._cv.notify_all()
+                continue
+            command = P.read_command_message(raw)
+            if command is not None:
+                try:
+                    self.commands.put(P.decode_command(command))
+                except P.MessageError as exc:
+                    # never half-obeyed: a message the protocol does not define is dropped
+                    print(f"trainmover: refused command {command[:200]!r}: {exc}", flush=True)
                 continue
             abort = P.read_abort_message(raw)
             if abort is not None:

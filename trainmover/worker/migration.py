@@ -19,15 +19,12 @@ from datetime import timedelta
 
 from trainmover.core import protocol as P
 from trainmover.core.proc import rss_mb
-from trainmover.core.queues import SlotReader, drain
+from trainmover.core.queues import drain
 from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
 from trainmover.core.topology import GroupSpec, Layout, Role
 from trainmover.train import precopy as PC
 from trainmover.train.transfer import post_layout, recv_layout, recv_state, send_state
-
-# How often the command reader looks again while a forged value sits at its head.
-FORGED_HEAD_POLL_S = 0.05
 
 # How often ``CommandChannel.next``, while it blocks, checks that the job's store is still
 # there (one store round trip): a waiting worker notices within this that its job is gone.
@@ -35,43 +32,16 @@ STORE_CHECK_S = 1.0
 
 
 class CommandChannel:
-    """Waits for this worker's commands in a daemon thread; the training loop polls a queue."""
+    """The controller's commands to this process, in the order they were sent: relayed by
+    its host's agent on its channel (``agent/commands.py``) and read there by its ``Inbox``
+    (a process no agent started gets none). The training loop polls them; a process with
+    nothing to do blocks in ``next``."""
 
-    def __init__(self, stores: StoreClients, worker: str, on_wait=None):
+    def __init__(self, stores: StoreClients, inbox, worker: str, on_wait=None):
         self.worker = worker
-        self.queue: queue.Queue = queue.Queue()
+        self.queue: queue.Queue = inbox.commands if inbox is not None else queue.Queue()
         self._stores = stores
         self.on_wait = on_wait   # called as ``next`` waits (a sign its thread is alive)
-        threading.Thread(target=self._loop, name=f"commands-{worker}", daemon=True).start()
-
-    def _loop(self) -> None:
-        store = self._stores.get()  # this thread's own client
-        # a forged value at the head is not consumed (the controller's genuine command at
-        # that index overwrites it), and one the controller's next command passed is skipped
-        commands = SlotReader(store, lambda i: P.command_key(self.worker, i),
-                              on_reject=lambda key, why: print(
-                                  f"trainmover: {self.worker}: refused command {key}: {why}",
-                                  flush=True))
-        while True:
-            try:
-                taken = commands.take()
-                if taken is None:
-                    if commands.head_forged:
-                        time.sleep(FORGED_HEAD_POLL_S)
-                    else:
-                        store.wait([commands.head_key], timedelta(seconds=P.IDLE_WAIT_S))
-                    continue
-            except Exception:  # noqa: BLE001 - store gone (job over) or a long idle wait
-                if not self._store_alive(store):
-                    return
-                continue
-            key, raw = taken
-            try:
-                store.delete_key(key)   # read once: nobody reads it again
-                self.queue.put(P.decode_command(raw))
-            except P.MessageError as exc:
-                # never half-obey: a message the protocol does not define is dropped, loudly
-                print(f"trainmover: {self.worker}: refused command {key}: {exc}", flush=True)
 
     @staticmethod
     def _store_alive(store) -> bool:
