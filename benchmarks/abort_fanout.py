@@ -58,14 +58,24 @@ def one(port: int, waiters: int, epoch: int) -> float:
     left = waiters
     t0 = time.perf_counter()
     writer.set(key, b"w3 failed")
-    while left:
-        left -= len(ep.poll(10))
+    while left > 0:
+        ready = ep.poll(10)
+        if not ready:
+            raise RuntimeError(f"{left} of {waiters} waiters had no answer within 10 s")
+        for fd, _ in ready:
+            ep.unregister(fd)          # answered: counted once
+        left -= len(ready)
     took = time.perf_counter() - t0
     ep.close()
     for c in clients:
         c.close()
     writer.close()
     return took
+
+
+def _machine(result: dict) -> str:
+    m = result["machine"]
+    return f"{m['cpu']}, {m['cores']} cores, Python {m['python']}"
 
 
 def main() -> None:
@@ -106,7 +116,7 @@ def main() -> None:
                   "command": cmd, "commit": git_commit(), "machine": machine_description()}
         lines = [f"# One abort handed out by the store ({args.repeats} repeats, median "
                  f"(min-max) ms from the write to the last waiter's answer)", "",
-                 f"command: `{cmd}`; commit {result['commit']}; {result['machine']}", "",
+                 f"command: `{cmd}`; commit {result['commit']}; {_machine(result)}", "",
                  "| waiters | ms | us a waiter |", "|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['waiters']} | {r['ms']['median']:.2f} ({r['ms']['min']:.2f}-"

@@ -25,7 +25,7 @@ class Host:
     def __init__(self, server):
         self.children: dict[str, SimpleNamespace] = {}
         self.rejected: list[tuple[str, str]] = []
-        self.relay = CommandRelay(AuthStore(server.client(), SECRET), 0, 0.2, self.deliver,
+        self.relay = CommandRelay(AuthStore(server.client(), SECRET), 0, self.deliver,
                                   lambda key, why: self.rejected.append((key, why)))
 
     def deliver(self, name, message):

@@ -41,10 +41,9 @@ class CommandRelay:
     yet: offered again up to ``HOLD_S``) or ``"gone"`` (the process exited: dropped).
     ``on_reject(key, why)`` hears of what was refused or dropped."""
 
-    def __init__(self, store, node: int, recheck_s: float,
-                 deliver: Callable[[str, bytes], str],
+    def __init__(self, store, node: int, deliver: Callable[[str, bytes], str],
                  on_reject: Callable[[str, str], None]):
-        self.store, self.node, self.recheck_s = store, node, recheck_s
+        self.store, self.node = store, node
         self.deliver, self.on_reject = deliver, on_reject
         self.error: BaseException | None = None      # the store is gone
         self._cv = threading.Condition()
@@ -65,8 +64,12 @@ class CommandRelay:
                     if reader.head_forged:
                         time.sleep(FORGED_POLL_S)
                         continue
+                    # no holes to look for (the controller numbers the messages itself,
+                    # no counter): one wait until the next comes, re-armed only after
+                    # ``IDLE_WAIT_S`` (a wait re-armed every second was a request a host
+                    # a second, 770/s at 256 hosts)
                     try:
-                        store.wait([reader.head_key], timedelta(seconds=self.recheck_s))
+                        store.wait([reader.head_key], timedelta(seconds=P.IDLE_WAIT_S))
                     except Exception:  # noqa: BLE001 - nothing came (or the store is gone)
                         store.check([reader.head_key])     # raises if it is gone
                     continue

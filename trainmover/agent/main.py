@@ -500,7 +500,7 @@ class Agent:
         # the controller's commands to its processes, relayed on their channels
         # (agent/commands.py)
         self._commands = CommandRelay(
-            client(), self.node, self.cfg.agent.request_recheck_s, self.deliver,
+            client(), self.node, self.deliver,
             on_reject=lambda key, why: self.events.emit("message_rejected", key=key,
                                                         error=why, level="error"))
         self._channels = Channels(self._relay.vote, self._aborts.watch)
