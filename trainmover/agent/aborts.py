@@ -27,9 +27,12 @@ from trainmover.core import protocol as P
 # How long an epoch's watcher sleeps while a forged value sits at its key (the genuine
 # abort overwrites it; ``wait`` would return at once meanwhile).
 FORGED_POLL_S = 0.05
-# How often the watcher of an epoch nobody may still ask for looks whether anyone does (a
-# watch is ended by a later epoch or an exit, which never write its key).
-IDLE_CHECK_S = 5.0
+# How often an epoch's watcher looks whether anyone still asks for it (a later epoch or an
+# exit ends a process's interest without writing the key). Not often: every re-armed wait
+# is two store requests a host (at 2K hosts every 5 s, 800 a second), and an epoch ends by
+# its abort in practice (a recovery moves every process on only after aborting it), so a
+# watch nobody wants is rare and costs one idle connection until then.
+IDLE_CHECK_S = P.IDLE_WAIT_S
 # How often an abort is offered again to a process whose channel is full (it is stopped,
 # or its reader is behind): until it takes it or exits.
 RESEND_S = 0.01
