@@ -356,7 +356,10 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
                       f"{row['crash_to_resumed_s']:.2f} s ({time.time() - t:.0f} s)",
                       flush=True)
     finally:
-        if not keep:
+        if keep:
+            print(f"control: the simulated jobs' run dirs are kept under {work_dir}",
+                  flush=True)
+        else:
             shutil.rmtree(work_dir, ignore_errors=True)
     result = {"benchmark": "control", "commit": git_commit(), "machine": machine_description(),
               "command": "trainmover bench control " + " ".join(sys.argv[3:]),

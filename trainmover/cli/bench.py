@@ -310,6 +310,9 @@ def add_bench_parser(sub) -> None:
                           "themselves (the root store and controller see the same); 0: all")
     ctl.add_argument("--timeout-s", type=float, default=600.0,
                      help="the most one simulated job may take")
+    ctl.add_argument("--keep", action="store_true",
+                     help="keep the simulated jobs' run dirs (their events, logs and the "
+                          "simulator's output; printed at the end), to look into a run")
     ctl.add_argument("--name", default="control", help="result file name under --out")
     ctl.add_argument("--out", default="benchmarks/results",
                      help="directory of the result (NAME.json and NAME.md)")
