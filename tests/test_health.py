@@ -96,3 +96,40 @@ def test_survivors_silent_after_an_abort_are_fenced_only_once_reports_stop_comin
                             max_wait_s=120.0) == ["w1", "w2", "w10"]
     assert silent_survivors([], waited_s=500.0, quiet_s=500.0, timeout_s=6.0,
                             max_wait_s=120.0) == []
+
+
+def test_a_silence_wider_than_silence_max_hosts_waits_for_the_heartbeat_timeout(monkeypatch):
+    """One agent silent while the others are heard is its host lost at the silence bound;
+    three at once (more than ``silence_max_hosts``) are waited out to the heartbeat timeout,
+    reported once as a wide silence, then declared lost if still silent."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    events = []
+    health_cfg = SimpleNamespace(heartbeat_timeout_s=3.0, startup_timeout_s=30.0,
+                                 heartbeat_interval_s=0.25, silence_max_hosts=2,
+                                 silence_s=lambda: 1.0)
+    ctx = SimpleNamespace(
+        cfg=SimpleNamespace(health=health_cfg, process=SimpleNamespace(etcd=False)),
+        procs=SimpleNamespace(lost=set(), nnodes=6),
+        events=SimpleNamespace(emit=lambda event, **kw: events.append((event, kw))))
+    health = H.Health(ctx)
+    monkeypatch.setattr(health, "read_hosts", lambda now: None)
+    declared = []
+    monkeypatch.setattr(health, "_declare_lost", lambda node, why: declared.append((node, why)))
+
+    def beats(quiet: dict[int, float]) -> None:
+        for node in range(1, 6):
+            health._host_beats[node] = ((100 + node, 1), clock.now - quiet.get(node, 0.1))
+
+    beats({1: 1.5})
+    assert health._check_hosts(clock.now, set(), set()) == {1}
+    assert "while other hosts are heard" in declared[0][1] and events == []
+    declared.clear()
+    beats({1: 1.5, 2: 1.6, 3: 1.7})
+    assert health._check_hosts(clock.now, set(), set()) == set() and declared == []
+    assert health._check_hosts(clock.now, set(), set()) == set()
+    assert [e for e, _ in events] == ["wide_silence"]            # once while it lasts
+    assert events[0][1]["hosts"] == 3 and events[0][1]["whose"] == "agents"
+    beats({1: 3.5, 2: 3.6, 3: 3.7})
+    assert health._check_hosts(clock.now, set(), set()) == {1, 2, 3}
+    assert all("heartbeat stopped" in why for _, why in declared)

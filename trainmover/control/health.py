@@ -7,8 +7,10 @@ Bounded detection:
   localizes it early: once no step was committed for ``stall_factor`` x the recent step time
   (at least ``stall_floor_s``), the workers silent for ``silence_beats`` heartbeat intervals
   (at least ``silence_floor_s``) while the others beat are the hung ones; judged only in
-  steady state (``JobContext.disrupted``). Otherwise, after ``heartbeat_timeout_s``, a silent
-  worker is hung regardless (settings: ``HealthConfig``);
+  steady state (``JobContext.disrupted``), and only while the silent ones are on at most
+  ``silence_max_hosts`` hosts (a wider silence is load or a network hiccup more likely than
+  that many hangs at once). Otherwise, after ``heartbeat_timeout_s``, a silent worker is hung
+  regardless (settings: ``HealthConfig``);
 - a failed collective: a worker whose own communicator was aborted says so in its failure
   report;
 - a lost host (its machine died, or its link is down): its agent's heartbeat stops, judged by
@@ -46,6 +48,7 @@ class Failure:
 
 
 HOSTS_PER_READ = 1024     # host beats read in one store request
+SILENT_AGENT = "its agent fell silent while other hosts are heard"
 
 
 class Health:
@@ -61,6 +64,7 @@ class Health:
         self._standbys_looked_at = 0.0
         self._unbeaten: dict[tuple[str, int], float] = {}             # first seen without a beat
         self._reported: set[tuple[str, int]] = set()    # standby incarnations found hung
+        self._wide: set[str] = set()     # wide silences reported ("workers", "agents")
 
     def detect(self, handled: set[str]) -> list[Failure]:
         """New failures among the active workers, other than the ``handled`` ones."""
@@ -110,7 +114,10 @@ class Health:
             report = reports.get(w)
             if report is not None and report.self_failed:
                 out.append(Failure(w, "commerr", now, report.error))
-        if stalled is not None and silent and beating:
+        if not silent:
+            self._wide.discard("workers")
+        if stalled is not None and silent and beating and \
+                self._narrow({ctx.procs.procs[w].node for w, _ in silent}, "workers"):
             for w, quiet in silent:
                 out.append(Failure(w, "hang", now, f"silent for {quiet:.2f} s while the job "
                                                    f"made no progress for {stalled:.2f} s"))
@@ -172,7 +179,7 @@ class Health:
                 continue
             seen = self._host_beats.setdefault(node, (None, now))
             quiet_of[node] = (now - seen[1], seen[0] is not None)
-        lost = set()
+        found = {}
         for node, (quiet, started) in quiet_of.items():
             others = (beating - {node}) or {n for n, (q, _) in quiet_of.items()
                                             if n != node and q < health.silence_s()}
@@ -184,11 +191,31 @@ class Health:
                 why = "its workers hung and its agent fell silent"
             else:
                 why = quiet > health.silence_s() and bool(others) and \
-                    "its agent fell silent while other hosts are heard"
+                    SILENT_AGENT
             if why:
-                self._declare_lost(node, f"{why} ({quiet:.2f} s)")
-                lost.add(node)
-        return lost
+                found[node] = f"{why} ({quiet:.2f} s)"
+        silent = {node for node, why in found.items() if why.startswith(SILENT_AGENT)}
+        if not silent:
+            self._wide.discard("agents")
+        elif not self._narrow(silent, "agents"):
+            found = {node: why for node, why in found.items() if node not in silent}
+        for node, why in found.items():
+            self._declare_lost(node, why)
+        return set(found)
+
+    def _narrow(self, nodes: set[int], whose: str) -> bool:
+        """Whether a silence spans few enough hosts for the silence rules to act on it
+        (``health.silence_max_hosts``); a wider one is reported once while it lasts, and
+        waited out to the heartbeat timeout."""
+        if len(nodes) <= self.ctx.cfg.health.silence_max_hosts:
+            self._wide.discard(whose)
+            return True
+        if whose not in self._wide:
+            self._wide.add(whose)
+            self.ctx.events.emit("wide_silence", whose=whose, hosts=len(nodes),
+                                 first=sorted(nodes)[:8], level="warning",
+                                 waited_to_s=self.ctx.cfg.health.heartbeat_timeout_s)
+        return False
 
     def _declare_lost(self, node: int, why: str) -> None:
         """Done at once, not through the outbox: repeating it is harmless."""
