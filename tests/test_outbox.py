@@ -33,19 +33,24 @@ class Counting:
         self.raw.multi_set(keys, values)
 
 
+def coordinator(tmp_path, server):
+    """A controller of a 4-worker job on ``server``, its writes counted."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir, mode=0o700)
+    co = Coordinator(job(), run_dir, quiet=True)
+    co._run_key = KEY
+    co.ctx.membership = C.Membership.initial(co.cfg.layout, ["w0", "w1", "w2", "w3"], ["s0"])
+    counting = Counting(server.client())
+    co.ctx.store = AuthStore(counting, KEY)
+    co.ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
+    return co, counting
+
+
 @pytest.mark.timeout(60)
 def test_the_outbox_goes_in_batches_in_order(tmp_path):
     server = start_store_server(timeout_s=10, run_key=KEY)
     try:
-        run_dir = str(tmp_path / "run")
-        os.makedirs(run_dir, mode=0o700)
-        co = Coordinator(job(), run_dir, quiet=True)
-        co._run_key = KEY
-        co.ctx.membership = C.Membership.initial(co.cfg.layout, ["w0", "w1", "w2", "w3"],
-                                                 ["s0"])
-        counting = Counting(server.client())
-        co.ctx.store = AuthStore(counting, KEY)
-        co.ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
+        co, counting = coordinator(tmp_path, server)
         sent = []
         co.ctx.procs.send = lambda node, request: sent.append(
             (node, request, co.ctx.store.valid("k/1099")))
@@ -77,15 +82,7 @@ def test_the_rounds_commands_go_last_as_one_message_a_host(tmp_path):
 
     server = start_store_server(timeout_s=10, run_key=KEY)
     try:
-        run_dir = str(tmp_path / "run")
-        os.makedirs(run_dir, mode=0o700)
-        co = Coordinator(job(), run_dir, quiet=True)
-        co._run_key = KEY
-        co.ctx.membership = C.Membership.initial(co.cfg.layout, ["w0", "w1", "w2", "w3"],
-                                                 ["s0"])
-        counting = Counting(server.client())
-        co.ctx.store = AuthStore(counting, KEY)
-        co.ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
+        co, counting = coordinator(tmp_path, server)
         co.ctx.hosts.update({"w0": 0, "w1": 1, "w2": 0, "s0": 1})
         co.ctx.cmd_next = {"1": 4}
         co.ctx.send("w0", P.Stop(1))

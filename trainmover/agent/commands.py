@@ -21,13 +21,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from datetime import timedelta
 from typing import Callable
 
 from trainmover.core import protocol as P
-from trainmover.core.queues import SlotReader
+from trainmover.core.queues import SlotReader, take_or_wait
 
-FORGED_POLL_S = 0.05         # as the request feed's (agent/feeds.py)
 # How often undelivered commands are offered again (a full channel, a process not started
 # yet), and how long one waits for its process to be started before it is dropped.
 RESEND_S = 0.01
@@ -59,19 +57,12 @@ class CommandRelay:
                             on_reject=self.on_reject)
         try:
             while True:
-                taken = reader.take()
+                # no holes to look for (the controller numbers the messages itself, no
+                # counter): one wait until the next comes, re-armed only after
+                # ``IDLE_WAIT_S`` (a wait re-armed every second was a request a host a
+                # second, 770/s at 256 hosts)
+                taken = take_or_wait(reader, store, P.IDLE_WAIT_S)
                 if taken is None:
-                    if reader.head_forged:
-                        time.sleep(FORGED_POLL_S)
-                        continue
-                    # no holes to look for (the controller numbers the messages itself,
-                    # no counter): one wait until the next comes, re-armed only after
-                    # ``IDLE_WAIT_S`` (a wait re-armed every second was a request a host
-                    # a second, 770/s at 256 hosts)
-                    try:
-                        store.wait([reader.head_key], timedelta(seconds=P.IDLE_WAIT_S))
-                    except Exception:  # noqa: BLE001 - nothing came (or the store is gone)
-                        store.check([reader.head_key])     # raises if it is gone
                     continue
                 key, raw = taken
                 store.delete_key(key)       # read once: nobody reads it again

@@ -22,7 +22,7 @@ from typing import Callable
 
 from trainmover.core import protocol as P
 from trainmover.core.kvstore import StoreTimeout
-from trainmover.core.queues import SlotReader, drain
+from trainmover.core.queues import SlotReader, drain, take_or_wait
 
 # How long a reader sleeps while a forged value sits where it waits (the genuine writer
 # overwrites it; ``wait`` would return at once meanwhile).
@@ -51,15 +51,9 @@ class RequestFeed:
                             on_reject=self.on_reject)
         try:
             while True:
-                taken = reader.take()
+                # nothing came within recheck_s: look for a hole, then wait again
+                taken = take_or_wait(reader, store, self.recheck_s)
                 if taken is None:
-                    if reader.head_forged:
-                        time.sleep(FORGED_POLL_S)
-                        continue
-                    try:
-                        store.wait([reader.head_key], timedelta(seconds=self.recheck_s))
-                    except StoreTimeout:
-                        pass           # nothing came: look for a hole, then wait again
                     continue
                 key, raw = taken
                 # handled once: deleted, and counted so that a resumed controller fills only

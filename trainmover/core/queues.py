@@ -1,5 +1,5 @@
 """Reading a numbered queue of signed values in the store (``<prefix>/1``, ``/2``, ...: the
-agent's requests, a worker's commands) so that nobody without the job's secret can make the
+agent's requests, the commands to a host's processes) so that nobody without the job's secret can make the
 reader lose a genuine value:
 
 - a forged value at the head is not consumed: the genuine writer, which writes each index
@@ -16,6 +16,7 @@ value should be there (``count_key``), never in the steady state of an idle queu
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Callable
 
 from trainmover.core.auth import AuthError
@@ -93,6 +94,25 @@ class SlotReader:
         self.next_index += 1
         self._stuck_since = None
         return key, value
+
+
+FORGED_POLL_S = 0.05     # how long a reader sleeps while a forged value sits at the head
+
+
+def take_or_wait(reader: SlotReader, store, wait_s: float):
+    """The reader's next genuine value and its key, or None once it waited up to ``wait_s``
+    for one to be written (a forged head: ``FORGED_POLL_S``, since the store's wait would
+    return at once). Raises when the store is gone."""
+    taken = reader.take()
+    if taken is None:
+        if reader.head_forged:
+            time.sleep(FORGED_POLL_S)
+        else:
+            try:
+                store.wait([reader.head_key], timedelta(seconds=wait_s))
+            except Exception:  # noqa: BLE001 - a timeout (of its client's kind), or gone
+                store.check([reader.head_key])          # raises if the store is gone
+    return taken
 
 
 def drain(q) -> list:
