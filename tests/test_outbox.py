@@ -112,3 +112,28 @@ def test_the_rounds_commands_go_last_as_one_message_a_host(tmp_path):
         assert read(1, 4) == [("w1", 2), ("s0", 5)]
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_hosts_commands_past_a_messages_size_go_in_several_in_order(tmp_path):
+    from trainmover.core import protocol as P
+
+    server = start_store_server(timeout_s=10, run_key=KEY)
+    try:
+        co, _ = coordinator(tmp_path, server)
+        co.ctx.hosts["w0"] = 0
+        for i in range(12000):              # ~40 bytes each: more than one message holds
+            co.ctx.send("w0", P.Stop(i))
+        co._flush(force=True)
+        got, index = [], 1
+        while True:
+            raw = co.ctx.store.valid(P.host_command_key(0, index))
+            if raw is None:
+                break
+            assert len(raw) <= P.MAX_MESSAGE_BYTES
+            got += [P.decode_command(c).stop_id
+                    for _, c in P.read_message(P.HostCommands, raw).commands]
+            index += 1
+        assert index > 2 and got == list(range(12000))
+    finally:
+        server.close()

@@ -67,6 +67,23 @@ from trainmover.core.proc import pid_alive
 
 MAX_HOLES_FILLED = 1000   # per host, by a resumed controller (see resume)
 SET_BATCH = 1024          # keys of the outbox a request (_flush)
+# the most command bytes in one host's message: half what a reader accepts of a message
+# (P.MAX_MESSAGE_BYTES), the rest for the encoding's own
+HOST_COMMANDS_BYTES = P.MAX_MESSAGE_BYTES // 2
+
+
+def _parts(items: list[list[str]]) -> list[list[list[str]]]:
+    """A host's commands of one round as messages of at most ``HOST_COMMANDS_BYTES``, in
+    order (a command is at most ``P.COMMAND_CHANNEL_MAX``: each part holds one at least)."""
+    parts, size = [[]], 0
+    for item in items:
+        cost = len(item[0]) + len(item[1]) + 8
+        if parts[-1] and size + cost > HOST_COMMANDS_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(item)
+        size += cost
+    return parts
 # The most of the controller's time status.json may take: beyond it the file is written less
 # often than controller.status_interval_s (``_flush``).
 STATUS_CPU_SHARE = 0.05
@@ -413,12 +430,13 @@ class Coordinator:
                 send_keys()
                 ctx.procs.send(item[1], item[2])
         for node, items in commands.items():
-            index = ctx.cmd_next.get(str(node), 1)
-            ctx.cmd_next[str(node)] = index + 1
-            keys.append(P.host_command_key(node, index))
-            values.append(P.write_message(P.HostCommands(items)))
-            if len(keys) == SET_BATCH:
-                send_keys()
+            for part in _parts(items):
+                index = ctx.cmd_next.get(str(node), 1)
+                ctx.cmd_next[str(node)] = index + 1
+                keys.append(P.host_command_key(node, index))
+                values.append(P.write_message(P.HostCommands(part)))
+                if len(keys) == SET_BATCH:
+                    send_keys()
         send_keys()
         ctx.outbox = []
 
