@@ -22,6 +22,7 @@ import time
 from datetime import timedelta
 from typing import Callable
 
+from trainmover.agent.votes import send_on
 from trainmover.core import protocol as P
 
 # How long an epoch's watcher sleeps while a forged value sits at its key (the genuine
@@ -66,7 +67,7 @@ class AbortRelay:
                                      name=f"abort-relay-{epoch}").start()
                 watchers[child.name] = child
                 return
-        _tell(child, P.abort_message(epoch, reason))      # fired already
+        send_on(child, P.abort_message(epoch, reason))    # fired already
 
     def forget(self, name: str) -> None:
         with self._lock:
@@ -113,21 +114,7 @@ class AbortRelay:
             children = list(self._watchers.pop(epoch, {}).values())
         message = P.abort_message(epoch, text)
         while children:
-            children = [c for c in children if not _tell(c, message)]
+            # offered again while a channel is full (exited or closed: done)
+            children = [c for c in children if send_on(c, message) == "later"]
             if children:
                 time.sleep(RESEND_S)
-
-
-def _tell(child, message: bytes) -> bool:
-    """Whether the message is off (or the process past caring: exited, channel closed);
-    False while its channel is full."""
-    channel = child.channel
-    if channel is None:
-        return True
-    try:
-        channel.send(message)
-    except BlockingIOError:
-        return False
-    except OSError:
-        pass
-    return True

@@ -28,7 +28,6 @@ workers that connect early wait in its backlog.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import select
 import signal
@@ -43,7 +42,7 @@ from trainmover.agent.aborts import AbortRelay
 from trainmover.agent.commands import CommandRelay
 from trainmover.agent.beat import HostBeat
 from trainmover.agent.feeds import FenceWatch, RequestFeed
-from trainmover.agent.votes import Channels, VoteRelay
+from trainmover.agent.votes import Channels, VoteRelay, send_on
 from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import jobfile, kvserver, kvstore, rundir, storeaddr
 from trainmover.core import protocol as P
@@ -198,19 +197,15 @@ class Agent:
         child = self.children.get(name)
         if child is None:
             return "unknown"
-        channel = child.channel
-        if child.reported or channel is None:
+        if child.reported:
             return "gone"
-        try:
-            channel.send(message)
-            return "sent"
-        except BlockingIOError:
-            return "later"
-        except OSError as exc:
-            if exc.errno == errno.EMSGSIZE:
-                self.events.emit("message_rejected", key=f"command to {name}",
-                                 error=f"{len(message)} bytes: {exc}", level="error")
+        went = send_on(child, message)
+        if went == "too big":
+            self.events.emit("message_rejected", key=f"command to {name}",
+                             error=f"{len(message)} bytes: past the channel's limit",
+                             level="error")
             return "gone"
+        return went
 
     def _track(self, child: Child, standby: bool) -> None:
         """Read the process's channel; a worker's votes are expected from its first step."""

@@ -24,6 +24,7 @@ store client each: the waiter's blocking waits would hold the forwarder's reques
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import queue
 import select
@@ -275,11 +276,22 @@ class VoteRelay:
 
 
 def _tell(child, key: tuple[int, int], decision: bytes) -> None:
-    """The decision to one voter (a process that exited meanwhile is past caring)."""
+    """The decision to one voter (a process that exited meanwhile is past caring; one whose
+    channel is full reads the decision in the store: ``worker/liveness.HostVote``)."""
+    send_on(child, P.decision_message(*key, decision))
+
+
+def send_on(child, message: bytes) -> str:
+    """``message`` onto the process's channel, without waiting: ``"sent"``, ``"later"`` (the
+    channel is full), ``"too big"`` (a datagram past the socket's limit) or ``"gone"`` (the
+    process exited, its channel closed)."""
     channel = child.channel
     if channel is None:
-        return
+        return "gone"
     try:
-        channel.send(P.decision_message(*key, decision))
-    except OSError:
-        pass
+        channel.send(message)
+        return "sent"
+    except BlockingIOError:
+        return "later"
+    except OSError as exc:
+        return "too big" if exc.errno == errno.EMSGSIZE else "gone"
