@@ -76,7 +76,7 @@ def controller_ctx(server, pids: dict[str, int], nnodes: int = 1):
     lost = []
     ctx.procs = SimpleNamespace(procs=procs, lost=lost, nnodes=nnodes, known=procs.__contains__,
                                 running=lambda name: True, pid=lambda name: procs[name].pid,
-                                mark_lost=lambda node: lost.append(node) or [])
+                                learn_pids=lambda names: None, mark_lost=lambda node: lost.append(node) or [])
     ctx.membership = SimpleNamespace(standbys={name: C.StandbyState.RESERVED for name in pids})
     return ctx
 
@@ -100,17 +100,19 @@ def test_only_genuine_newer_beats_move_a_heartbeat(monkeypatch, server):
     key = P.agent_key(0, "hb")
     seq = iter(range(1, 10**6))
 
-    def host_beat(s0, s1=1):
-        agent.set(key, P.write_message(P.HostBeat(next(seq), 77, {"s0": [41, s0],
-                                                                  "s1": [42, s1]})))
+    def host_beat(s0_beat_at=None):
+        """The agent's beat now: s0 listed as quiet since ``s0_beat_at`` (None: it beat just
+        now), s1 beating."""
+        quiet = {} if s0_beat_at is None else {"s0": [41, int((clock.now - s0_beat_at) * 1000)]}
+        agent.set(key, P.write_message(P.HostBeat(next(seq), 77, 2, quiet)))
 
-    host_beat(1)
+    host_beat()
     first = attacker.get(key)                        # captured by whoever reads the store
     assert health._beat("s0") == 1000.0
     clock.now += 1.0
-    host_beat(2, 2)
+    host_beat()
     assert health._beat("s0") == 1001.0 and health.hung_standbys() == []
-    moved_on = P.write_message(P.HostBeat(10**6, 77, {"s0": [41, 10**6]}))
+    moved_on = P.write_message(P.HostBeat(10**6, 77, 2, {}))     # s0 heard again
     forgeries = [
         lambda: attacker.set(key, "junk"),
         lambda: attacker.set(key, moved_on),                                     # unsigned
@@ -120,21 +122,20 @@ def test_only_genuine_newer_beats_move_a_heartbeat(monkeypatch, server):
         lambda: attacker.set(key, "123456"),                                     # unsigned
         lambda: attacker.set(key, first),                                        # replayed
     ]
-    s1 = 2
     for forge in forgeries:
         clock.now += 0.3
         forge()
-        assert health._beat("s0") == 1001.0            # the last genuine beat
-        s1 += 1
-        host_beat(2, s1)                               # the agent: s0 still, s1 on
-        assert health._beat("s0") == 1001.0 and health._beat("s1") == clock.now
+        assert health._beat("s0") == pytest.approx(1001.0)   # the last genuine beat
+        host_beat(1001.0)                              # the agent: s0 quiet, s1 on
+        assert health._beat("s0") == pytest.approx(1001.0)
+        assert health._beat("s1") == clock.now
     clock.now = 1001.0 + ctx.cfg.health.heartbeat_timeout_s + 0.5
-    host_beat(2, s1 + 1)                               # the other one lives on
+    host_beat(1001.0)                                  # the other one lives on
     hung = health.hung_standbys()
     assert [name for name, _ in hung] == ["s0"] and "no heartbeat for 2.50 s" in hung[0][1]
     assert len(rejected(ctx, key)) == 1, ctx.events.emitted        # once per key
     clock.now += 1.0
-    host_beat(3, s1 + 2)                               # it beats again
+    host_beat()                                        # it beats again
     assert health._beat("s0") == clock.now
 
 
@@ -310,12 +311,12 @@ def test_forged_beats_do_not_keep_a_frozen_worker_alive(tmp_path, baseline):
     count = iter(range(10**6, 10**9))
     stop = threading.Event()
     os.kill(pid, signal.SIGSTOP)
-    # numbers (what the old reader's add(key, 0) saw move) and unsigned host beats whose
-    # count for w2 moves on; at a pace that leaves the agent's genuine beats readable
-    # between them (one that overwrote the key without pause would make every process of
-    # the host look silent: docs/security.md)
+    # numbers (what the old reader's add(key, 0) saw move) and unsigned host beats that
+    # leave w2 out of the quiet (as if it beat); at a pace that leaves the agent's genuine
+    # beats readable between them (one that overwrote the key without pause would make
+    # every process of the host look silent: docs/security.md)
     writer = keep_writing(lambda: (raw.set(key, str(next(count))), raw.add(key, 1), raw.set(
-        key, P.write_message(P.HostBeat(next(count), 1, {"w2": [pid, next(count)]})))),
+        key, P.write_message(P.HostBeat(next(count), 1, 4, {})))),
         stop, every_s=0.2)
     try:
         summary = job_.wait(200)

@@ -18,16 +18,21 @@ class Clock:
 
 
 class Store:
-    """Host 0's beat: each incarnation of the standby beat once, then fell silent (its count
-    never moves again)."""
+    """Host 0's beat, as its agent writes it: each incarnation of the standby beat once,
+    when first seen, then fell silent (listed as quiet, for longer at each beat)."""
 
-    def __init__(self, procs):
-        self.raw, self.procs = self, procs
+    def __init__(self, procs, clock):
+        self.raw, self.procs, self.clock = self, procs, clock
+        self.seq = 0
+        self.beat_at = {}                        # pid -> when it beat
 
     def try_multi_get(self, keys):
         assert keys == [P.agent_key(0, "hb")]
         pid = self.procs.procs["s0"].pid
-        return [P.write_message(P.HostBeat(pid, 7, {"s0": [pid, 1]})).encode()]
+        silent_ms = int((self.clock.now - self.beat_at.setdefault(pid, self.clock.now)) * 1000)
+        self.seq += 1
+        quiet = {"s0": [pid, silent_ms]} if silent_ms > 375 else {}
+        return [P.write_message(P.HostBeat(self.seq, 7, 1, quiet)).encode()]
 
     def genuine(self, key, raw):
         return raw
@@ -48,12 +53,15 @@ class Procs:
     def pid(self, name):
         return self.procs[name].pid
 
+    def learn_pids(self, names):
+        pass                                     # known from the start
 
-def fake_ctx():
+
+def fake_ctx(clock):
     cfg = SimpleNamespace(health=SimpleNamespace(check_interval_s=0.0, heartbeat_timeout_s=5.0,
                                                  startup_timeout_s=30.0))
     procs = Procs()
-    return SimpleNamespace(cfg=cfg, store=Store(procs), procs=procs, events=None,
+    return SimpleNamespace(cfg=cfg, store=Store(procs, clock), procs=procs, events=None,
                            membership=SimpleNamespace(standbys={"s0": C.StandbyState.RESERVED}))
 
 
@@ -62,7 +70,7 @@ def test_a_hung_standby_is_reported_once_per_incarnation(monkeypatch):
     standby still looks alive and silent, and must not be reported (fenced, logged) again."""
     clock = Clock()
     monkeypatch.setattr(H, "time", clock)
-    ctx = fake_ctx()
+    ctx = fake_ctx(clock)
     health = H.Health(ctx)
     assert health.hung_standbys() == []          # its beat is first seen now
     clock.now += 4.0
@@ -133,3 +141,158 @@ def test_a_silence_wider_than_silence_max_hosts_waits_for_the_heartbeat_timeout(
     beats({1: 3.5, 2: 3.6, 3: 3.7})
     assert health._check_hosts(clock.now, set(), set()) == {1, 2, 3}
     assert all("heartbeat stopped" in why for _, why in declared)
+
+
+class Hosts:
+    """Signed-store stand-in that the detector reads: each host's beat as its agent writes it
+    (``P.HostBeat``), finished and report keys absent."""
+
+    def __init__(self):
+        self.raw = self
+        self.beats = {}
+        self.seq = 0
+        self.adds = {}
+
+    def beat(self, node, running, quiet=None):
+        self.seq += 1
+        self.beats[P.agent_key(node, "hb")] = P.write_message(
+            P.HostBeat(self.seq, 500 + node, running, quiet or {})).encode()
+
+    def try_multi_get(self, keys):
+        return [self.beats.get(k) for k in keys]
+
+    def genuine(self, key, raw):
+        return raw
+
+    def valid_many(self, keys):
+        return [None for _ in keys]
+
+    def add(self, key, amount):
+        self.adds[key] = self.adds.get(key, 0) + amount
+        return self.adds[key]
+
+
+def detector(clock, nodes=3, per_node=2):
+    """A controller's detector over ``nodes`` hosts of ``per_node`` workers each, every
+    worker started (its PID known), every host heard once with all of its workers beating."""
+    from trainmover.control.processes import AgentClient, ProcView
+    from trainmover.core.config import HealthConfig
+
+    store = Hosts()
+    procs = AgentClient(store=store, nnodes=nodes)
+    names = [f"w{i}" for i in range(nodes * per_node)]
+    for i, name in enumerate(names):
+        procs.procs[name] = ProcView(False, 1, i // per_node, pid=100 + i)
+    events = []
+    ctx = SimpleNamespace(
+        cfg=SimpleNamespace(health=HealthConfig(), process=SimpleNamespace(etcd="")),
+        store=store, procs=procs, epoch=0, steady_since=0.0,
+        membership=SimpleNamespace(workers=dict.fromkeys(names), standbys={}),
+        # a step committed since the start: the heartbeat timeout applies, not the start-up's
+        progress=SimpleNamespace(records=[{"time": clock.now}], say=lambda text: None),
+        events=SimpleNamespace(emit=lambda event, **kw: events.append((event, kw))))
+    for node in range(nodes):
+        store.beat(node, per_node)
+    health = H.Health(ctx)
+    assert health.detect(set()) == []
+    return health, ctx, store
+
+
+def test_a_worker_its_host_lists_as_quiet_is_hung_after_the_timeout(monkeypatch):
+    """The controller judges the processes a host's beat lists as quiet, with how long their
+    agent has not heard them: w3 silent past the heartbeat timeout is hung, its neighbour
+    and the other hosts' workers (not listed) are not; a former incarnation listed under the
+    name is not the current one's silence."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    health, ctx, store = detector(clock)
+    timeout = ctx.cfg.health.heartbeat_timeout_s
+
+    def later(w3):
+        """A second later, every host beats; host 1 lists w3 as ``w3`` says."""
+        clock.now += 1.0
+        for node in (0, 2):
+            store.beat(node, 2)
+        store.beat(1, 2, {"w3": w3})
+
+    later([103, 2000])
+    assert health.detect(set()) == []                      # silent 2 s: within the timeout
+    assert health._beat("w3") == clock.now - 2.0 and health._beat("w2") == clock.now
+    later([103, int((timeout + 0.5) * 1000)])
+    (f,) = health.detect(set())
+    assert (f.worker, f.kind) == ("w3", "hang") and "no heartbeat for 3.50 s" in f.detail
+    assert health.detect({"w3"}) == []                     # handled: not found again
+    later([999, 60_000])                                   # another PID: a former process
+    assert health._beat("w3") is None and health.detect(set()) == []
+    later([103, -1])                                       # listed before its first beat
+    assert health._beat("w3") is None and health.detect(set()) == []
+
+
+def test_crashes_come_from_the_failed_index_and_a_respawn_clears_it(monkeypatch):
+    """Exits are found from the process table's index of failed processes, every round;
+    a new incarnation of the name is not failed; an index lost with a resume is rebuilt."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    health, ctx, store = detector(clock)
+    ctx.procs.procs["w4"].code = 7
+    ctx.procs.failed().add("w4")
+    clock.now += 0.01                                      # a round, no look due
+    (f,) = health.detect(set())
+    assert (f.worker, f.kind, f.detail) == ("w4", "crash", "exit code 7")
+    ctx.procs.mark_lost(2)                                 # w4 and w5's host
+    assert sorted((f.worker, f.kind) for f in health.detect(set())) == [
+        ("w4", "host"), ("w5", "host")]
+    ctx.procs.spawn_request("w4", standby=False, node=1)
+    assert "w4" not in ctx.procs.failed()
+    ctx.procs.failed_index = None                          # as a resumed controller has it
+    assert ctx.procs.failed() == {"w5"}
+
+
+def test_host_0_silent_has_its_workers_judged_one_by_one(monkeypatch):
+    """Host 0 serves the built-in store, so no host rule judges it: when its agent falls
+    silent its workers are judged as silent themselves (a scan only while that lasts); a
+    silent other host is judged by the host rules instead, as lost."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    health, ctx, store = detector(clock)
+    monkeypatch.setattr(ctx.store, "set", lambda key, value: None, raising=False)
+    timeout = ctx.cfg.health.heartbeat_timeout_s
+    for _ in range(int(timeout / 0.25) + 2):
+        clock.now += 0.25
+        store.beat(1, 2)
+        store.beat(2, 2)
+        found = health.detect(set())
+    assert sorted((f.worker, f.kind) for f in found) == [("w0", "hang"), ("w1", "hang")]
+    clock.now += 0.25
+    store.beat(0, 2)
+    store.beat(2, 2)
+    for _ in range(int(timeout / 0.25) + 2):
+        clock.now += 0.25
+        store.beat(0, 2)
+        store.beat(2, 2)
+        found = health.detect({"w0", "w1"})
+        if found:
+            break
+    assert sorted((f.worker, f.kind) for f in found) == [("w2", "host"), ("w3", "host")]
+    assert ctx.procs.lost == [1]
+
+
+def test_an_agents_beat_lists_only_the_processes_it_has_not_heard_lately():
+    """The agent's side: a process that beat within ``quiet_listed_s`` is left out, one
+    silent longer is listed with how long, one that never beat with -1, one that exited is
+    neither listed nor counted as running."""
+    from trainmover.agent.beat import HostBeat
+    from trainmover.core.config import HealthConfig
+
+    after = HealthConfig().quiet_listed_s()
+    assert after == 1.5 * HealthConfig().heartbeat_interval_s
+
+    def child(name, pid, beats, beat_at, code=None):
+        return SimpleNamespace(name=name, beats=beats, beat_at=beat_at,
+                               proc=SimpleNamespace(pid=pid, returncode=code))
+
+    beat = HostBeat.__new__(HostBeat)        # its summary alone: no thread, no store
+    beat.quiet_after_s = after
+    beat.children = lambda: [child("w0", 10, 5, 99.9), child("w1", 11, 5, 98.0),
+                             child("w2", 12, 0, 0.0), child("w3", 13, 5, 10.0, code=1)]
+    assert beat.summary(100.0) == (3, {"w1": [11, 2000], "w2": [12, -1]})

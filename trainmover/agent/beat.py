@@ -1,9 +1,11 @@
 """A host's heartbeat (``P.HostBeat``), written by a thread of its agent every heartbeat
-interval: the agent's own beat, with the count of beats each of its running processes sent
-on its channel to the agent (``worker/liveness.Heartbeat``). The store holds, and the
-controller reads, one key a host instead of one a process.
+interval: the agent's own beat, the number of its running processes, and those of them that
+sent no beat on their channel to the agent (``worker/liveness.Heartbeat``) lately, with how
+long. The store holds, and the controller reads, one key a host instead of one a process,
+and a host's value is the size of its silence: a controller of 100K workers judges the few
+processes listed instead of looking at every worker's count at every look.
 
-The beats themselves are counted as they arrive by the reader of the channels
+The beats themselves are counted and timed as they arrive by the reader of the channels
 (``agent/votes.Channels``). A thread, not the agent's loop: the loop may be held for seconds by one spawn (the fork
 server's first, while it imports torch), and a host whose beat paused that long was
 declared lost before its first step.
@@ -19,10 +21,13 @@ from trainmover.core import protocol as P
 
 
 class HostBeat:
-    def __init__(self, store, node: int, interval_s: float, children: Callable[[], list]):
+    def __init__(self, store, node: int, interval_s: float, quiet_after_s: float,
+                 children: Callable[[], list]):
         """``children``: the agent's current ``Child`` records (read, never changed here:
-        a child whose exit the agent recorded, or whose channel it closed, is left out)."""
+        a child whose exit the agent recorded, or whose channel it closed, is left out).
+        ``quiet_after_s``: a process silent longer is listed (``quiet_listed_s``)."""
         self.store, self.node, self.interval_s = store, node, interval_s
+        self.quiet_after_s = quiet_after_s
         self.children = children
         self.seq = 0
         self.error: BaseException | None = None
@@ -33,14 +38,23 @@ class HostBeat:
         try:
             while True:
                 self.seq += 1        # a signed beat, not a counter anyone can bump
+                running, quiet = self.summary(time.monotonic())
                 self.store.set(key, P.write_message(P.HostBeat(self.seq, os.getpid(),
-                                                               self.counts())))
+                                                               running, quiet)))
                 time.sleep(self.interval_s)
         except Exception as exc:  # noqa: BLE001 - the store is gone: the agent's loop learns
             self.error = exc
 
-    def counts(self) -> dict[str, list[int]]:
-        """Each running child's ``[pid, beats]`` (its beats are counted as they come, by
-        the reader of the channels: ``agent/votes.Channels``)."""
-        return {c.name: [c.proc.pid, c.beats] for c in self.children()
-                if c.proc.pid is not None and c.proc.returncode is None}
+    def summary(self, now: float) -> tuple[int, dict[str, list[int]]]:
+        """How many children run, and the quiet ones: ``{name: [pid, ms]}``, ``ms`` since
+        the last beat that child sent (-1: none yet)."""
+        running, quiet = 0, {}
+        for c in self.children():
+            if c.proc.pid is None or c.proc.returncode is not None:
+                continue
+            running += 1
+            if c.beats == 0:
+                quiet[c.name] = [c.proc.pid, -1]
+            elif now - c.beat_at > self.quiet_after_s:
+                quiet[c.name] = [c.proc.pid, int((now - c.beat_at) * 1000)]
+        return running, quiet

@@ -94,6 +94,7 @@ class Child:
     pidfd: int | None = None         # readable once the process exited (Linux >= 5.3)
     channel: socket.socket | None = None   # the agent's end of the process's channel
     beats: int = 0                   # beats it sent on it (worker/liveness.Heartbeat)
+    beat_at: float = 0.0             # when the last of them came (time.monotonic)
     standby: bool = False
 
     def __post_init__(self) -> None:
@@ -485,6 +486,7 @@ class Agent:
         self._fence = FenceWatch(client(), self.node, self._wake) \
             if self.node or self.etcd else None
         self._host_beat = HostBeat(client(), self.node, self.cfg.health.heartbeat_interval_s,
+                                   self.cfg.health.quiet_listed_s(),
                                    lambda: list(self.children.values()))
         # its processes' votes, relayed as one ballot a host (agent/votes.py), and the
         # reader of their channels (beats and votes)

@@ -116,6 +116,7 @@ class Channels:
                     self._open.pop(fd, None)
                 return
             if raw == P.CHANNEL_BEAT:
+                child.beat_at = time.monotonic()
                 child.beats += 1
                 continue
             got = P.read_channel_message(raw)

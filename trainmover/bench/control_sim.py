@@ -447,8 +447,10 @@ class LightAgent(SimAgent):
 
     def _beats(self) -> None:
         while True:
+            now = time.monotonic()
             for c in list(self.children.values()):
                 c.beats += 1
+                c.beat_at = now
             time.sleep(self.cfg.health.heartbeat_interval_s)
 
     def _steps(self) -> None:

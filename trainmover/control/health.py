@@ -20,13 +20,16 @@ Bounded detection:
 
 Heartbeats come by host: each process beats on its own channel to its host's agent, which
 writes one signed ``P.HostBeat`` for the host every heartbeat interval, with its own
-sequence number and each process's count of beats. A host's beat moved only when a genuine
-value's sequence went past the last one seen, and a process's when its count in such a
-value did. Junk at a host's key (an unsigned value, a bumped counter, an older genuine beat
-put back) is no beat: a stopped worker stays silent whatever others write there. Each look
-reads every host's key in one request per ``HOSTS_PER_READ`` hosts and decodes only the
-values that changed: the controller's work and the store's load go with the hosts, not the
-processes (a read per process was most of a round at a thousand workers).
+sequence number, how many processes run there, and the ones it did not hear from lately
+(``quiet``, with how long). A host's beat moved only when a genuine value's sequence went
+past the last one seen; a process not listed in it beat when it was written. Junk at a
+host's key (an unsigned value, a bumped counter, an older genuine beat put back) is no beat:
+a stopped worker stays silent whatever others write there. Each look reads every host's key
+in one request per ``HOSTS_PER_READ`` hosts and decodes only the values that changed, then
+judges the processes listed: the controller's work and the store's load go with the hosts
+and what is silent, not with the processes (a read per process was most of a round at a
+thousand workers; a loop over every worker each look, and decoding every process's count,
+most of it at a few thousand).
 """
 from __future__ import annotations
 
@@ -47,6 +50,15 @@ class Failure:
     detail: str = ""
 
 
+@dataclass
+class HostView:
+    """What a host's newest genuine beat said (``P.HostBeat``): how many processes run
+    there, and the quiet ones: ``name -> (pid, silent since)``, since None before a first
+    beat. A process not listed beat when that beat was written."""
+    running: int
+    quiet: dict[str, tuple[int, float | None]]
+
+
 HOSTS_PER_READ = 1024     # host beats read in one store request
 SILENT_AGENT = "its agent fell silent while other hosts are heard"
 
@@ -54,7 +66,7 @@ SILENT_AGENT = "its agent fell silent while other hosts are heard"
 class Health:
     def __init__(self, ctx: JobContext):
         self.ctx = ctx
-        self._beats: dict[str, tuple[tuple[int, int], float]] = {}  # (pid, beats), seen at
+        self._hosts: dict[int, HostView] = {}     # what each host's newest beat said
         # (agent pid, seq) of the newest beat (None: none yet), seen at (first looked at)
         self._host_beats: dict[int, tuple[tuple[int, int] | None, float]] = {}
         self._host_raw: dict[int, bytes] = {}     # each host's beat as last read (undecoded)
@@ -67,70 +79,114 @@ class Health:
         self._wide: set[str] = set()     # wide silences reported ("workers", "agents")
 
     def detect(self, handled: set[str]) -> list[Failure]:
-        """New failures among the active workers, other than the ``handled`` ones."""
+        """New failures among the active workers, other than the ``handled`` ones.
+
+        Proportional to what failed, not to the job: exits come from the process table's
+        index of failed processes (every round), silences from the workers the hosts' beats
+        list as quiet (every look), each host's beat looked at once. No loop over every
+        worker: at 100K workers one took longer than the look's interval."""
         ctx, health, now = self.ctx, self.ctx.cfg.health, time.time()
+        workers = ctx.membership.workers
         out = []
-        # process exits every round; store look-ups (heartbeats, reports) less often
-        look = now - self._looked_at >= health.check_interval_s
-        if look:
-            self._looked_at = now
-        stalled = self.stalled_for(now) if look else None
-        timeout = self._heartbeat_timeout_s()
-        # every report of the epoch in a few requests, when new ones came
-        reports = read_failure_reports(ctx, ctx.epoch, [w for w in ctx.membership.workers
-                                                        if w not in handled]) \
-            if look and self._new_reports() else {}
-        silent, beating = [], set()      # beating: hosts with a worker heard recently
-        # once a round, not per worker (a loop over every worker: what it does per worker
-        # is what the controller's round costs at scale)
-        silence_s = health.silence_s()
-        if look:
-            self.read_hosts(now)
-        for w in list(ctx.membership.workers):
-            if w in handled or not ctx.procs.known(w):
+        for w in sorted(ctx.procs.failed(), key=C.natural):
+            if w in handled or w not in workers:
                 continue
             node = ctx.procs.procs[w].node
             if node in ctx.procs.lost:
                 out.append(Failure(w, "host", now, f"host {node} lost"))
-                continue
-            code = ctx.procs.exit_code(w)
-            if code is not None and code != 0:
-                out.append(Failure(w, "crash", now, f"exit code {code}"))
-                continue
-            if code == 0 or not look:
-                continue
+            else:
+                out.append(Failure(w, "crash", now, f"exit code {ctx.procs.exit_code(w)}"))
+        # process exits every round; store look-ups (heartbeats, reports) less often
+        if now - self._looked_at < health.check_interval_s:
+            return out
+        self._looked_at = now
+        stalled = self.stalled_for(now)
+        timeout = self._heartbeat_timeout_s()
+        silence_s = health.silence_s()
+        self.read_hosts(now)
+        found = {f.worker for f in out}
+        # the workers to judge: the ones their hosts list as quiet, and every worker of a
+        # silent host that no host rule covers (host 0 serving the built-in store)
+        judged = [w for node, host in self._hosts.items() if node not in ctx.procs.lost
+                  for w in host.quiet]
+        for node in self._unjudged_silent_hosts(now, silence_s):
+            judged += [w for w in workers if ctx.procs.procs.get(w) is not None and
+                       ctx.procs.procs[w].node == node and w not in self._hosts[node].quiet]
+        judged = [w for w in dict.fromkeys(judged) if w in workers and w not in handled and
+                  w not in found and ctx.procs.known(w) and ctx.procs.exit_code(w) is None]
+        ctx.procs.learn_pids(judged)
+        quiet_of = {}
+        for w in judged:
             beat = self._beat(w, read=False)
-            quiet = None if beat is None else now - beat
-            if quiet is not None and quiet > silence_s and \
-                    ctx.store.valid(P.finished_key(w)) is not None:
-                continue   # done with the job: its heartbeat may stop
-            if quiet is not None and quiet > timeout:
-                out.append(Failure(w, "hang", now, f"no heartbeat for {quiet:.2f} s"))
+            if beat is not None and now - beat > silence_s:
+                quiet_of[w] = now - beat
+        finished = self._finished(list(quiet_of))  # done with the job: its beat may stop
+        silent = []
+        for w, quiet in quiet_of.items():
+            if w in finished:
                 continue
-            if quiet is not None and quiet > silence_s:
+            if quiet > timeout:
+                out.append(Failure(w, "hang", now, f"no heartbeat for {quiet:.2f} s"))
+            else:
                 silent.append((w, quiet))
-            elif quiet is not None:
-                beating.add(node)
-            report = reports.get(w)
-            if report is not None and report.self_failed:
-                out.append(Failure(w, "commerr", now, report.error))
+        # every report of the epoch in a few requests, when new ones came
+        if self._new_reports():
+            reports = read_failure_reports(ctx, ctx.epoch, [w for w in workers
+                                                            if w not in handled])
+            found = {f.worker for f in out}
+            for w, report in reports.items():
+                if report.self_failed and w not in found and w not in finished and \
+                        ctx.procs.known(w) and ctx.procs.exit_code(w) is None:
+                    out.append(Failure(w, "commerr", now, report.error))
+        beating = self._heard_hosts(now, silence_s)   # hosts with a process heard lately
         if not silent:
             self._wide.discard("workers")
         if stalled is not None and silent and beating and \
                 self._narrow({ctx.procs.procs[w].node for w, _ in silent}, "workers"):
+            found = {f.worker for f in out}
             for w, quiet in silent:
-                out.append(Failure(w, "hang", now, f"silent for {quiet:.2f} s while the job "
-                                                   f"made no progress for {stalled:.2f} s"))
-        if look:
-            hung = {ctx.procs.procs[f.worker].node for f in out if f.kind == "hang"}
-            lost = self._check_hosts(now, beating, hung)
-            if lost:
-                # what failed on a lost host failed with it: one "host" failure per worker
-                out = [f for f in out if ctx.procs.procs[f.worker].node not in lost]
-                out += [Failure(w, "host", now, f"host {ctx.procs.procs[w].node} lost")
-                        for w in ctx.membership.workers
-                        if w not in handled and ctx.procs.procs[w].node in lost]
+                if w not in found:
+                    out.append(Failure(w, "hang", now, f"silent for {quiet:.2f} s while the "
+                                                       f"job made no progress for "
+                                                       f"{stalled:.2f} s"))
+        hung = {ctx.procs.procs[f.worker].node for f in out if f.kind == "hang"}
+        lost = self._check_hosts(now, beating, hung)
+        if lost:
+            # what failed on a lost host failed with it: one "host" failure per worker
+            out = [f for f in out if ctx.procs.procs[f.worker].node not in lost]
+            out += [Failure(w, "host", now, f"host {ctx.procs.procs[w].node} lost")
+                    for w in workers
+                    if w not in handled and ctx.procs.procs[w].node in lost]
         return out
+
+    def _heard_hosts(self, now: float, silence_s: float) -> set[int]:
+        """The hosts whose agent was heard within ``silence_s`` with a process that beat
+        within it: the evidence that the job's processes are heard at all."""
+        heard, lost, beats = set(), self.ctx.procs.lost, self._host_beats
+        for node, host in self._hosts.items():
+            if now - beats[node][1] > silence_s or node in lost:
+                continue
+            late = sum(1 for _, since in host.quiet.values()
+                       if since is None or now - since > silence_s) if host.quiet else 0
+            if host.running > late:
+                heard.add(node)
+        return heard
+
+    def _unjudged_silent_hosts(self, now: float, silence_s: float) -> list[int]:
+        """Hosts silent for ``silence_s`` that the host rules do not judge (host 0, when it
+        serves the built-in store): their workers are judged one by one instead."""
+        if self.ctx.cfg.process.etcd:
+            return []
+        seen = self._host_beats.get(0)
+        if 0 in self.ctx.procs.lost or seen is None or seen[0] is None or \
+                now - seen[1] <= silence_s or 0 not in self._hosts:
+            return []
+        return [0]
+
+    def _finished(self, workers: list[str]) -> set[str]:
+        """Which of ``workers`` finished their steps (a few requests)."""
+        values = read_valid(self.ctx.store, [P.finished_key(w) for w in workers])
+        return {w for w, v in zip(workers, values) if v is not None}
 
     def hung_standbys(self) -> list[tuple[str, str]]:
         """Standbys, free or reserved as a joiner, alive by their process but silent:
@@ -143,6 +199,7 @@ class Health:
             return []
         self._standbys_looked_at = now
         self.read_hosts(now)
+        ctx.procs.learn_pids(ctx.membership.standbys)
         out = []
         for name, st in list(ctx.membership.standbys.items()):
             if st is C.StandbyState.DEAD or not ctx.procs.known(name) or \
@@ -170,6 +227,7 @@ class Health:
         when workers of the host were just found hung (the agent's last beat may have come
         a moment after its workers': the host, not the workers, failed). Returns them."""
         ctx, health = self.ctx, self.ctx.cfg.health
+        silence_s = health.silence_s()
         self.read_hosts(now)
         quiet_of = {}
         # host 0 serves the built-in store (its loss ends the job anyway); with the store on
@@ -179,10 +237,13 @@ class Health:
                 continue
             seen = self._host_beats.setdefault(node, (None, now))
             quiet_of[node] = (now - seen[1], seen[0] is not None)
+        # whether another host was heard: counted once, not per host (a set of all the
+        # others built for each host was O(hosts^2) a look)
+        fresh = sum(1 for q, _ in quiet_of.values() if q < silence_s)
         found = {}
         for node, (quiet, started) in quiet_of.items():
-            others = (beating - {node}) or {n for n, (q, _) in quiet_of.items()
-                                            if n != node and q < health.silence_s()}
+            if started and quiet <= 2 * health.heartbeat_interval_s and quiet <= silence_s:
+                continue                            # heard lately: most hosts, at a look
             if not started:
                 why = quiet > health.startup_timeout_s and "never connected"
             elif quiet > health.heartbeat_timeout_s:
@@ -190,8 +251,9 @@ class Health:
             elif node in hung and quiet > 2 * health.heartbeat_interval_s:
                 why = "its workers hung and its agent fell silent"
             else:
-                why = quiet > health.silence_s() and bool(others) and \
-                    SILENT_AGENT
+                others = len(beating) > 1 or bool(beating) and node not in beating or \
+                    fresh - (quiet < silence_s) > 0
+                why = quiet > silence_s and others and SILENT_AGENT
             if why:
                 found[node] = f"{why} ({quiet:.2f} s)"
         silent = {node for node, why in found.items() if why.startswith(SILENT_AGENT)}
@@ -278,26 +340,33 @@ class Health:
                                                                   beat.seq):
                     continue                      # junk, or an older genuine beat put back
                 self._host_beats[node] = ((beat.pid, beat.seq), now)
-                for name, entry in beat.procs.items():
-                    if not (isinstance(entry, list) and len(entry) == 2 and
-                            all(isinstance(x, int) for x in entry)):
-                        continue
-                    mine = self._beats.get(name)
-                    if moved(None if mine is None else mine[0], *entry):
-                        self._beats[name] = (tuple(entry), now)
+                quiet = {}
+                for name, entry in beat.quiet.items():
+                    if isinstance(entry, list) and len(entry) == 2 and \
+                            all(isinstance(x, int) for x in entry):
+                        quiet[name] = (entry[0], None if entry[1] < 0 else
+                                       now - entry[1] / 1000)
+                self._hosts[node] = HostView(beat.running, quiet)
 
     def _beat(self, worker: str, read: bool = True) -> float | None:
-        """Time the worker's heartbeat last moved (None before its first beat). ``read``:
-        read the hosts' beats first (``read_hosts``), which a loop over workers does once."""
+        """Time the worker last beat (None before its first beat): when its host's newest
+        beat was read, unless that beat lists it as quiet. ``read``: read the hosts' beats
+        first (``read_hosts``), which a loop over workers does once."""
         pid = self.ctx.procs.pid(worker)
         if pid is None:
             return None   # not started yet
         if read:
             self.read_hosts(time.time())
-        seen = self._beats.get(worker)
-        if seen is None or seen[0][0] != pid:
-            return None   # none yet, or only a former incarnation's: its own beats only
-        return seen[1]
+        node = self.ctx.procs.procs[worker].node
+        seen, host = self._host_beats.get(node), self._hosts.get(node)
+        if seen is None or seen[0] is None or host is None:
+            return None   # its host not heard yet
+        entry = host.quiet.get(worker)
+        if entry is None:
+            return seen[1]
+        if entry[0] != pid:
+            return None   # a former incarnation listed: this one's beats only
+        return entry[1]
 
 
 def moved(seen: tuple[int, int] | None, pid: int, seq: int) -> bool:
@@ -329,17 +398,23 @@ def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
     """``read_failure_report`` of many workers, ``HOSTS_PER_READ`` keys a request (a
     recovery's survivors are every worker but the failed: one round trip each was most of
     the time from a crash to its plan at a thousand workers)."""
-    many = getattr(ctx.store, "valid_many", None)
     out = {}
-    for i in range(0, len(workers), HOSTS_PER_READ):
-        part = workers[i:i + HOSTS_PER_READ]
-        keys = [P.failure_key(epoch, w) for w in part]
-        values = many(keys) if many is not None else [ctx.store.valid(k) for k in keys]
-        for w, key, raw in zip(part, keys, values):
-            if raw is None:
-                continue
-            try:
-                out[w] = P.read_message(P.FailureReport, raw)
-            except P.MessageError as exc:
-                ctx.events.emit("message_rejected", key=key, error=str(exc))
+    keys = [P.failure_key(epoch, w) for w in workers]
+    for w, key, raw in zip(workers, keys, read_valid(ctx.store, keys)):
+        if raw is None:
+            continue
+        try:
+            out[w] = P.read_message(P.FailureReport, raw)
+        except P.MessageError as exc:
+            ctx.events.emit("message_rejected", key=key, error=str(exc))
+    return out
+
+
+def read_valid(store, keys: list[str]) -> list[bytes | None]:
+    """``store.valid`` of each key, ``HOSTS_PER_READ`` keys a request where the store can."""
+    many = getattr(store, "valid_many", None)
+    out = []
+    for i in range(0, len(keys), HOSTS_PER_READ):
+        part = keys[i:i + HOSTS_PER_READ]
+        out += many(part) if many is not None else [store.valid(k) for k in part]
     return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from trainmover.core import protocol as P
 from trainmover.core.queues import SlotReader
 
+PIDS_PER_READ = 1024            # process records read in one store request
 
 
 @dataclass
@@ -34,7 +35,11 @@ class AgentClient:
     lost: list = field(default_factory=list)      # hosts declared lost (fenced)
     events: object = None                         # the controller's event log
     exit_reader: object = None                    # reads the exit records (transient)
-    __snapshot_exclude__ = ("store", "events", "exit_reader")
+    # the processes whose current incarnation exited non-zero (or whose host was lost): an
+    # index of ``procs`` (transient: rebuilt from it after a resume), so that finding the
+    # round's crashes is no loop over every process
+    failed_index: set | None = None
+    __snapshot_exclude__ = ("store", "events", "exit_reader", "failed_index")
 
     def spawn_request(self, name: str, standby: bool, node: int = 0, gpu: int | None = None,
                       **restart) -> tuple[int, P.AgentSpawn]:
@@ -43,6 +48,7 @@ class AgentClient:
         old = self.procs.get(name)
         view = ProcView(standby, (old.incarnation if old else 0) + 1, node)
         self.procs[name] = view
+        self.failed().discard(name)
         return node, P.AgentSpawn(name, view.incarnation, standby, gpu, **restart)
 
     def send(self, node: int, request: P.AgentRequest) -> None:
@@ -58,7 +64,17 @@ class AgentClient:
         for n in names:
             if self.procs[n].code is None:
                 self.procs[n].code = -9
+            if self.procs[n].code != 0:
+                self.failed().add(n)
         return names
+
+    def failed(self) -> set:
+        """The names whose current incarnation exited non-zero or was lost with its host
+        (``failed_index``)."""
+        if self.failed_index is None:
+            self.failed_index = {n for n, v in self.procs.items()
+                                 if v.code is not None and v.code != 0}
+        return self.failed_index
 
     def refresh(self) -> list[tuple[str, int | None]]:
         """Read the agents' new exit records; returns (name, pid) of the processes that
@@ -83,6 +99,8 @@ class AgentClient:
             view = self.procs.get(rec.name)
             if view is not None and view.incarnation == rec.incarnation:
                 view.code = rec.code
+                if rec.code != 0:
+                    self.failed().add(rec.name)
                 exited.append((rec.name, self.pid(rec.name)))
         return exited
 
@@ -103,6 +121,28 @@ class AgentClient:
             if info is not None and info.incarnation == view.incarnation:
                 view.pid = info.pid
         return view.pid
+
+    def learn_pids(self, names) -> None:
+        """``pid`` of many processes at once: the records of those not known yet, in a
+        request per ``PIDS_PER_READ`` (one round trip each was most of a look at the job's
+        start, when thousands of workers have none yet)."""
+        unknown = [n for n in names if n in self.procs and self.procs[n].pid is None]
+        many = getattr(self.store, "valid_many", None)
+        if many is None:
+            return                    # a store without it: pid() reads them one at a time
+        for i in range(0, len(unknown), PIDS_PER_READ):
+            part = unknown[i:i + PIDS_PER_READ]
+            for name, raw in zip(part, many([P.agent_proc_key(n) for n in part])):
+                if raw is None:
+                    continue
+                try:
+                    info = P.read_message(P.ProcRecord, raw)
+                except P.MessageError as exc:
+                    self._rejected(P.agent_proc_key(name), str(exc))
+                    continue
+                view = self.procs[name]
+                if info.incarnation == view.incarnation:
+                    view.pid = info.pid
 
     def _rejected(self, key: str, why: str) -> None:
         if self.events is not None:

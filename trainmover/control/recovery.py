@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from trainmover.control.baseline import Restarts
 from trainmover.control.context import JobContext
 from trainmover.control.errors import JobFailed
-from trainmover.control.health import Failure, Health, read_failure_reports
+from trainmover.control.health import Failure, Health, read_failure_reports, read_valid
 from trainmover.control.migrations import Migrations
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
@@ -184,8 +184,10 @@ class Recovery:
         total = ctx.cfg.train.steps
         if total and ctx.committed >= total - 1:
             return True
-        return any(ctx.store.valid(P.finished_key(w)) is not None
-                   for w in ctx.membership.workers if w not in failed)
+        # a few requests, not a round trip a worker (once most of a round of a recovery
+        # of thousands of workers)
+        return any(v is not None for v in read_valid(
+            ctx.store, [P.finished_key(w) for w in ctx.membership.workers if w not in failed]))
 
     def _after_the_last_step(self, failures: list[Failure]) -> None:
         """A failure after the job's last step was committed: every role's state is final,

@@ -26,10 +26,11 @@ class ProcessWatch:
         """Raise ``JobFailed`` for an exit that ends the job; ``recovered`` are workers whose
         failure a recovery already handled."""
         ctx = self.ctx
-        for name, p in ctx.procs.procs.items():
+        # the failed processes only, from the process table's index (a loop over every
+        # process each round was O(N) a round)
+        for name in sorted(ctx.procs.failed(), key=C.natural):
+            p = ctx.procs.procs[name]
             code = p.code
-            if code in (None, 0):
-                continue
             report = self._standby_report(name) if p.standby else None
             if report is not None and report.state == "refused":
                 raise JobFailed(f"standby {name} refused to serve: {report.reason}")

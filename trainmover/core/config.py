@@ -506,6 +506,13 @@ class HealthConfig:
         missed beats, never under the floor (one late beat is scheduling noise)."""
         return max(self.silence_floor_s, self.silence_beats * self.heartbeat_interval_s)
 
+    def quiet_listed_s(self) -> float:
+        """After how long without a beat an agent lists a process in its host's beat
+        (``P.HostBeat.quiet``): one and a half heartbeat intervals (a process on time is
+        never listed), and never after the controller could judge the silence."""
+        return min(1.5 * self.heartbeat_interval_s, self.silence_s(),
+                   self.heartbeat_timeout_s)
+
     def validate(self) -> None:
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(f"health.heartbeat_interval_s={self.heartbeat_interval_s!r} must "

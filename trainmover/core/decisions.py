@@ -75,10 +75,10 @@ class Membership:
         rank = {StandbyState.WARM: 0, StandbyState.WARMING: 1, StandbyState.COLD: 2,
                 StandbyState.STARTING: 3}
         free = [s for s, st in self.standbys.items() if st in rank]
-        return sorted(free, key=lambda s: (rank[self.standbys[s]], _natural(s)))
+        return sorted(free, key=lambda s: (rank[self.standbys[s]], natural(s)))
 
 
-def _natural(name: str) -> tuple:
+def natural(name: str) -> tuple:
     digits = "".join(c for c in name if c.isdigit())
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
@@ -159,7 +159,7 @@ def plan_migration(m: Membership, migration_id: int, leavers: list[str],
             raise MigrationRefused(f"worker {w} has already left the job")
         if w not in m.workers:
             raise MigrationRefused(f"unknown worker {w!r}; active workers: "
-                                   f"{', '.join(sorted(m.workers, key=_natural))}")
+                                   f"{', '.join(sorted(m.workers, key=natural))}")
         if w in busy:
             raise MigrationRefused(f"worker {w} is already part of a migration in flight")
     free = [s for s in m.free_standbys() if s not in busy]
@@ -455,5 +455,5 @@ def silent_survivors(missing: list[str], waited_s: float, quiet_s: float, timeou
     fixed deadline once fenced thousands of healthy survivors of a large job whose reports
     queued at the store, and the job failed for want of standbys."""
     if missing and (quiet_s > timeout_s or waited_s > max_wait_s):
-        return sorted(missing, key=_natural)
+        return sorted(missing, key=natural)
     return []

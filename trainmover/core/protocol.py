@@ -159,7 +159,7 @@ AGENT_KEYS = {
     "req/count": "requests queued for the host's agent",
     "req/done": "requests the host's agent has read (and deleted)",
     "info": "AgentInfo: the host's agent is serving",
-    "hb": "HostBeat: the agent's heartbeat, with each of its processes' beats",
+    "hb": "HostBeat: the agent's heartbeat, with the processes it did not hear from lately",
     "snapshots": "host:port of the host's peer-snapshot holder (core/snapshots.py)",
     "fenced": "the host was declared lost: its agent stops its processes and exits",
     "done": "the agent stopped every process at the job's end",
@@ -859,21 +859,25 @@ def read_channel_message(raw: bytes) -> tuple[str, int, int, str] | None:
 @dataclass(frozen=True)
 class HostBeat:
     """``agent/<node>/hb``: a host's heartbeat, which its agent overwrites every heartbeat
-    interval: its own ``seq`` and PID (as a ``Beat``), and for each of its running processes
-    ``[pid, beats]``, the count of beats that process sent on its channel to the agent
-    (``worker/liveness.Heartbeat``). The store holds one key a host instead of one a
-    process, and the controller reads one a host: a process is alive while its count
-    moves, whoever writes the store (a process cannot beat for another: each channel is
-    its own, inherited from the agent).
+    interval: its own ``seq`` and PID (as a ``Beat``), how many of its processes are
+    ``running``, and ``quiet``: the running processes its agent did not hear from lately
+    (``HealthConfig.quiet_listed_s``), each ``[pid, ms]``: how long it has been silent on
+    its channel to the agent (``worker/liveness.Heartbeat``), -1 before its first beat. A
+    process left out beat within that time. So the host's value, and the controller's work
+    on it, stay the size of a host's silence, not of its processes: the controller judges
+    the processes listed, not every worker at every look. A process is alive while it is
+    left out, or while its ``ms`` is small, whoever writes the store: a process cannot beat
+    for another (each channel is its own, inherited from the agent).
 
     A signed value, not a counter (anyone who reaches the store can bump a counter, which
-    once kept a stopped worker looking alive): a reader counts a beat only when a genuine
-    value's ``seq`` moved past the one it saw last, so junk reads as no beat and an old
-    genuine value put back is none either."""
+    once kept a stopped worker looking alive): a reader takes a host's value only when a
+    genuine value's ``seq`` moved past the one it saw last, so junk reads as no beat and an
+    old genuine value put back is none either."""
 
     seq: int
     pid: int
-    procs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    running: int = 0
+    quiet: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
