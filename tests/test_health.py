@@ -1,4 +1,5 @@
 """The controller's health checks on their own, against a fake job context (no processes)."""
+import dataclasses
 from types import SimpleNamespace
 
 from trainmover.control import health as H
@@ -234,7 +235,7 @@ def test_crashes_come_from_the_failed_index_and_a_respawn_clears_it(monkeypatch)
     clock = Clock()
     monkeypatch.setattr(H, "time", clock)
     health, ctx, store = detector(clock)
-    ctx.procs.procs["w4"].code = 7
+    ctx.procs.procs["w4"] = dataclasses.replace(ctx.procs.procs["w4"], code=7)   # its exit
     ctx.procs.failed().add("w4")
     clock.now += 0.01                                      # a round, no look due
     (f,) = health.detect(set())

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
+from trainmover.core.codec import Table
 from trainmover.core.config import JobConfig
 from trainmover.core.events import read_jsonl
 from trainmover.control.processes import AgentClient
@@ -198,13 +199,13 @@ class JobContext:
         self.epoch = 0                       # the vote epoch the workers are in
         self.committed = -1                  # last step whose decision is known to be commit
         self.next_standby = cfg.standby.count
-        self.cmd_next: dict[str, int] = {}   # next command message number per host
+        self.cmd_next: dict[str, int] = Table()   # next command message number per host
         # ("set", key, value) | ("agent", node, request) | ("cmd", node, process, command)
         self.outbox: list[tuple] = []
         self.t_started = time.time()
         self.gpus = 0                        # GPUs per host (device "cuda")
         self.slots: dict[str, int] = {}      # process name -> its GPU on its host (LOCAL_RANK)
-        self.hosts: dict[str, int] = {}      # process name -> the host that runs it
+        self.hosts: dict[str, int] = Table()      # process name -> the host that runs it
         # when processes or groups last changed (start, restart, promotion, switch, resume):
         # the step watchdog judges only a job in steady state since then. Not in the
         # snapshot: a resumed controller judges afresh

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainmover.core import protocol as P
+from trainmover.core.codec import Table
 from trainmover.core.queues import SlotReader
 
 PIDS_PER_READ = 1024            # process records read in one store request
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProcView:
+    """One incarnation of a process, as the controller knows it: replaced, never changed in
+    place (the process table is a ``Table``, encoded again only when it changed)."""
+
     standby: bool
     incarnation: int
     node: int = 0                # the host whose agent runs it
@@ -29,7 +33,7 @@ class AgentClient:
 
     store: object = None
     log_dir: str = ""                             # where the agents write <name>.log
-    procs: dict = field(default_factory=dict)     # name -> ProcView
+    procs: dict = field(default_factory=Table)    # name -> ProcView
     exits_seen: int = 0
     nnodes: int = 1
     lost: list = field(default_factory=list)      # hosts declared lost (fenced)
@@ -40,6 +44,10 @@ class AgentClient:
     # round's crashes is no loop over every process
     failed_index: set | None = None
     __snapshot_exclude__ = ("store", "events", "exit_reader", "failed_index")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.procs, Table):      # read back from an older snapshot
+            self.procs = Table(self.procs)
 
     def spawn_request(self, name: str, standby: bool, node: int = 0, gpu: int | None = None,
                       **restart) -> tuple[int, P.AgentSpawn]:
@@ -63,7 +71,7 @@ class AgentClient:
         names = [n for n, v in self.procs.items() if v.node == node]
         for n in names:
             if self.procs[n].code is None:
-                self.procs[n].code = -9
+                self.procs[n] = replace(self.procs[n], code=-9)
             if self.procs[n].code != 0:
                 self.failed().add(n)
         return names
@@ -98,7 +106,7 @@ class AgentClient:
                 continue
             view = self.procs.get(rec.name)
             if view is not None and view.incarnation == rec.incarnation:
-                view.code = rec.code
+                self.procs[rec.name] = replace(view, code=rec.code)
                 if rec.code != 0:
                     self.failed().add(rec.name)
                 exited.append((rec.name, self.pid(rec.name)))
@@ -119,7 +127,7 @@ class AgentClient:
         if view.pid is None and self.store.check([P.agent_proc_key(name)]):
             info = self._read(P.ProcRecord, P.agent_proc_key(name))
             if info is not None and info.incarnation == view.incarnation:
-                view.pid = info.pid
+                view = self.procs[name] = replace(view, pid=info.pid)
         return view.pid
 
     def learn_pids(self, names) -> None:
@@ -142,7 +150,7 @@ class AgentClient:
                     continue
                 view = self.procs[name]
                 if info.incarnation == view.incarnation:
-                    view.pid = info.pid
+                    self.procs[name] = replace(view, pid=info.pid)
 
     def _rejected(self, key: str, why: str) -> None:
         if self.events is not None:

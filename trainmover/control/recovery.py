@@ -28,6 +28,7 @@ from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.accounting import downtime_phrase
+from trainmover.core.codec import Table
 from trainmover.core.events import JsonlWriter
 from trainmover.core.files import usable_checkpoints
 from trainmover.core.snapshots import SnapshotClient, SnapshotUnavailable, usable_snapshot
@@ -43,12 +44,18 @@ class ActiveRecovery:
     state: str = "collecting"        # collecting -> recovering -> done
     plan: C.RecoveryPlan | None = None
     t_planned: float | None = None
-    reports: dict[str, P.FailureReport] = field(default_factory=dict)
+    # every survivor's, as they come (a Table: the snapshot encodes it again only when one
+    # came)
+    reports: dict[str, P.FailureReport] = field(default_factory=Table)
     replacements: list[str] = field(default_factory=list)   # processes started for it
     t_collect: float | None = None      # when collecting reports began (if not at detection)
     t_report: float | None = None       # when the last survivor's report was read
     abandoned: list[int] = field(default_factory=list)      # ids of plans given up before
     resume_step: int | None = None      # set by the plan
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reports, Table):   # read back from an older snapshot
+            self.reports = Table(self.reports)
 
 
 class Recovery:

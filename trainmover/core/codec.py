@@ -6,14 +6,22 @@ so a value read back from the store can never run code (unlike pickle).
     codec = Codec(Membership, Role, Layout, StandbyState)
     text = codec.dumps(membership)
     same = codec.loads(text)
+
+A ``Table`` (a dict that counts its changes, by part of its keys) is written once and its
+JSON kept: the next ``dumps`` encodes again only the parts that changed. The controller saves its snapshot every
+busy round, and most of it is tables of a line a worker that rarely change (who holds which
+role, which process runs where): encoding them again each time was 0.3 s a save at 16K
+workers, the most of a round.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 import json
+import secrets
 import types
 import typing
+import zlib
 
 
 class SnapshotError(ValueError):
@@ -27,6 +35,83 @@ def _same(obj):
     return obj
 
 
+TABLE_SHARDS = 64          # a Table's keys fall in this many parts, each encoded on its own
+
+
+def _shard(key) -> int:
+    # a fixed function of the key (not hash(): salted per process), so that a resumed
+    # controller splits a table as its predecessor did
+    return zlib.crc32(str(key).encode()) % TABLE_SHARDS
+
+
+class Table(dict):
+    """A dict that counts its changes, by part of its keys (``versions``), so that
+    ``Codec.dumps`` encodes again only the parts that changed. Every change through its
+    methods counts; a value changed in place would not, so its values must be immutable
+    (numbers, strings, enums, frozen dataclasses)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shards: list[dict] = [{} for _ in range(TABLE_SHARDS)]   # each part's keys
+        self.versions = [0] * TABLE_SHARDS
+        for key in self:
+            self.shards[_shard(key)][key] = None
+
+    def _changed(self, key, present: bool) -> None:
+        i = _shard(key)
+        if present:
+            self.shards[i][key] = None
+        else:
+            self.shards[i].pop(key, None)
+        self.versions[i] += 1
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._changed(key, True)
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._changed(key, False)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def pop(self, key, *default):
+        if key in self:
+            self._changed(key, False)
+        return super().pop(key, *default)
+
+    def popitem(self):
+        key, value = super().popitem()
+        self._changed(key, False)
+        return key, value
+
+    def clear(self):
+        super().clear()
+        for i in range(TABLE_SHARDS):
+            self.shards[i].clear()
+            self.versions[i] += 1
+
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def copy(self) -> "Table":
+        return Table(self)
+
+
+def _json(tree) -> str:
+    # encode() builds a fresh tree (no value appears twice in it): nothing to check for
+    # cycles
+    return json.dumps(tree, sort_keys=True, separators=(",", ":"), check_circular=False)
+
+
 class Codec:
     def __init__(self, *registered: type, max_bytes: int = 64 * 2**20):
         self.types = {t.__name__: t for t in registered}
@@ -35,13 +120,35 @@ class Codec:
         self.max_bytes = max_bytes
         self._hints: dict[type, dict] = {}
         self._encoders: dict[type, typing.Callable] = {}
+        # id -> [table, each part's version, each part's JSON, the whole's JSON or None]:
+        # kept from the last dumps
+        self._tables: dict[int, list] = {}
+        self._seen: dict[int, list] = {}
+        self._parts: list[str] | None = None     # in a dumps: each placeholder's table JSON
+        self._nonce = ""
 
     # --- writing ------------------------------------------------------------------------------
     def dumps(self, obj) -> str:
-        # encode() builds a fresh tree (no value appears twice in it): nothing to check for
-        # cycles
-        return json.dumps(self.encode(obj), sort_keys=True, separators=(",", ":"),
-                          check_circular=False)
+        # each Table in the tree becomes a placeholder string, replaced in the text by the
+        # table's JSON (kept from an earlier dumps while the table did not change). The
+        # placeholder holds a random nonce: no string of the state (a worker's error
+        # message) can be taken for one
+        self._nonce, self._parts, self._seen = secrets.token_hex(16), [], {}
+        try:
+            text = _json(self.encode(obj))
+            if self._parts:                   # one pass over the text, not one a table
+                pieces = text.split(f'"table:{self._nonce}:')
+                out = [pieces[0]]
+                for piece in pieces[1:]:
+                    index, rest = piece.split('"', 1)
+                    out += (self._parts[int(index)], rest)
+                text = "".join(out)
+        finally:
+            self._parts = None
+        # the tables of this state only (a strong reference each: an id is not reused
+        # while its entry is kept)
+        self._tables, self._seen = self._seen, {}
+        return text
 
     def encode(self, obj):
         # one encoder per class, made at its first value (the controller encodes its whole
@@ -70,6 +177,8 @@ class Codec:
             return lambda obj: [encode(v) for v in obj]
         if issubclass(cls, (set, frozenset)):
             return lambda obj: {"__set__": sorted((encode(v) for v in obj), key=json.dumps)}
+        if issubclass(cls, Table):
+            return self._encode_table
         if issubclass(cls, dict):
             return self._encode_dict
         raise SnapshotError(f"cannot encode a {cls.__name__} (not a registered type)")
@@ -82,6 +191,28 @@ class Codec:
                                     f"with '__'")
             out[k] = self.encode(v)
         return out
+
+    def _encode_table(self, obj: Table):
+        if self._parts is None:                    # encode() outside a dumps
+            return {"__table__": self._encode_dict(obj)}
+        hit = self._tables.get(id(obj))
+        if hit is None or hit[0] is not obj:
+            hit = [obj, [-1] * TABLE_SHARDS, [""] * TABLE_SHARDS, None]
+        _, versions, texts, _ = hit
+        parts, self._parts = self._parts, None     # a table inside one is written inline
+        try:
+            for i, keys in enumerate(obj.shards):
+                if versions[i] != obj.versions[i]:
+                    texts[i] = _json(self._encode_dict({k: obj[k] for k in keys}))[1:-1]
+                    versions[i] = obj.versions[i]
+                    hit[3] = None
+        finally:
+            self._parts = parts
+        if hit[3] is None:
+            hit[3] = '{"__table__":{' + ",".join(t for t in texts if t) + "}}"
+        self._seen[id(obj)] = hit
+        self._parts.append(hit[3])
+        return f"table:{self._nonce}:{len(self._parts) - 1}"
 
     def _check_registered(self, cls: type) -> None:
         if self.types.get(cls.__name__) is not cls:
@@ -114,6 +245,10 @@ class Codec:
                 raise SnapshotError(str(exc)) from exc
         if "__set__" in data:
             return {_hashable(self.decode(v)) for v in data["__set__"]}
+        if "__table__" in data:
+            if not isinstance(data["__table__"], dict):
+                raise SnapshotError("a table that is no object")
+            return Table(self.decode(data["__table__"]))
         return {k: self.decode(v) for k, v in data.items()}
 
     def _registered(self, name) -> type:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from trainmover.core.codec import Table
 from trainmover.core.topology import GroupSpec, Layout, Role
 
 
@@ -41,6 +42,13 @@ class Membership:
     _holders: dict[Role, str] = field(default_factory=dict, init=False, repr=False,
                                       compare=False)
 
+    def __post_init__(self) -> None:
+        # Tables (core/codec.py): the controller's snapshot encodes each again only when it
+        # changed; a membership read back from an older snapshot holds plain dicts
+        for name in ("workers", "standbys", "generations", "next_generation"):
+            if not isinstance(getattr(self, name), Table):
+                setattr(self, name, Table(getattr(self, name)))
+
     @staticmethod
     def initial(layout: Layout, workers: list[str], standbys: list[str]) -> "Membership":
         if len(workers) != layout.num_roles:
@@ -64,8 +72,8 @@ class Membership:
         """An independent copy. Shallow containers are enough (every value in them is
         immutable: roles, states, numbers, names), and an order of magnitude cheaper than a
         deep copy with tens of thousands of workers."""
-        out = Membership(self.layout, dict(self.workers), dict(self.standbys),
-                         dict(self.generations), dict(self.next_generation),
+        out = Membership(self.layout, Table(self.workers), Table(self.standbys),
+                         Table(self.generations), Table(self.next_generation),
                          list(self.departed))
         out._holders = dict(self._holders)
         return out
