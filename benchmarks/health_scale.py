@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
+import trainmover
 from trainmover.control import health as H
 from trainmover.control.processes import AgentClient, ProcView
 from trainmover.core import protocol as P
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=sys.path[0] or ".").stdout.strip()
+                            text=True, cwd=os.path.dirname(trainmover.__file__)).stdout.strip()
     rows = []
     print(f"commit {commit}, HostBeat form: {'quiet' if NEW_FORM else 'counts'}")
     print("| workers (hosts) | round (ms) | look (ms) |\n|---|---|---|")

@@ -19,10 +19,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+
+import trainmover
 
 from trainmover.control.processes import AgentClient, ProcView
 from trainmover.core import codec
@@ -85,7 +88,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+                            text=True, cwd=os.path.dirname(trainmover.__file__)).stdout.strip()
     print(f"commit {commit}")
     print("| workers | snapshot (MB) | first (ms) | unchanged (ms) | one process changed (ms) "
           "| one report came (ms) |\n|---|---|---|---|---|---|")
