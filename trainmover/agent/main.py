@@ -17,8 +17,8 @@ Workers are the agent's children and die with it (``PR_SET_PDEATHSIG``); the age
 own session, so it outlives the controller. When the controller's process disappears without
 having shut the job down, the agent restarts it (``controller.restart="auto"``: ``trainmover
 controller --resume``, at most ``controller.max_restarts`` times) or waits
-``controller.grace_s`` for an operator to run that command, then stops the job. Training
-continues meanwhile. The agent reads these settings, and its own (``AgentConfig``), from the
+``controller.grace_s`` for an operator to run that command, then stops the job
+(``agent/failover.py``). Training continues meanwhile. The agent reads these settings, and its own (``AgentConfig``), from the
 run dir's ``job.json``.
 
 Processes are started before the agent imports torch, so the agent adds no start-up latency:
@@ -41,6 +41,7 @@ from trainmover.agent import forkserver
 from trainmover.agent.aborts import AbortRelay
 from trainmover.agent.commands import CommandRelay
 from trainmover.agent.beat import HostBeat
+from trainmover.agent.failover import ControllerWatch
 from trainmover.agent.feeds import FenceWatch, RequestFeed
 from trainmover.agent.votes import Channels, VoteRelay, send_on
 from trainmover.agent.snapshots import SnapshotServer
@@ -49,7 +50,7 @@ from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.events import EventLog
-from trainmover.core.proc import PR_SET_PDEATHSIG, pid_alive, prctl, raise_open_files
+from trainmover.core.proc import PR_SET_PDEATHSIG, prctl, raise_open_files
 
 
 # How often the agent reaps exited orphans re-parented to it (a dead worker's data loader
@@ -118,25 +119,19 @@ class Agent:
         # the store on etcd outlives host 0: host 0 can then be fenced like any host, and
         # the agents after the controller's host take over from a silent controller
         self.etcd = storeaddr.is_etcd(store)
-        self._beat_seen: bytes | None = None        # the controller's beat as last read
-        self._beat_still_since = 0.0                # ... and since when it has not changed
-        self._takeovers: set[tuple[int, int]] = set()   # (incarnation, rank) tried
         self.node = node
         # this host's address: its workers' gloo binds (the built-in store's host by default)
         self.address = address or ("127.0.0.1" if self.etcd else store.rpartition(":")[0])
         self.cfg = cfg
         self.children: dict[str, Child] = {}
-        self.controllers: list[subprocess.Popen] = []   # the ones this agent restarted
         self.events = EventLog(os.path.join(run_dir, "events.jsonl"),
                                worker="agent" if node == 0 else f"agent{node}")
+        self.controller = ControllerWatch(run_dir, cfg, node, self.etcd, self.events)
         self.store = None
         self.store_server = None      # host 0's: the job's store (core/kvserver.py)
         self._refused_reported, self._refusal_report_at = 0, 0.0
         self._requests: RequestFeed | None = None    # the controller's requests to this host
         self._fence: FenceWatch | None = None        # hosts but 0: declared lost?
-        self._controller: P.ControllerInfo | None = None
-        self._controller_lost_at: float | None = None
-        self._controller_read_at = 0.0
         self._host_beat: HostBeat | None = None       # the host's heartbeat (a thread)
         self._relay: VoteRelay | None = None          # its processes' votes, relayed
         self._channels: Channels | None = None        # its processes' channels, read
@@ -340,117 +335,15 @@ class Agent:
             if part.error is not None:
                 raise part.error
         if self.node == 0 and not self.etcd:
-            return None if self._watch_controller(now) else "no controller"
+            return None if self.controller.alive(now) else "no controller"
         # the controller's signed word, not the key's mere existence (agent/feeds.py)
         if self._fence.fenced.is_set():
             return "fenced"
         if self._fence.error is not None:
             raise self._fence.error
         if self.etcd:
-            return None if self._watch_controller(now) else "no controller"
+            return None if self.controller.alive(now) else "no controller"
         return None
-
-    def _watch_controller(self, now: float) -> bool:
-        """False once the job must end because no controller came back."""
-        if now - self._controller_read_at < self._controller_check_s():
-            return True
-        self._controller_read_at = now
-        # one round trip (valid: absent or forged read as None), every controller_check_s
-        raw = self.store.valid(P.CONTROLLER_KEY)
-        if raw is not None:
-            try:
-                current = P.read_message(P.ControllerInfo, raw)
-            except P.MessageError as exc:
-                self.events.emit("message_rejected", key=P.CONTROLLER_KEY, error=str(exc))
-                current = self._controller
-            if current != self._controller:
-                if self._controller_lost_at is not None:
-                    self.events.emit("controller_back", pid=current.pid,
-                                     incarnation=current.incarnation,
-                                     gap_s=round(time.time() - self._controller_lost_at, 3))
-                self._controller, self._controller_lost_at = current, None
-        if self._controller is None:
-            return True
-        if self._controller.node != self.node:
-            return self._watch_remote_controller(self._controller, now)
-        if pid_alive(self._controller.pid):
-            return True
-        policy = self.cfg.controller
-        if self._controller_lost_at is None:
-            self._controller_lost_at = time.time()
-            self.events.emit("controller_lost", pid=self._controller.pid,
-                             incarnation=self._controller.incarnation,
-                             action=policy.restart)
-            if policy.restart == "auto":
-                if len(self.controllers) >= policy.max_restarts:
-                    self.events.emit("job_abandoned", reason=f"the controller died "
-                                     f"{len(self.controllers) + 1} times")
-                    return False
-                self._restart_controller()
-        elif time.time() - self._controller_lost_at > policy.grace_s:
-            self.events.emit("job_abandoned", reason=f"no controller for "
-                             f"{policy.grace_s} s (controller.grace_s)")
-            return False
-        return True
-
-    def _controller_check_s(self) -> float:
-        """How often the controller's record is read: often on its host and the hosts that
-        would take over from it, seldom elsewhere (thousands of agents reading it every
-        ``agent.controller_check_s`` would load the store with O(hosts) requests)."""
-        current = self._controller
-        if current is None or current.node == self.node or not self.etcd or \
-                1 <= (self.node - current.node) % self.cfg.hosts.nnodes <= \
-                self.cfg.controller.successors:
-            return self.cfg.agent.controller_check_s
-        return self.cfg.controller.takeover_after_s
-
-    def _watch_remote_controller(self, current: P.ControllerInfo, now: float) -> bool:
-        """The store on etcd, the controller on another host: its beat is watched, often by
-        the agents of the ``controller.successors`` hosts after it, seldom by the others.
-        The r-th successor starts a controller here once the beat has been still for r
-        times ``controller.takeover_after_s`` (the controller's own agent restarts it
-        sooner, if that host is alive), after winning the election for that incarnation and
-        rank; the new controller's higher incarnation makes any old one step down. False
-        (the job must end) once the beat has been still for ``controller.grace_s``."""
-        if not self.etcd:
-            return True
-        policy = self.cfg.controller
-        beat = self.store.valid(P.CONTROLLER_BEAT_KEY)
-        if beat != self._beat_seen or self._beat_still_since == 0.0:
-            self._beat_seen, self._beat_still_since = beat, now
-            return True
-        still = now - self._beat_still_since
-        if still > policy.grace_s:
-            self.events.emit("job_abandoned", reason=f"no controller has beaten for "
-                             f"{still:.0f} s (controller.grace_s)")
-            return False
-        rank = (self.node - current.node) % self.cfg.hosts.nnodes
-        if not 1 <= rank <= policy.successors or still < rank * policy.takeover_after_s or \
-                (current.incarnation, rank) in self._takeovers:
-            return True
-        self._takeovers.add((current.incarnation, rank))
-        key = f"{P.controller_takeover_key(current.incarnation)}/{rank}"
-        won = self.store.compare_set(key, "", str(self.node)) == str(self.node).encode()
-        self.events.emit("controller_silent", pid=current.pid, node=current.node,
-                         incarnation=current.incarnation, still_s=round(still, 3),
-                         rank=rank, takes_over=won, level="warning")
-        if won:
-            self._restart_controller(takeover=True)
-        return True
-
-    def _restart_controller(self, takeover: bool = False) -> None:
-        log = os.path.join(self.run_dir, "logs", "controller.log")
-        extra = ["--node", str(self.node), "--takeover"] if takeover else \
-            ["--node", str(self.node)]
-        with open(log, "ab") as out:
-            # not tied to the agent's life: it shuts the agent down at the end of the job,
-            # then writes the job's summary
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "trainmover", "controller", "--resume", self.run_dir,
-                 *extra], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-        self.controllers.append(proc)
-        self.events.emit("controller_restarted", pid=proc.pid, log=log, node=self.node,
-                         takeover=takeover)
 
     # --- the loop ----------------------------------------------------------------------------
     def serve(self, initial: list[P.AgentSpawn]) -> int:
@@ -475,6 +368,7 @@ class Agent:
                                                self.cfg.comm.store_timeout_s), run_key)
 
         self.store = client()
+        self.controller.store = self.store      # read in this loop's thread only
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -580,7 +474,7 @@ class Agent:
     def _own_pids(self) -> set[int]:
         """The processes whose exit codes this agent reads (the rest are orphans to reap)."""
         pids = {c.proc.pid for c in self.children.values() if c.proc.pid is not None}
-        pids.update(p.pid for p in self.controllers)
+        pids.update(p.pid for p in self.controller.controllers)
         if self.forks is not None:
             pids.add(self.forks.proc.pid)
         return pids
@@ -644,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = jobfile.read_job(args.run_dir)
     agent = Agent(args.run_dir, args.store, cfg, address=args.address,
                   listen_fd=args.listen_fd)
-    agent._controller = P.ControllerInfo(args.controller_pid, 0)
+    agent.controller.current = P.ControllerInfo(args.controller_pid, 0)
     return agent.serve(initial)
 
 
