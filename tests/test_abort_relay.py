@@ -175,3 +175,31 @@ def test_channel_messages_read_back_and_junk_is_none():
     for junk in (b"w", b"w -1", b"w 1 2", b"wx 1", b"a 1", b"a x y", b"d 1 2 commit", b""):
         assert P.read_watch_message(junk) is None
         assert P.read_abort_message(junk) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_late_ask_on_a_full_channel_gets_the_abort_once_the_process_reads_again(host):
+    """The abort fired before the process asked, and its channel is full when it asks (its
+    reader stopped meanwhile): the abort is offered again until it is taken, not dropped."""
+    abort(host.stores, 6)
+    first = host.start("w1")
+    signal = AbortSignal()
+    with first.inbox._cv:                      # the epoch fires while someone watches it
+        first.inbox._watches[6] = [signal]
+    host.relay.watch(first.child, 6)
+    assert signal.wait(10)
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setblocking(False)
+    child = SimpleNamespace(name="w0", channel=mine, beats=0)
+    while True:
+        try:
+            mine.send(P.CHANNEL_BEAT)           # anything the process ignores
+        except BlockingIOError:
+            break
+    host.relay.watch(child, 6)                  # asks late, its channel full
+    time.sleep(0.3)
+    late = AbortSignal()
+    inbox = Inbox(theirs, host.stores)           # the process reads again
+    with inbox._cv:
+        inbox._watches[6] = [late]
+    assert late.wait(10) and late.reason == "epoch 6 aborted: w7 failed"

@@ -67,7 +67,12 @@ class AbortRelay:
                                      name=f"abort-relay-{epoch}").start()
                 watchers[child.name] = child
                 return
-        send_on(child, P.abort_message(epoch, reason))    # fired already
+        # fired already: told now, or offered again from a thread of its own while the
+        # channel is full (this is the channels' reader: it must not wait)
+        message = P.abort_message(epoch, reason)
+        if send_on(child, message) == "later":
+            threading.Thread(target=self._tell, args=([child], message), daemon=True,
+                             name=f"abort-late-{epoch}").start()
 
     def forget(self, name: str) -> None:
         with self._lock:
@@ -112,7 +117,10 @@ class AbortRelay:
             while len(self._aborted) > ABORTS_KEPT:
                 self._aborted.popitem(last=False)
             children = list(self._watchers.pop(epoch, {}).values())
-        message = P.abort_message(epoch, text)
+        self._tell(children, P.abort_message(epoch, text))
+
+    @staticmethod
+    def _tell(children: list, message: bytes) -> None:
         while children:
             # offered again while a channel is full (exited or closed: done)
             children = [c for c in children if send_on(c, message) == "later"]
