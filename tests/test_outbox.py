@@ -1,11 +1,13 @@
-"""The controller's outbox (``Coordinator._flush``): what a round decided reaches the store
-in requests of up to ``SET_BATCH`` keys, in order, with the hosts' requests in their place."""
+"""The controller's outbox (``control/saving.py``, through ``Coordinator._flush``): what a
+round decided reaches the store in requests of up to ``SET_BATCH`` keys, in order, with the
+hosts' requests in their place."""
 import os
 
 import pytest
 
 from trainmover.comm.groups import start_store_server
-from trainmover.control.coordinator import SET_BATCH, Coordinator
+from trainmover.control.coordinator import Coordinator
+from trainmover.control.saving import SET_BATCH
 from trainmover.core import decisions as C
 from trainmover.core.auth import AuthStore
 from trainmover.core.events import EventLog

@@ -47,11 +47,9 @@ from trainmover.control.rebalance import Rebalancer
 from trainmover.control.recovery import Recovery
 from trainmover.control.replicas import Replicas
 from trainmover.control.retention import Retention
+from trainmover.control.saving import Saver
 from trainmover.control import snapshot_codec
-from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
 from trainmover.control.stopping import Stopping
-from trainmover.control.status import (STATUS_MAX_INTERVAL_S, status_from_state, status_perf,
-                                       write_status_file)
 from trainmover.control.stragglers import Stragglers
 from trainmover.control.supervision import ProcessWatch
 from trainmover.core import decisions as C
@@ -67,27 +65,6 @@ from trainmover.core.files import latest_complete, read_digest, step_dir, usable
 from trainmover.core.proc import pid_alive
 
 MAX_HOLES_FILLED = 1000   # per host, by a resumed controller (see resume)
-SET_BATCH = 1024          # keys of the outbox a request (_flush)
-# the most command bytes in one host's message: half what a reader accepts of a message
-# (P.MAX_MESSAGE_BYTES), the rest for the encoding's own
-HOST_COMMANDS_BYTES = P.MAX_MESSAGE_BYTES // 2
-
-
-def _parts(items: list[list[str]]) -> list[list[list[str]]]:
-    """A host's commands of one round as messages of at most ``HOST_COMMANDS_BYTES``, in
-    order (a command is at most ``P.COMMAND_CHANNEL_MAX``: each part holds one at least)."""
-    parts, size = [[]], 0
-    for item in items:
-        cost = len(item[0]) + len(item[1]) + 8
-        if parts[-1] and size + cost > HOST_COMMANDS_BYTES:
-            parts.append([])
-            size = 0
-        parts[-1].append(item)
-        size += cost
-    return parts
-# The most of the controller's time status.json may take: beyond it the file is written less
-# often than controller.status_interval_s (``_flush``).
-STATUS_CPU_SHARE = 0.05
 REGISTER_TRIES = 16       # compare-and-sets of the controller record (_register); each lost
                           # one means another controller wrote it meanwhile
 
@@ -126,11 +103,8 @@ class Coordinator:
         self.rebalancer = Rebalancer(self.ctx, self.migrations)
         self.resume_from = resume_from
         self._data_kept = False
-        self._saved: str | None = None
-        self._saves = 0          # the number of the last snapshot saved (the run's count)
-        self._file_failed = False
-        self._saved_at = self._status_at = float("-inf")
-        self._status_every = self.cfg.controller.status_interval_s
+        self.saver = Saver(self.ctx, self.run_dir, self._snapshot, self.retention,
+                           lambda: self.stragglers.latest)
         self._agent_proc: subprocess.Popen | None = None
         self._incarnation_checked_at = 0.0
         self._requests_read_at = 0.0
@@ -139,7 +113,6 @@ class Coordinator:
         self._beats = 0
         self.resumed = False
         self._secret: bytes | None = None
-        self._run_key: bytes | None = None
 
     # what callers watching a running job read (benchmarks, the Python API)
     @property
@@ -368,114 +341,17 @@ class Coordinator:
                 "injects": self.injects}
 
     def _flush(self, force: bool = False) -> None:
-        """Save the snapshot (if anything changed), then send the outbox.
+        """The round's end: the snapshot saved, then the outbox sent (``control/saving.py``)."""
+        self.saver.flush(force, busy=bool(self.ctx.outbox) or self.migrations.active is not None
+                         or self.recovery.active is not None or bool(self.migrations.pending))
 
-        When the round sends nothing and no migration or recovery is in flight, the state
-        can only have changed in what a resumed controller finds again by itself (steps
-        committed, exits and standby readiness read again, keys deleted again), so the
-        snapshot is then saved at most every ``controller.snapshot_interval_s``: encoding
-        it every round was most of an idle controller's CPU. A busy round's save encodes
-        again only what changed in the big tables (membership, processes, their hosts,
-        reports: ``core.codec.Table``), not the whole state: 0.3 s a round at 16K
-        workers before."""
-        ctx = self.ctx
-        now = time.monotonic()
-        busy = ctx.outbox or self.migrations.active is not None or \
-            self.recovery.active is not None or self.migrations.pending
-        if force or busy or now - self._saved_at >= self.cfg.controller.snapshot_interval_s:
-            self._saved_at = now
-            exits_seen = ctx.procs.exits_seen
-            state = self._snapshot()
-            blob = SNAPSHOT_CODEC.dumps(state)
-            if now - self._status_at >= self._status_every:
-                self._status_at = time.monotonic()
-                self._write_status(state)
-                # the file is O(N): where writing it takes more than STATUS_CPU_SHARE of the
-                # controller's time it is written less often (about 20 us a worker here:
-                # 0.2-0.3 s at 16K workers), and says so (the reader's freshness follows it)
-                self._status_every = max(self.cfg.controller.status_interval_s, min(
-                    STATUS_MAX_INTERVAL_S,
-                    (time.monotonic() - self._status_at) / STATUS_CPU_SHARE))
-            if blob != self._saved:
-                self._saves += 1
-                payload = snapshot_codec.frame(self._saves, blob)
-                self._save_file(payload)       # first: of the two, the newer one counts
-                ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, payload)
-                self._saved = blob
-            self.retention.snapshot_saved(exits_seen)
-        if not ctx.outbox:
-            return
-        # consecutive keys go in requests of up to SET_BATCH, in order (a key set twice ends
-        # with the later value): a recovery commands every worker, N / SET_BATCH requests to
-        # the store instead of N
-        keys: list[str] = []
-        values: list[str] = []
+    @property
+    def _run_key(self) -> bytes | None:
+        return self.saver.run_key
 
-        def send_keys() -> None:
-            if keys:
-                ctx.store.multi_set(keys, values)
-                keys.clear()
-                values.clear()
-
-        # the processes' commands last, one message a host in the round's order: the keys
-        # and processes they refer to are in place before any of them is read. Numbered here
-        # from the snapshot's counters, so that a resumed controller sending this outbox
-        # again writes the same messages at the same numbers
-        commands: dict[int, list[list[str]]] = {}
-        for item in ctx.outbox:
-            if item[0] == "set":
-                keys.append(item[1])
-                values.append(item[2])
-                if len(keys) == SET_BATCH:
-                    send_keys()
-            elif item[0] == "cmd":
-                commands.setdefault(item[1], []).append([item[2], item[3]])
-            else:
-                send_keys()
-                ctx.procs.send(item[1], item[2])
-        for node, items in commands.items():
-            for part in _parts(items):
-                index = ctx.cmd_next.get(str(node), 1)
-                ctx.cmd_next[str(node)] = index + 1
-                keys.append(P.host_command_key(node, index))
-                values.append(P.write_message(P.HostCommands(part)))
-                if len(keys) == SET_BATCH:
-                    send_keys()
-        send_keys()
-        ctx.outbox = []
-
-    def _save_file(self, payload: bytes) -> None:
-        """The run dir's copy of the snapshot (``snapshot_codec``): junk written over the
-        store's copy cannot stop a restarted controller. Saved with the store's, so never
-        older than what was sent; if it cannot be written (a full disk), it is removed
-        rather than left behind stale, and the job goes on with the store's copy alone."""
-        if self._run_key is None:
-            return                   # failed before the run began: nothing to resume
-        try:
-            snapshot_codec.write_file(self.run_dir, self._run_key, payload)
-            self._file_failed = False
-        except OSError as exc:
-            try:
-                os.unlink(snapshot_codec.file_path(self.run_dir))
-            except OSError:
-                pass
-            if not self._file_failed:
-                self._file_failed = True
-                self.ctx.events.emit("snapshot_file_not_written", level="warning",
-                                     error=str(exc))
-
-    def _write_status(self, state: dict) -> None:
-        """``status.json`` for ``trainmover status`` (``control/status.py``)."""
-        store = self.ctx.store
-        keys = store.raw.num_keys() if hasattr(store, "raw") else None
-        perf = {w: status_perf(p) for w, p in self.stragglers.latest.items()}
-        try:
-            status = status_from_state(state, perf, os.getpid(), keys, source="controller",
-                                       recorded=True)
-            status.interval_s = self._status_every
-            write_status_file(self.run_dir, status)
-        except OSError as exc:   # a full disk must not stop the job: status falls back
-            self.ctx.events.emit("status_not_written", level="warning", error=str(exc))
+    @_run_key.setter
+    def _run_key(self, key: bytes | None) -> None:
+        self.saver.run_key = key
 
     @classmethod
     def resume(cls, run_dir: str, quiet: bool = False, force: bool = False, node: int = 0,
@@ -519,7 +395,7 @@ class Coordinator:
         # the newest genuine copy, the store's or the run dir's: junk at the store's key
         # (anyone can write it) or an older genuine value put back there is passed over
         try:
-            self._saves, state, passed_over = snapshot_codec.read_newest(run_dir, probe,
+            self.saver.saves, state, passed_over = snapshot_codec.read_newest(run_dir, probe,
                                                                          self._run_key)
         except ValueError as exc:
             raise ValueError(f"the job in {run_dir!r} cannot be resumed: {exc}") from exc
@@ -538,7 +414,7 @@ class Coordinator:
         self.injects = state["injects"]
         ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
         if passed_over:
-            ctx.events.emit("snapshot_passed_over", save=self._saves, copies=passed_over,
+            ctx.events.emit("snapshot_passed_over", save=self.saver.saves, copies=passed_over,
                             level="warning")
         self._connect(probe)   # one client: the one that read the snapshot
         self.resumed = True
