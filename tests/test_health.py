@@ -172,6 +172,12 @@ class Hosts:
         self.adds[key] = self.adds.get(key, 0) + amount
         return self.adds[key]
 
+    def set(self, key, value):
+        self.beats[key] = value
+
+    def delete_key(self, key):
+        return self.beats.pop(key, None) is not None
+
 
 def detector(clock, nodes=3, per_node=2):
     """A controller's detector over ``nodes`` hosts of ``per_node`` workers each, every
@@ -187,7 +193,7 @@ def detector(clock, nodes=3, per_node=2):
     events = []
     ctx = SimpleNamespace(
         cfg=SimpleNamespace(health=HealthConfig(), process=SimpleNamespace(etcd="")),
-        store=store, procs=procs, epoch=0, steady_since=0.0,
+        store=store, procs=procs, epoch=0, steady_since=0.0, cmd_next={},
         membership=SimpleNamespace(workers=dict.fromkeys(names), standbys={}),
         # a step committed since the start: the heartbeat timeout applies, not the start-up's
         progress=SimpleNamespace(records=[{"time": clock.now}], say=lambda text: None),
@@ -252,11 +258,16 @@ def test_crashes_come_from_the_failed_index_and_a_respawn_clears_it(monkeypatch)
 def test_host_0_silent_has_its_workers_judged_one_by_one(monkeypatch):
     """Host 0 serves the built-in store, so no host rule judges it: when its agent falls
     silent its workers are judged as silent themselves (a scan only while that lasts); a
-    silent other host is judged by the host rules instead, as lost."""
+    silent other host is judged by the host rules instead, as lost, and the command messages
+    its agent did not read are deleted."""
     clock = Clock()
     monkeypatch.setattr(H, "time", clock)
     health, ctx, store = detector(clock)
-    monkeypatch.setattr(ctx.store, "set", lambda key, value: None, raising=False)
+    # host 1's agent read and deleted its command messages 1-3, not 4-6 (then it died)
+    ctx.cmd_next["1"] = 7
+    for number in (4, 5, 6):
+        store.set(P.host_command_key(1, number), "commands")
+    store.set(P.host_command_key(0, 2), "host 0's")
     timeout = ctx.cfg.health.heartbeat_timeout_s
     for _ in range(int(timeout / 0.25) + 2):
         clock.now += 0.25
@@ -276,6 +287,9 @@ def test_host_0_silent_has_its_workers_judged_one_by_one(monkeypatch):
             break
     assert sorted((f.worker, f.kind) for f in found) == [("w2", "host"), ("w3", "host")]
     assert ctx.procs.lost == [1]
+    # fenced, and its unread command messages gone with it (another host's left alone)
+    assert store.beats[P.agent_key(1, "fenced")].startswith("its agent")
+    assert [k for k in store.beats if "/cmd/" in k] == [P.host_command_key(0, 2)]
 
 
 def test_an_agents_beat_lists_only_the_processes_it_has_not_heard_lately():

@@ -283,6 +283,11 @@ class Health:
         """Done at once, not through the outbox: repeating it is harmless."""
         ctx = self.ctx
         ctx.store.set(P.agent_key(node, "fenced"), why)
+        # the host's command messages its agent did not read (it deletes each as it reads
+        # them, in order: the unread are the newest, down to the first one gone)
+        number = ctx.cmd_next.get(str(node), 1) - 1
+        while number >= 1 and ctx.store.delete_key(P.host_command_key(node, number)):
+            number -= 1
         names = ctx.procs.mark_lost(node)
         for name in names:
             if ctx.membership.standbys.get(name) not in (None, C.StandbyState.DEAD):
