@@ -26,11 +26,10 @@ import sys
 import time
 
 import trainmover
-
 from trainmover.control.processes import AgentClient, ProcView
-from trainmover.core import codec
 from trainmover.control.recovery import ActiveRecovery
 from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
+from trainmover.core import codec
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.topology import Layout
