@@ -77,7 +77,8 @@ def controller_ctx(server, pids: dict[str, int], nnodes: int = 1):
     lost = []
     ctx.procs = SimpleNamespace(procs=procs, lost=lost, nnodes=nnodes, known=procs.__contains__,
                                 running=lambda name: True, pid=lambda name: procs[name].pid,
-                                learn_pids=lambda names: None, mark_lost=lambda node: lost.append(node) or [])
+                                learn_pids=lambda names: None,
+                                mark_lost=lambda node: lost.append(node) or [])
     ctx.membership = SimpleNamespace(standbys={name: C.StandbyState.RESERVED for name in pids})
     return ctx
 

@@ -18,8 +18,8 @@ own session, so it outlives the controller. When the controller's process disapp
 having shut the job down, the agent restarts it (``controller.restart="auto"``: ``trainmover
 controller --resume``, at most ``controller.max_restarts`` times) or waits
 ``controller.grace_s`` for an operator to run that command, then stops the job
-(``agent/failover.py``). Training continues meanwhile. The agent reads these settings, and its own (``AgentConfig``), from the
-run dir's ``job.json``.
+(``agent/failover.py``). Training continues meanwhile. The agent reads these settings, and
+its own (``AgentConfig``), from the run dir's ``job.json``.
 
 Processes are started before the agent imports torch, so the agent adds no start-up latency:
 the store's listening socket is created by the controller and inherited (``--listen-fd``);

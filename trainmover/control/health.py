@@ -242,7 +242,8 @@ class Health:
         fresh = sum(1 for q, _ in quiet_of.values() if q < silence_s)
         found = {}
         for node, (quiet, started) in quiet_of.items():
-            if started and quiet <= 2 * health.heartbeat_interval_s and quiet <= silence_s:
+            if started and quiet <= min(2 * health.heartbeat_interval_s, silence_s,
+                                        health.heartbeat_timeout_s):
                 continue                            # heard lately: most hosts, at a look
             if not started:
                 why = quiet > health.startup_timeout_s and "never connected"

@@ -8,10 +8,10 @@ so a value read back from the store can never run code (unlike pickle).
     same = codec.loads(text)
 
 A ``Table`` (a dict that counts its changes, by part of its keys) is written once and its
-JSON kept: the next ``dumps`` encodes again only the parts that changed. The controller saves its snapshot every
-busy round, and most of it is tables of a line a worker that rarely change (who holds which
-role, which process runs where): encoding them again each time was 0.3 s a save at 16K
-workers, the most of a round.
+JSON kept: the next ``dumps`` encodes again only the parts that changed. The controller
+saves its snapshot every busy round, and most of it is tables of a line a worker that
+rarely change (who holds which role, which process runs where): encoding them again each
+time was 0.2-0.3 s a save at 16K workers, the most of a round.
 """
 from __future__ import annotations
 
