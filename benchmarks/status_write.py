@@ -3,9 +3,9 @@
     python benchmarks/status_write.py --workers 2048,16384 --repeats 7 [--out DIR]
 
 The controller's own path (``Saver._write_status`` in control/saving.py: each worker's
-newest step measurements, ``status_from_state``, ``write_status_file``) on a state as its snapshot holds
-it, every worker with a full ``StepPerf`` (its history of windows included), written to a
-temporary run dir. It runs against whatever commit it sits in: at one from before the
+newest step measurements, ``status_from_state``, ``write_status_file``) on a state as its
+snapshot holds it, every worker with a full ``StepPerf`` (its history of windows included),
+written to a temporary run dir. It runs against whatever commit it sits in: at one from before the
 status was encoded by json's own encoder it takes that commit's path (``asdict`` of each
 worker's measurements, the PID probes), so the same script gives the before and after
 figures. Prints one line per size; with ``--out`` also writes ``NAME.{md,json}`` there."""

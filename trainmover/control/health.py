@@ -25,7 +25,7 @@ sequence number, how many processes run there, and the ones it did not hear from
 past the last one seen; a process not listed in it beat when it was written. Junk at a
 host's key (an unsigned value, a bumped counter, an older genuine beat put back) is no beat:
 a stopped worker stays silent whatever others write there. Each look reads every host's key
-in one request per ``HOSTS_PER_READ`` hosts and decodes only the values that changed, then
+in one request per ``KEYS_PER_READ`` hosts and decodes only the values that changed, then
 judges the processes listed: the controller's work and the store's load go with the hosts
 and what is silent, not with the processes (a read per process was most of a round at a
 thousand workers; a loop over every worker each look, and decoding every process's count,
@@ -40,6 +40,7 @@ from trainmover.control.context import JobContext
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.accounting import stalled_for
+from trainmover.core.auth import read_raw, read_valid
 
 
 @dataclass
@@ -59,7 +60,6 @@ class HostView:
     quiet: dict[str, tuple[int, float | None]]
 
 
-HOSTS_PER_READ = 1024     # host beats read in one store request
 SILENT_AGENT = "its agent fell silent while other hosts are heard"
 
 
@@ -207,7 +207,7 @@ class Health:
                 continue
             beat = self._beat(name, read=False)
             if beat is None:
-                pid = ctx.procs.pid(name)
+                pid = ctx.procs.procs[name].pid            # learnt above
                 if pid is None:
                     continue
                 since = self._unbeaten.setdefault((name, pid), now)
@@ -328,41 +328,38 @@ class Health:
             return
         self._hosts_read_at = now
         nodes = [n for n in range(ctx.procs.nnodes) if n not in ctx.procs.lost]
-        for i in range(0, len(nodes), HOSTS_PER_READ):
-            part = nodes[i:i + HOSTS_PER_READ]
-            keys = [P.agent_key(n, "hb") for n in part]
-            for node, key, raw in zip(part, keys, read_raw(ctx.store, keys)):
-                if raw is None or raw == self._host_raw.get(node):
-                    continue                      # nothing new: nothing to decode
-                self._host_raw[node] = raw
-                payload = ctx.store.genuine(key, raw)
-                try:
-                    beat = None if payload is None else P.read_message(P.HostBeat, payload)
-                except P.MessageError as exc:
-                    ctx.events.emit("message_rejected", key=key, error=str(exc))
-                    beat = None
-                seen = self._host_beats.get(node)
-                if beat is None or seen is not None and not moved(seen[0], beat.pid,
-                                                                  beat.seq):
-                    continue                      # junk, or an older genuine beat put back
-                self._host_beats[node] = ((beat.pid, beat.seq), now)
-                quiet = {}
-                for name, entry in beat.quiet.items():
-                    if isinstance(entry, list) and len(entry) == 2 and \
-                            all(isinstance(x, int) for x in entry):
-                        quiet[name] = (entry[0], None if entry[1] < 0 else
-                                       now - entry[1] / 1000)
-                self._hosts[node] = HostView(beat.running, quiet)
+        keys = [P.agent_key(n, "hb") for n in nodes]
+        for node, key, raw in zip(nodes, keys, read_raw(ctx.store, keys)):
+            if raw is None or raw == self._host_raw.get(node):
+                continue                          # nothing new: nothing to decode
+            self._host_raw[node] = raw
+            payload = ctx.store.genuine(key, raw)
+            try:
+                beat = None if payload is None else P.read_message(P.HostBeat, payload)
+            except P.MessageError as exc:
+                ctx.events.emit("message_rejected", key=key, error=str(exc))
+                beat = None
+            seen = self._host_beats.get(node)
+            if beat is None or seen is not None and not moved(seen[0], beat.pid, beat.seq):
+                continue                          # junk, or an older genuine beat put back
+            self._host_beats[node] = ((beat.pid, beat.seq), now)
+            quiet = {}
+            for name, entry in beat.quiet.items():
+                if isinstance(entry, list) and len(entry) == 2 and \
+                        all(isinstance(x, int) for x in entry):
+                    quiet[name] = (entry[0], None if entry[1] < 0 else now - entry[1] / 1000)
+            self._hosts[node] = HostView(beat.running, quiet)
 
     def _beat(self, worker: str, read: bool = True) -> float | None:
         """Time the worker last beat (None before its first beat): when its host's newest
         beat was read, unless that beat lists it as quiet. ``read``: read the hosts' beats
-        first (``read_hosts``), which a loop over workers does once."""
-        pid = self.ctx.procs.pid(worker)
-        if pid is None:
-            return None   # not started yet
+        and its PID first; a loop over workers reads the hosts once and the PIDs in a batch
+        (``learn_pids``), so not here again one round trip a worker."""
         if read:
             self.read_hosts(time.time())
+        pid = self.ctx.procs.pid(worker) if read else self.ctx.procs.procs[worker].pid
+        if pid is None:
+            return None   # not started yet
         node = self.ctx.procs.procs[worker].node
         seen, host = self._host_beats.get(node), self._hosts.get(node)
         if seen is None or seen[0] is None or host is None:
@@ -381,18 +378,6 @@ def moved(seen: tuple[int, int] | None, pid: int, seq: int) -> bool:
     return seen is None or seen[0] != pid or seq > seen[1]
 
 
-def read_raw(store, keys: list[str]) -> list[bytes | None]:
-    """The keys' values as stored (undecoded): ``HOSTS_PER_READ`` keys a request where the
-    store can."""
-    many = getattr(store.raw, "try_multi_get", None)
-    if many is None:
-        return [store.raw.get(k) if store.raw.check([k]) else None for k in keys]
-    out = []
-    for i in range(0, len(keys), HOSTS_PER_READ):
-        out += many(keys[i:i + HOSTS_PER_READ])
-    return out
-
-
 def read_failure_report(ctx: JobContext, epoch: int, worker: str) -> P.FailureReport | None:
     """The worker's own account of a failed step in ``epoch``, if it wrote one. A malformed
     one is logged and read as "no report" (its writer is then fenced as silent)."""
@@ -401,7 +386,7 @@ def read_failure_report(ctx: JobContext, epoch: int, worker: str) -> P.FailureRe
 
 def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
                          ) -> dict[str, P.FailureReport]:
-    """``read_failure_report`` of many workers, ``HOSTS_PER_READ`` keys a request (a
+    """``read_failure_report`` of many workers, ``KEYS_PER_READ`` keys a request (a
     recovery's survivors are every worker but the failed: one round trip each was most of
     the time from a crash to its plan at a thousand workers)."""
     out = {}
@@ -413,14 +398,4 @@ def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
             out[w] = P.read_message(P.FailureReport, raw)
         except P.MessageError as exc:
             ctx.events.emit("message_rejected", key=key, error=str(exc))
-    return out
-
-
-def read_valid(store, keys: list[str]) -> list[bytes | None]:
-    """``store.valid`` of each key, ``HOSTS_PER_READ`` keys a request where the store can."""
-    many = getattr(store, "valid_many", None)
-    out = []
-    for i in range(0, len(keys), HOSTS_PER_READ):
-        part = keys[i:i + HOSTS_PER_READ]
-        out += many(part) if many is not None else [store.valid(k) for k in part]
     return out

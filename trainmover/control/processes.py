@@ -7,10 +7,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from trainmover.core import protocol as P
+from trainmover.core.auth import read_valid
 from trainmover.core.codec import Table
 from trainmover.core.queues import SlotReader
-
-PIDS_PER_READ = 1024            # process records read in one store request
 
 
 @dataclass(frozen=True)
@@ -131,26 +130,22 @@ class AgentClient:
         return view.pid
 
     def learn_pids(self, names) -> None:
-        """``pid`` of many processes at once: the records of those not known yet, in a
-        request per ``PIDS_PER_READ`` (one round trip each was most of a look at the job's
-        start, when thousands of workers have none yet)."""
+        """``pid`` of many processes at once: the records of those not known yet, in a few
+        requests (one round trip each was most of a look at the job's start, when thousands
+        of workers have none yet)."""
         unknown = [n for n in names if n in self.procs and self.procs[n].pid is None]
-        many = getattr(self.store, "valid_many", None)
-        if many is None:
-            return                    # a store without it: pid() reads them one at a time
-        for i in range(0, len(unknown), PIDS_PER_READ):
-            part = unknown[i:i + PIDS_PER_READ]
-            for name, raw in zip(part, many([P.agent_proc_key(n) for n in part])):
-                if raw is None:
-                    continue
-                try:
-                    info = P.read_message(P.ProcRecord, raw)
-                except P.MessageError as exc:
-                    self._rejected(P.agent_proc_key(name), str(exc))
-                    continue
-                view = self.procs[name]
-                if info.incarnation == view.incarnation:
-                    self.procs[name] = replace(view, pid=info.pid)
+        keys = [P.agent_proc_key(n) for n in unknown]
+        for name, key, raw in zip(unknown, keys, read_valid(self.store, keys)):
+            if raw is None:
+                continue
+            try:
+                info = P.read_message(P.ProcRecord, raw)
+            except P.MessageError as exc:
+                self._rejected(key, str(exc))
+                continue
+            view = self.procs[name]
+            if info.incarnation == view.incarnation:
+                self.procs[name] = replace(view, pid=info.pid)
 
     def _rejected(self, key: str, why: str) -> None:
         if self.events is not None:

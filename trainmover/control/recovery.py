@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from trainmover.control.baseline import Restarts
 from trainmover.control.context import JobContext
 from trainmover.control.errors import JobFailed
-from trainmover.control.health import Failure, Health, read_failure_reports, read_valid
+from trainmover.control.health import Failure, Health, read_failure_reports
 from trainmover.control.migrations import Migrations
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.accounting import downtime_phrase
+from trainmover.core.auth import read_valid
 from trainmover.core.codec import Table
 from trainmover.core.events import JsonlWriter
 from trainmover.core.files import usable_checkpoints

@@ -10,10 +10,10 @@ import time
 from statistics import median
 
 from trainmover.control.context import JobContext
-from trainmover.control.health import read_raw
 from trainmover.control.migrations import MigrationRequest, Migrations
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
+from trainmover.core.auth import read_raw
 from trainmover.core.stragglers import DetectorSettings, StragglerDetector, Window, worth_moving
 
 

@@ -1,6 +1,6 @@
 """Reading a numbered queue of signed values in the store (``<prefix>/1``, ``/2``, ...: the
-agent's requests, the commands to a host's processes) so that nobody without the job's secret can make the
-reader lose a genuine value:
+agent's requests, the commands to a host's processes) so that nobody without the job's
+secret can make the reader lose a genuine value:
 
 - a forged value at the head is not consumed: the genuine writer, which writes each index
   once and in order, overwrites it when it gets there (``set``);
