@@ -152,7 +152,7 @@ def test_resume_refuses_a_run_dir_without_a_running_job(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_job(
-        tmp_path, baseline):
+        tmp_path, reference_weights):
     """Whoever reaches the store's port without the job's secret cannot drive the job. One
     job takes every attack in turn (each used to cost something; one job, since the suite's
     time is mostly jobs starting):
@@ -189,9 +189,13 @@ def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_j
 
     run_dir = str(tmp_path / "run")
     assert not os.path.exists(run_dir)
-    # the request hole is passed over within a second, while the job still runs
-    job_ = Job(job(steps=STEPS, controller_request_hole_timeout_s=1.0), run_dir,
-               timeout_s=240).start()
+    # the request hole is passed over within a second, while the job still runs: a job
+    # three times the others' (at 160 steps it once finished before the migration's turn
+    # came, on a quiet machine)
+    steps = 3 * STEPS
+    cfg = job(steps=steps, controller_request_hole_timeout_s=1.0)
+    baseline = reference_weights(cfg)
+    job_ = Job(cfg, run_dir, timeout_s=240).start()
     wait_for(lambda: len(steps_done(run_dir)) >= 3, 120, "the first steps")
     assert os.stat(run_dir).st_mode & 0o777 == 0o700
     assert os.stat(os.path.join(run_dir, "secret")).st_mode & 0o777 == 0o600
@@ -229,7 +233,7 @@ def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_j
 
     # 2. unsigned commit decisions for every coming step
     first = len(steps_done(run_dir)) + 2
-    for step in range(first, STEPS):
+    for step in range(first, steps):
         raw.set(P.commit_key(0, step, "decision"), "commit" if step % 2 else "abort")
 
     # 3. counters bumped, numbered slots filled with junk
@@ -251,7 +255,7 @@ def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_j
     answer = request_migration(run_dir, ["w1"], timeout_s=120)
     assert answer["status"] == "done", answer
     summary = job_.wait(240)
-    assert summary["weights_sha256"] == baseline and summary["steps"] == STEPS
+    assert summary["weights_sha256"] == baseline and summary["steps"] == steps
     assert [m["status"] for m in summary["migrations"]] == ["done"]
     assert summary["recoveries"] == []
     (stopped,) = events(run_dir, "agent_stopped")
