@@ -27,8 +27,10 @@ class ProcessWatch:
         failure a recovery already handled."""
         ctx = self.ctx
         # the failed processes only, from the process table's index (a loop over every
-        # process each round was O(N) a round)
-        for name in sorted(ctx.procs.failed(), key=C.natural):
+        # process each round was O(N) a round); workers before standbys, as they were
+        # started (the error that ends a job names a worker's, when a worker failed)
+        for name in sorted(ctx.procs.failed(),
+                           key=lambda n: (ctx.procs.procs[n].standby, C.natural(n))):
             p = ctx.procs.procs[name]
             code = p.code
             report = self._standby_report(name) if p.standby else None
