@@ -154,10 +154,10 @@ class Hosts:
         self.seq = 0
         self.adds = {}
 
-    def beat(self, node, running, quiet=None):
+    def beat(self, node, running, quiet=None, perf=0, pid=None):
         self.seq += 1
         self.beats[P.agent_key(node, "hb")] = P.write_message(
-            P.HostBeat(self.seq, 500 + node, running, quiet or {})).encode()
+            P.HostBeat(self.seq, pid or 500 + node, running, quiet or {}, perf)).encode()
 
     def try_multi_get(self, keys):
         return [self.beats.get(k) for k in keys]
@@ -310,4 +310,31 @@ def test_an_agents_beat_lists_only_the_processes_it_has_not_heard_lately():
     beat.quiet_after_s = after
     beat.children = lambda: [child("w0", 10, 5, 99.9), child("w1", 11, 5, 98.0),
                              child("w2", 12, 0, 0.0), child("w3", 13, 5, 10.0, code=1)]
-    assert beat.summary(100.0) == (3, {"w1": [11, 2000], "w2": [12, -1]})
+    assert beat.summary(100.0) == ({"w0", "w1", "w2"}, {"w1": [11, 2000], "w2": [12, -1]})
+
+
+def test_the_hosts_whose_beats_announce_new_measurements_are_handed_to_the_straggler_feed(
+        monkeypatch):
+    """``perf_moved``: the hosts whose beat's ``HostPerf`` seq changed since the last call
+    (a restarted agent's seq 1 again is a change; a beat that repeats it is not), each once."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    health, ctx, store = detector(clock)
+    assert health.perf_moved() == set()            # none announced yet
+
+    def look(perfs: dict[int, int], pid=None):
+        clock.now += 0.25
+        for node in range(3):
+            store.beat(node, 2, perf=perfs.get(node, 0), pid=pid if node == 2 else None)
+        health.read_hosts(clock.now)
+
+    look({0: 1, 2: 1})
+    assert health.perf_moved() == {0, 2}
+    assert health.perf_moved() == set()            # handed over once
+    look({0: 1, 2: 1})
+    assert health.perf_moved() == set()            # the same values again: nothing new
+    look({0: 2, 2: 1})
+    look({0: 3, 2: 1})
+    assert health.perf_moved() == {0}              # two moves between calls: once
+    look({0: 3, 2: 1}, pid=777)                    # host 2's agent restarted: seq 1 anew
+    assert health.perf_moved() == {2}

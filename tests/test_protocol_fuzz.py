@@ -15,7 +15,8 @@ json_values = st.recursive(
     max_leaves=20)
 
 MESSAGE_TYPES = [P.StandbyReport, P.FailureReport, P.ReadyReport, P.SwitchReport,
-                 P.MigrationAsk, P.StepEnds, P.ProcRecord, P.ExitRecord, P.ControllerInfo, P.AgentInfo]
+                 P.MigrationAsk, P.StepEnds, P.ProcRecord, P.ExitRecord, P.ControllerInfo, P.AgentInfo,
+                 P.HostBeat, P.HostPerf, P.StepPerf]
 READERS = [("command", P.decode_command, tuple(P.COMMANDS.values())),
            ("agent request", P.decode_agent_request, tuple(P.AGENT_REQUESTS.values()))] + \
           [(cls.__name__, (lambda c: lambda raw: P.read_message(c, raw))(cls), (cls,))
@@ -79,3 +80,27 @@ def test_arbitrary_store_values_are_refused_or_authentic(raw):
     except AuthError:
         return
     assert raw.startswith(b"tm1:")
+
+
+HINTS = [int, float, str, bool, int | None, float | None, str | None, list[int],
+         dict[str, float], list[P.PerfWindow], P.PerfWindow | None, dict[str, P.StepPerf],
+         list[str] | None]
+
+
+def _outcome(check, value):
+    try:
+        return "ok", check(value, ("Msg", "field"))
+    except P.MessageError as exc:
+        return "error", str(exc)
+
+
+@pytest.mark.parametrize("hint", HINTS, ids=[str(h) for h in HINTS])
+@settings(max_examples=150, deadline=None)
+@given(value=json_values | st.fixed_dictionaries(
+    {"first_step": st.integers(), "last_step": st.integers() | st.booleans(),
+     "compute_s": st.floats(allow_nan=False) | st.integers() | st.none()}))
+def test_the_readers_shortcut_gives_what_the_general_check_gives(hint, value):
+    """A field's check tries the common case first (``protocol._shortcut``): for any
+    value, the same value read, or the same error, as the general check alone."""
+    got, want = _outcome(P._checker(hint), value), _outcome(P._make_checker(hint), value)
+    assert got == want and type(got[1]) is type(want[1])

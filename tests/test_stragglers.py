@@ -261,27 +261,23 @@ def test_the_meter_publishes_gpu_clock_and_temperature_where_torch_reads_them(mo
     from trainmover.core import protocol as P
     from trainmover.worker import perf
 
-    class Store:
-        def __init__(self):
-            self.values = {}
-
-        def set(self, key, value):
-            self.values[key] = value
-
     class Groups:
         def slots(self):
             return {}
 
-    def run(meter, store):
+    def run(meter, sent):
         for step in range(4):
             meter.begin(step, Groups())
             meter.end(step, 0.01, Groups())
-        return P.read_message(P.StepPerf, store.values[P.perf_key("w0")])
+        # what went on the channel to the agent: a "p" message each window
+        return P.read_message(P.StepPerf, P.read_perf_message(sent[-1]))
 
     monkeypatch.setattr(perf, "_gpu_signals", lambda index: (1410.0 + index, 66.0))
-    store = Store()
-    got = run(perf.StepMeter(store, "w0", "dp0.pp0.tp0", 0, 4, {}, True, True, gpu=1), store)
+    sent = []
+    got = run(perf.StepMeter(sent.append, "w0", "dp0.pp0.tp0", 0, 4, {}, True, True, gpu=1),
+              sent)
     assert (got.gpu_clock_mhz, got.gpu_temp_c) == (1411.0, 66.0)
+    assert len(sent) == 1
 
     calls = []
 
@@ -290,10 +286,12 @@ def test_the_meter_publishes_gpu_clock_and_temperature_where_torch_reads_them(mo
         raise ModuleNotFoundError("pynvml")
 
     monkeypatch.setattr(perf, "_gpu_signals", unreadable)
-    store = Store()
-    meter = perf.StepMeter(store, "w0", "dp0.pp0.tp0", 0, 2, {}, True, True, gpu=0)
-    got = run(meter, store)
+    sent = []
+    meter = perf.StepMeter(sent.append, "w0", "dp0.pp0.tp0", 0, 2, {}, True, True, gpu=0)
+    got = run(meter, sent)
     assert (got.gpu_clock_mhz, got.gpu_temp_c) == (None, None)
-    assert calls == [0]          # two windows, asked once
-    got = run(perf.StepMeter(store, "w0", "dp0.pp0.tp0", 0, 4, {}, True, True), store)
+    assert calls == [0] and len(sent) == 2     # two windows, asked once
+    got = run(perf.StepMeter(sent.append, "w0", "dp0.pp0.tp0", 0, 4, {}, True, True), sent)
     assert got.gpu_clock_mhz is None
+    # not started by an agent (no channel): nothing to send to, nothing measured for it
+    assert not perf.StepMeter(None, "w0", "dp0.pp0.tp0", 0, 4, {}, True, True).publish

@@ -17,18 +17,22 @@ import threading
 import time
 from typing import Callable
 
+from trainmover.agent.perfs import Perfs
 from trainmover.core import protocol as P
 
 
 class HostBeat:
     def __init__(self, store, node: int, interval_s: float, quiet_after_s: float,
-                 children: Callable[[], list]):
+                 children: Callable[[], list], perfs: Perfs | None = None):
         """``children``: the agent's current ``Child`` records (read, never changed here:
         a child whose exit the agent recorded, or whose channel it closed, is left out).
-        ``quiet_after_s``: a process silent longer is listed (``quiet_listed_s``)."""
+        ``quiet_after_s``: a process silent longer is listed (``quiet_listed_s``).
+        ``perfs``: the processes' step measurements, written for the host before a beat
+        announces them (``agent/perfs.py``)."""
         self.store, self.node, self.interval_s = store, node, interval_s
         self.quiet_after_s = quiet_after_s
         self.children = children
+        self.perfs = perfs
         self.seq = 0
         self.error: BaseException | None = None
         threading.Thread(target=self._loop, name=f"host-beat-{node}", daemon=True).start()
@@ -38,21 +42,23 @@ class HostBeat:
         try:
             while True:
                 self.seq += 1        # a signed beat, not a counter anyone can bump
-                running, quiet = self.summary(time.monotonic())
+                names, quiet = self.summary(time.monotonic())
+                perf = 0 if self.perfs is None else \
+                    self.perfs.publish(self.store, self.node, names)
                 self.store.set(key, P.write_message(P.HostBeat(self.seq, os.getpid(),
-                                                               running, quiet)))
+                                                               len(names), quiet, perf)))
                 time.sleep(self.interval_s)
         except Exception as exc:  # noqa: BLE001 - the store is gone: the agent's loop learns
             self.error = exc
 
-    def summary(self, now: float) -> tuple[int, dict[str, list[int]]]:
-        """How many children run, and the quiet ones: ``{name: [pid, ms]}``, ``ms`` since
+    def summary(self, now: float) -> tuple[set[str], dict[str, list[int]]]:
+        """The children that run, and the quiet ones: ``{name: [pid, ms]}``, ``ms`` since
         the last beat that child sent (-1: none yet)."""
-        running, quiet = 0, {}
+        running, quiet = set(), {}
         for c in self.children():
             if c.proc.pid is None or c.proc.returncode is not None:
                 continue
-            running += 1
+            running.add(c.name)
             if c.beats == 0:
                 quiet[c.name] = [c.proc.pid, -1]
             elif now - c.beat_at > self.quiet_after_s:

@@ -43,6 +43,7 @@ from trainmover.agent.commands import CommandRelay
 from trainmover.agent.beat import HostBeat
 from trainmover.agent.failover import ControllerWatch
 from trainmover.agent.feeds import FenceWatch, RequestFeed
+from trainmover.agent.perfs import Perfs
 from trainmover.agent.votes import Channels, VoteRelay, send_on
 from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import jobfile, kvserver, kvstore, rundir, storeaddr
@@ -379,9 +380,13 @@ class Agent:
         # host 0's agent serves the built-in store: it is never declared lost
         self._fence = FenceWatch(client(), self.node, self._wake) \
             if self.node or self.etcd else None
+        # its processes' step measurements, one key a host (agent/perfs.py), written by the
+        # beat thread before the beat that announces them
+        self._perfs = Perfs(on_reject=lambda name, why: self.events.emit(
+            "message_rejected", key=f"channel of {name}", error=why, level="error"))
         self._host_beat = HostBeat(client(), self.node, self.cfg.health.heartbeat_interval_s,
                                    self.cfg.health.quiet_listed_s(),
-                                   lambda: list(self.children.values()))
+                                   lambda: list(self.children.values()), self._perfs)
         # its processes' votes, relayed as one ballot a host (agent/votes.py), and the
         # reader of their channels (beats and votes)
         self._relay = VoteRelay(client(), client(), self.node, self.cfg.layout.num_roles,
@@ -394,7 +399,8 @@ class Agent:
             client(), self.node, self.deliver,
             on_reject=lambda key, why: self.events.emit("message_rejected", key=key,
                                                         error=why, level="error"))
-        self._channels = Channels(self._relay.vote, self._aborts.watch)
+        self._channels = Channels(self._relay.vote, self._aborts.watch,
+                                  lambda child, raw: self._perfs.received(child.name, raw))
         for c in self.children.values():
             if c.channel is not None:
                 self._track(c, c.standby)

@@ -50,11 +50,12 @@ DECISIONS_KEPT = 64          # decided steps remembered for a vote that comes la
 class Channels:
     """Reads every message the agent's processes send on their channels: beats are
     counted on the process's record (``Child.beats``), votes handed to ``on_vote``, asks
-    for an epoch's abort to ``on_watch`` (``agent/aborts.py``). The channels are closed
+    for an epoch's abort to ``on_watch`` (``agent/aborts.py``), step measurements to
+    ``on_perf`` (``agent/perfs.py``). The channels are closed
     here (``remove``), never under this thread's ``select``."""
 
-    def __init__(self, on_vote, on_watch=None):
-        self.on_vote, self.on_watch = on_vote, on_watch
+    def __init__(self, on_vote, on_watch=None, on_perf=None):
+        self.on_vote, self.on_watch, self.on_perf = on_vote, on_watch, on_perf
         self._lock = threading.Lock()
         self._open: dict[int, object] = {}          # descriptor -> the process's record
         self._closing: list = []
@@ -124,8 +125,13 @@ class Channels:
                 self.on_vote(child, got[1], got[2], got[3])
                 continue
             epoch = P.read_watch_message(raw)
-            if epoch is not None and self.on_watch is not None:
-                self.on_watch(child, epoch)
+            if epoch is not None:
+                if self.on_watch is not None:
+                    self.on_watch(child, epoch)
+                continue
+            perf = P.read_perf_message(raw)
+            if perf is not None and self.on_perf is not None:
+                self.on_perf(child, perf)
 
 
 @dataclass

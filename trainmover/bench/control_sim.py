@@ -225,10 +225,11 @@ class _Recovers:
         raw.set(keys[rank], b"a" * (154 + 8 * size))
         raw.multi_get(keys, timeout=self.cfg.comm.group_timeout_s)
 
-    def _perf(self, store) -> None:
-        """The straggler detector's measurements, as a worker writes them every window."""
+    def _perf(self) -> None:
+        """The straggler detector's measurements, as a worker sends them to its agent
+        every window."""
         step_s, window = self.agent.spec.compute_s, self.cfg.straggler.window
-        store.set(P.perf_key(self.name), P.write_message(P.StepPerf(
+        self._send_perf(P.perf_message(P.StepPerf(
             self.role.name, self.step - window, self.step - 1, 0, step_s, step_s,
             {"dp": 0.0}, recent=[P.PerfWindow(self.step - window, self.step - 1, step_s)])))
 
@@ -319,8 +320,11 @@ class SimWorker(_Recovers):
             self.collectives += 1
             self.step += 1
             if self.step % cfg.straggler.window == 0:
-                self._perf(store)
+                self._perf()
             self.commands.poll()         # nothing else is simulated between steps yet
+
+    def _send_perf(self, message: bytes) -> None:
+        self.inbox.send(message)
 
     def _join(self, cmd: P.AssignRecovery) -> None:
         """A standby promoted by a recovery: the role's groups, its state's channels."""
@@ -361,10 +365,11 @@ class SimAgent(Agent):
 
 
 class LightWorker(_Recovers):
-    """A worker of a light host: its own store traffic as a worker's (perf reports,
-    failure report, rendezvous, recovery count), but for its beats and votes, which its
-    agent makes for all of its workers at once, and its commands, which its agent puts in
-    its queue instead of on a channel (``LightAgent``)."""
+    """A worker of a light host: its own store traffic as a worker's (failure report,
+    rendezvous, recovery count), but for its beats and votes, which its agent makes for all
+    of its workers at once, its commands, which its agent puts in its queue instead of on a
+    channel, and its step measurements, which it hands its agent as its channel's reader
+    would (``LightAgent``)."""
 
     def __init__(self, agent: "LightAgent", req: P.AgentSpawn):
         self.agent, self.cfg, self.layout = agent, agent.cfg, agent.cfg.layout
@@ -380,6 +385,9 @@ class LightWorker(_Recovers):
 
     def _plan_abort(self, epoch: int) -> AbortSignal:
         return self.agent.abort_of(epoch)     # one watch a host (a connection each)
+
+    def _send_perf(self, message: bytes) -> None:
+        self.agent._perfs.received(self.name, P.read_perf_message(message))
 
     def _start(self) -> None:
         store = self.stores.get()
@@ -486,7 +494,7 @@ class LightAgent(SimAgent):
                 for w in workers:
                     w.step, w.collectives = step, w.collectives + 1
                     if step % self.cfg.straggler.window == 0:
-                        w._perf(w.stores.get())
+                        w._perf()
             for w in workers:
                 w.epoch, w.step = epoch, step
             jobs = [gevent.spawn(w._recover, w.stores.get()) for w in workers]

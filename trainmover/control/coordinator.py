@@ -99,7 +99,7 @@ class Coordinator:
         self.watch = ProcessWatch(self.ctx)
         self.stopping = Stopping(self.ctx)
         self.replicas = Replicas(self.ctx)
-        self.stragglers = Stragglers(self.ctx, self.migrations)
+        self.stragglers = Stragglers(self.ctx, self.migrations, self.health, self._new_client)
         self.rebalancer = Rebalancer(self.ctx, self.migrations)
         self.resume_from = resume_from
         self._data_kept = False
@@ -296,6 +296,12 @@ class Coordinator:
         self.incarnation = ctx.store.add(P.CONTROLLER_INCARNATION_KEY, 1)
         self._register()
         self._beat()
+
+    def _new_client(self) -> AuthStore:
+        """A store client of the controller's besides ``ctx.store`` (for a thread)."""
+        return AuthStore(storeaddr.connect(self.ctx.store_addr, self._run_key,
+                                           self.cfg.comm.store_timeout_s), self._run_key,
+                         on_reject=self.ctx.store.on_reject)
 
     def _register(self) -> None:
         """Make this controller's record the job's, unless a newer incarnation's is there

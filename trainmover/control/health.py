@@ -58,6 +58,7 @@ class HostView:
     beat. A process not listed beat when that beat was written."""
     running: int
     quiet: dict[str, tuple[int, float | None]]
+    perf: tuple[int, int] = (0, 0)     # (agent pid, HostPerf seq) announced (agent/perfs.py)
 
 
 SILENT_AGENT = "its agent fell silent while other hosts are heard"
@@ -77,6 +78,7 @@ class Health:
         self._unbeaten: dict[tuple[str, int], float] = {}             # first seen without a beat
         self._reported: set[tuple[str, int]] = set()    # standby incarnations found hung
         self._wide: set[str] = set()     # wide silences reported ("workers", "agents")
+        self._perf_moved: set[int] = set()   # hosts that announced new step measurements
 
     def detect(self, handled: set[str]) -> list[Failure]:
         """New failures among the active workers, other than the ``handled`` ones.
@@ -348,7 +350,17 @@ class Health:
                 if isinstance(entry, list) and len(entry) == 2 and \
                         all(isinstance(x, int) for x in entry):
                     quiet[name] = (entry[0], None if entry[1] < 0 else now - entry[1] / 1000)
-            self._hosts[node] = HostView(beat.running, quiet)
+            old = self._hosts.get(node)
+            perf = (beat.pid, beat.perf)
+            if beat.perf and (old is None or old.perf != perf):
+                self._perf_moved.add(node)
+            self._hosts[node] = HostView(beat.running, quiet, perf)
+
+    def perf_moved(self) -> set[int]:
+        """The hosts whose beats announced new step measurements since the last call
+        (``P.HostPerf``: read by the straggler detector, ``control/stragglers.py``)."""
+        moved, self._perf_moved = self._perf_moved, set()
+        return moved
 
     def _beat(self, worker: str, read: bool = True) -> float | None:
         """Time the worker last beat (None before its first beat): when its host's newest

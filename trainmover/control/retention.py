@@ -14,7 +14,7 @@ The rule, per key family (``core/protocol.py``):
 - ``agent/exit/<n>`` (exit records), once a controller snapshot that counts them as read is
   saved (a resumed controller starts after them);
 - a process's own keys (``membership/worker/<name>``, its standby state,
-  ``agent/proc/<name>``, ``perf/<name>``), once it is out of the job for good: a dead
+  ``agent/proc/<name>``), once it is out of the job for good: a dead
   standby at its exit, a migration's leaver when the migration is accounted, a failed worker
   when its recovery is; the processes' commands (``agent/<node>/cmd/<n>``) and agent
   requests are deleted by the agent as it reads them (a host declared lost leaves the few
@@ -118,8 +118,7 @@ class Retention:
 
     def process_gone(self, name: str) -> None:
         """``name`` is out of the job for good (see the module doc): its own keys go."""
-        for key in (P.membership_key(name), P.standby_state_key(name), P.agent_proc_key(name),
-                    P.perf_key(name)):
+        for key in (P.membership_key(name), P.standby_state_key(name), P.agent_proc_key(name)):
             self._drop(key)
 
     def migration_done(self, migration_id: int, participants: list[str],

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, is_dataclass
 
 from trainmover.core import protocol as P
 from trainmover.core import rundir
+from trainmover.core.auth import read_valid
 from trainmover.core.proc import pid_alive
 
 STATUS_FILE = "status.json"
@@ -168,20 +169,26 @@ def read_status(run_dir: str, store=None) -> JobStatus:
             controller = P.read_message(P.ControllerInfo, raw)
         except P.MessageError:
             pass
-    workers = state["ctx"]["membership"].workers
-    return status_from_state(state, {w: _perf(store, w) for w in workers},
+    return status_from_state(state, _perfs(store, state["ctx"]["procs"],
+                                           state["ctx"]["membership"].workers),
                              controller.pid if controller else None,
                              store.raw.num_keys() if hasattr(store, "raw") else None)
 
 
-def _perf(store, worker: str) -> dict | None:
-    key = P.perf_key(worker)
-    if not store.check([key]):
-        return None
-    try:
-        return status_perf(P.read_message(P.StepPerf, store.get(key)))
-    except P.MessageError:
-        return None
+def _perfs(store, procs, workers) -> dict[str, dict]:
+    """Each role holder's newest step measurements, from its host's ``HostPerf`` (one key a
+    host, ``agent/perfs.py``); a host's value that is junk is passed over."""
+    nodes = [n for n in range(procs.nnodes) if n not in procs.lost]
+    out = {}
+    for raw in read_valid(store, [P.agent_key(n, "perf") for n in nodes]):
+        try:
+            host = None if raw is None else P.read_message(P.HostPerf, raw)
+        except P.MessageError:
+            continue
+        for w, perf in (host.workers if host is not None else {}).items():
+            if w in workers and perf.role == workers[w].name:
+                out[w] = status_perf(perf)
+    return out
 
 
 def status_perf(perf: P.StepPerf) -> dict:

@@ -1,31 +1,104 @@
 """The controller's driver for slow workers: reads each worker's recent windows of step
-measurements (``perf/<worker>``), asks the detector (``core/stragglers.py``) and applies
-the policy (``StragglerConfig``): ``alert`` reports a straggler (an event, a line, the
-summary), ``migrate`` also hands its role to a warm standby when the cost rule says so. The
-slow process leaves the job with the migration (quarantined: never taken back as a standby).
-One straggler migration at a time, then ``cooldown_steps`` for the job to settle."""
+measurements (one ``P.HostPerf`` a host, which its agent writes: ``agent/perfs.py``), asks
+the detector (``core/stragglers.py``) and applies the policy (``StragglerConfig``): ``alert``
+reports a straggler (an event, a line, the summary), ``migrate`` also hands its role to a
+warm standby when the cost rule says so. The slow process leaves the job with the migration
+(quarantined: never taken back as a standby). One straggler migration at a time, then
+``cooldown_steps`` for the job to settle.
+
+Off the detection path: the reading, decoding and judging (``PerfFeed``) run on a thread of
+their own with a store client of their own, fed with the hosts whose beats announced new
+measurements (``Health.perf_moved``); the supervision round only hands it those hosts and
+acts on the verdicts that came back. At 16K workers a window's decoding and judging took
+hundreds of milliseconds, which in the round delayed every crash's detection as long.
+"""
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from statistics import median
+from typing import Callable
 
 from trainmover.control.context import JobContext
+from trainmover.control.health import Health
 from trainmover.control.migrations import MigrationRequest, Migrations
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
-from trainmover.core.auth import read_raw
-from trainmover.core.stragglers import DetectorSettings, StragglerDetector, Window, worth_moving
+from trainmover.core.auth import KEYS_PER_READ, read_raw
+from trainmover.core.stragglers import (DetectorSettings, StragglerDetector, Verdict, Window,
+                                        worth_moving)
+
+
+class PerfFeed:
+    """Reads the hosts' ``HostPerf`` values and judges the windows in them. Touches nothing
+    of the controller's but the membership's worker table, whose object a membership change
+    replaces instead of changing (``core/decisions.py``): taken once per pass, it cannot
+    change under the pass."""
+
+    def __init__(self, ctx: JobContext, store):
+        self.ctx, self.store = ctx, store
+        cfg = ctx.cfg.straggler
+        self.detector = StragglerDetector(DetectorSettings(
+            cfg.window, cfg.min_shift, cfg.min_windows, cfg.settle_windows,
+            cfg.baseline_windows))
+        self._raw: dict[int, bytes] = {}                # host -> its value as last read
+        self._latest: dict[str, P.StepPerf] = {}        # each role holder's newest window
+
+    def _decode(self, key: str, raw: bytes) -> P.HostPerf | None:
+        payload = self.store.genuine(key, raw)
+        if payload is None:
+            return None
+        try:
+            return P.read_message(P.HostPerf, payload)
+        except P.MessageError as exc:
+            self.ctx.events.emit("message_rejected", key=key, error=str(exc))
+            return None
+
+    def collect(self, hosts: set[int], pace: bool = False
+                ) -> tuple[list[Verdict], dict[str, P.StepPerf]]:
+        """Read ``hosts``' measurements, judge the windows new in them; the verdicts and
+        each role holder's newest measurements. ``pace``: give the interpreter up between
+        batches of hosts (on the thread: the round waits for it no longer than a batch)."""
+        holders = self.ctx.membership.workers
+        windows = []
+        nodes = sorted(hosts)
+        for i in range(0, len(nodes), KEYS_PER_READ):
+            part = nodes[i:i + KEYS_PER_READ]
+            keys = [P.agent_key(n, "perf") for n in part]
+            for node, key, raw in zip(part, keys, read_raw(self.store, keys)):
+                if raw is None or raw == self._raw.get(node):
+                    continue
+                self._raw[node] = raw
+                host = self._decode(key, raw)
+                if host is None:
+                    continue
+                for w, perf in host.workers.items():
+                    role = holders.get(w)
+                    if role is None or perf.role != role.name:
+                        continue
+                    self._latest[w] = perf
+                    recent = perf.recent or [P.PerfWindow(perf.first_step, perf.last_step,
+                                                          perf.compute_s)]
+                    windows += [Window(w, role, r.first_step, r.last_step, perf.tenure_start,
+                                       r.compute_s) for r in recent]
+            if pace:
+                time.sleep(0)
+        for gone in [w for w in self._latest if w not in holders]:
+            del self._latest[gone]
+        self.detector.keep_only(set(holders))
+        return self.detector.observe(windows), dict(self._latest)
 
 
 class Stragglers:
     STATE = ("found", "moved", "last_move_step", "not_moved")
 
-    def __init__(self, ctx: JobContext, migrations: Migrations):
-        self.ctx, self.migrations = ctx, migrations
-        cfg = ctx.cfg.straggler
-        self.detector = StragglerDetector(DetectorSettings(
-            cfg.window, cfg.min_shift, cfg.min_windows, cfg.settle_windows,
-            cfg.baseline_windows))
+    def __init__(self, ctx: JobContext, migrations: Migrations, health: Health,
+                 connect: Callable[[], object] | None = None):
+        """``connect``: a new store client, for the feed's thread (None: the feed runs in
+        the round, on the controller's client)."""
+        self.ctx, self.migrations, self.health = ctx, migrations, health
+        self.connect = connect
         self.found: list[dict] = []        # each straggler episode, as reported
         self.moved: list[str] = []         # workers moved away for being slow
         self.not_moved: dict[str, str] = {}   # worker -> why not (reported once)
@@ -33,51 +106,60 @@ class Stragglers:
         self._flagged: set[str] = set()    # in an episode now
         self.latest: dict[str, P.StepPerf] = {}   # each role holder's newest measurements
         self._read_at = 0.0
-        self._decoded: dict[str, tuple[bytes, P.StepPerf | None]] = {}   # worker -> last read
+        self._moved: set[int] = set()      # hosts with news, not handed to the feed yet
+        self._feed: PerfFeed | None = None
+        self._thread: threading.Thread | None = None
+        self._todo: queue.Queue = queue.Queue()      # host sets, to the thread
+        self._done: queue.Queue = queue.Queue()      # (verdicts, latest), from it
 
-    def _decode(self, worker: str, key: str, raw: bytes) -> P.StepPerf | None:
-        """``raw`` at ``key`` as a genuine ``StepPerf`` (None: forged or malformed, logged);
-        the last value decoded is kept, and not decoded again while it stands."""
-        seen = self._decoded.get(worker)
-        if seen is not None and seen[0] == raw:
-            return seen[1]
-        perf = None
-        payload = self.ctx.store.genuine(key, raw)
-        if payload is not None:
+    def _run(self) -> None:
+        """The feed's thread: each batch of hosts handed to it (the ones queued meanwhile
+        with it), read and judged."""
+        try:
+            self._feed = PerfFeed(self.ctx, self.connect())
+        except Exception as exc:  # noqa: BLE001 - the store is gone: so is the controller
+            self.ctx.events.emit("straggler_feed_stopped", level="warning", error=str(exc))
+            return
+        while True:
+            hosts = self._todo.get()
+            while not self._todo.empty():
+                hosts |= self._todo.get()
             try:
-                perf = P.read_message(P.StepPerf, payload)
-            except P.MessageError as exc:
-                self.ctx.events.emit("message_rejected", key=key, error=str(exc))
-        self._decoded[worker] = (raw, perf)
-        return perf
+                self._done.put(self._feed.collect(hosts, pace=True))
+            except Exception as exc:  # noqa: BLE001 - a store error: the next window's try
+                self.ctx.events.emit("straggler_feed_error", level="warning", error=str(exc))
 
     def poll(self) -> None:
         ctx, cfg = self.ctx, self.ctx.cfg.straggler
-        if cfg.policy == "off" or time.time() - self._read_at < cfg.check_interval_s:
+        if cfg.policy == "off":
             return
-        self._read_at = time.time()
+        now = time.time()
+        self.health.read_hosts(now)      # done by the health look, unless it is off
+        self._moved |= self.health.perf_moved()
+        if self._moved and now - self._read_at >= cfg.check_interval_s:
+            self._read_at = now
+            hosts, self._moved = self._moved, set()
+            if self.connect is None:
+                if self._feed is None:
+                    self._feed = PerfFeed(ctx, ctx.store)
+                self._done.put(self._feed.collect(hosts))
+            else:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="straggler-feed",
+                                                    daemon=True)
+                    self._thread.start()
+                self._todo.put(hosts)
+        while not self._done.empty():
+            verdicts, self.latest = self._done.get()
+            self._act(verdicts)
+
+    def _act(self, verdicts: list[Verdict]) -> None:
+        ctx, cfg = self.ctx, self.ctx.cfg.straggler
         holders = ctx.membership.workers
-        windows = []
-        self.latest = {}
-        names = sorted(holders)
-        keys = [P.perf_key(w) for w in names]
-        # every worker's in a few requests; decoded only where the value changed (a worker
-        # rewrites it once a window): one round trip and one decode a worker each look was
-        # most of the controller's time at a thousand workers
-        for w, key, raw in zip(names, keys, read_raw(ctx.store, keys)):
-            role = holders[w]
-            perf = None if raw is None else self._decode(w, key, raw)
-            if perf is not None and perf.role == role.name:
-                self.latest[w] = perf
-                recent = perf.recent or [P.PerfWindow(perf.first_step, perf.last_step,
-                                                      perf.compute_s)]
-                windows += [Window(w, role, r.first_step, r.last_step, perf.tenure_start,
-                                   r.compute_s) for r in recent]
-        for gone in set(self._decoded) - set(holders):
-            del self._decoded[gone]
-        self.detector.keep_only(set(holders))
-        self._flagged &= set(holders)
-        for v in self.detector.observe(windows):
+        self._flagged = {w for w in self._flagged if w in holders}
+        for v in verdicts:
+            if v.worker not in holders:
+                continue        # left its role while the feed judged it
             if v.straggler and v.worker not in self._flagged:
                 self._flagged.add(v.worker)
                 self._report(v)

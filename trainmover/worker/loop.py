@@ -260,7 +260,9 @@ class StepLoop:
         if self.snapshotter is not None and step == 0:
             self.snapshotter.send(0, ctx.epoch, rt.state.local_state()[0])
         tolerant = self.vote is not None
-        self.meter = StepMeter(ctx.store, rt.name, rt.role.name, step, cfg.straggler.window,
+        # the measurements go to the host's agent on the worker's channel (agent/perfs.py)
+        self.meter = StepMeter(ctx.inbox.send if ctx.inbox is not None else None, rt.name,
+                               rt.role.name, step, cfg.straggler.window,
                                slowdowns(cfg.faults, rt.name),
                                publish=cfg.straggler.policy != "off",
                                cpu_time=cfg.straggler.cpu_measure(ctx.device.type),

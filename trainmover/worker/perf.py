@@ -6,9 +6,9 @@ groups' operations (``Group.wait_s``) and in the commit vote (waiting for the ot
 and its compute time: on a GPU the difference (kernels run while the host thread waits),
 on CPU the main thread's CPU time (``straggler.measure``), which a process descheduled by
 its neighbours does not inflate: with more processes than cores, wall-clock compute is
-mostly scheduling noise. Every
-``straggler.window`` steps the medians go to ``perf/<worker>`` (one key, overwritten), with
-the host's load and CPU steal where Linux tells them, and on a GPU its SM clock and
+mostly scheduling noise. Every ``straggler.window`` steps the medians go to the host's agent
+on the worker's channel (``P.StepPerf``; the agent writes one key for its host:
+``agent/perfs.py``), with the host's load and CPU steal where Linux tells them, and on a GPU its SM clock and
 temperature where torch can read them (NVML's Python binding installed; no new dependency:
 without it they are left out).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from statistics import median
+from typing import Callable
 
 from trainmover.comm.groups import CommGroups
 from trainmover.core import protocol as P
@@ -42,13 +43,16 @@ def _gpu_signals(index: int) -> tuple[float | None, float | None]:
 
 
 class StepMeter:
-    def __init__(self, store, name: str, role_name: str, tenure_start: int, window: int,
-                 slowdowns: dict[str, tuple[int, float]], publish: bool, cpu_time: bool,
-                 gpu: int | None = None):
-        self.store, self.name, self.role_name = store, name, role_name
+    def __init__(self, send: Callable[[bytes], None] | None, name: str, role_name: str,
+                 tenure_start: int, window: int, slowdowns: dict[str, tuple[int, float]],
+                 publish: bool, cpu_time: bool, gpu: int | None = None):
+        """``send``: onto the worker's channel to its agent (None: not started by an agent,
+        nothing published)."""
+        self.send, self.name, self.role_name = send, name, role_name
         self.cpu_time = cpu_time       # compute = the main thread's CPU time (else wall)
         self._cpu_at = time.thread_time()
-        self.tenure_start, self.window, self.publish = tenure_start, window, publish
+        self.tenure_start, self.window = tenure_start, window
+        self.publish = publish and send is not None
         self.slow = slowdowns.get("slow")
         self.slowlink = slowdowns.get("slowlink")
         self._waits_at: dict[str, float] = {}
@@ -129,9 +133,12 @@ class StepMeter:
         compute_s = round(median(r[2] for r in rows), 6)
         self._recent = (self._recent + [P.PerfWindow(rows[0][0], rows[-1][0], compute_s)]
                         )[-P.PERF_HISTORY:]
-        self.store.set(P.perf_key(self.name), P.write_message(P.StepPerf(
-            self.role_name, rows[0][0], rows[-1][0], self.tenure_start,
-            round(median(r[1] for r in rows), 6), compute_s,
-            {s: round(median(r[3].get(s, 0.0) for r in rows), 6) for s in slots},
-            None if load is None else round(load, 2), steal, list(self._recent),
-            gpu_clock_mhz=clock, gpu_temp_c=temp)))
+        try:
+            self.send(P.perf_message(P.StepPerf(
+                self.role_name, rows[0][0], rows[-1][0], self.tenure_start,
+                round(median(r[1] for r in rows), 6), compute_s,
+                {s: round(median(r[3].get(s, 0.0) for r in rows), 6) for s in slots},
+                None if load is None else round(load, 2), steal, list(self._recent),
+                gpu_clock_mhz=clock, gpu_temp_c=temp)))
+        except OSError:
+            self.publish = False     # the agent is gone: so is the job
