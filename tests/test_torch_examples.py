@@ -394,12 +394,14 @@ def test_nanogpt_survives_migration_crash_and_hang_bit_identically(tmp_path, nan
 
 @pytest.mark.timeout(400)
 def test_nanogpt_precopied_migration_ends_on_the_torchrun_weights(tmp_path, nanogpt_torchrun):
-    """A pre-copy (migration.precopy) through the public API, one parameter per step: the
-    optimizer stepped through a GradScaler (which may skip a step), torch's DDP, the script's
-    learning-rate schedule written into the param groups each step, dropout and a stateful
-    loader (state the switch moves, not the replay)."""
+    """A pre-copy (migration.precopy) through the public API, over several steps (chunks
+    of 0.25 MB of the 3.35 MB of parameters: one a step, 29 steps, once started the
+    migration at step 8 on a loaded machine and left too few of the 40 steps for the
+    switch): the optimizer stepped through a GradScaler (which may skip a step), torch's
+    DDP, the script's learning-rate schedule written into the param groups each step,
+    dropout and a stateful loader (state the switch moves, not the replay)."""
     run_dir, summary, _ = _with_fault(tmp_path, NANOGPT, (
-        "--precopy", "--migration.precopy_chunk_mb=0.000001"), "migrate@3:w1")
+        "--precopy", "--migration.precopy_chunk_mb=0.25"), "migrate@3:w1")
     assert summary["weights_sha256"] == nanogpt_torchrun
     (sent,) = events(run_dir, "precopy_sent")
     assert not events(run_dir, "precopy_abandoned") and not events(run_dir, "precopy_refused")

@@ -30,6 +30,9 @@ from trainmover.core.stragglers import (DetectorSettings, StragglerDetector, Ver
                                         worth_moving)
 
 
+PACE_HOSTS = 16      # hosts decoded between two yields of the feed's thread (about 1 ms)
+
+
 class PerfFeed:
     """Reads the hosts' ``HostPerf`` values and judges the windows in them. Touches nothing
     of the controller's but the membership's worker table, whose object a membership change
@@ -58,10 +61,12 @@ class PerfFeed:
     def collect(self, hosts: set[int], pace: bool = False
                 ) -> tuple[list[Verdict], dict[str, P.StepPerf]]:
         """Read ``hosts``' measurements, judge the windows new in them; the verdicts and
-        each role holder's newest measurements. ``pace``: give the interpreter up between
-        batches of hosts (on the thread: the round waits for it no longer than a batch)."""
+        each role holder's newest measurements. ``pace``: give the interpreter up every
+        ``PACE_HOSTS`` hosts decoded (on the thread: the round, back from a store request,
+        takes it then instead of waiting for the interpreter's switch interval)."""
         holders = self.ctx.membership.workers
         windows = []
+        decoded = 0
         nodes = sorted(hosts)
         for i in range(0, len(nodes), KEYS_PER_READ):
             part = nodes[i:i + KEYS_PER_READ]
@@ -70,6 +75,9 @@ class PerfFeed:
                 if raw is None or raw == self._raw.get(node):
                     continue
                 self._raw[node] = raw
+                decoded += 1
+                if pace and decoded % PACE_HOSTS == 0:
+                    time.sleep(0)
                 host = self._decode(key, raw)
                 if host is None:
                     continue
@@ -82,8 +90,6 @@ class PerfFeed:
                                                           perf.compute_s)]
                     windows += [Window(w, role, r.first_step, r.last_step, perf.tenure_start,
                                        r.compute_s) for r in recent]
-            if pace:
-                time.sleep(0)
         for gone in [w for w in self._latest if w not in holders]:
             del self._latest[gone]
         self.detector.keep_only(set(holders))
