@@ -88,8 +88,12 @@ class PerfFeed:
                     self._latest[w] = perf
                     recent = perf.recent or [P.PerfWindow(perf.first_step, perf.last_step,
                                                           perf.compute_s)]
+                    # the windows not taken in yet only: the history repeats up to
+                    # PERF_HISTORY of them, and making every one each time was most of the
+                    # objects a pass left for the garbage collector
+                    seen = self.detector.seen(w, perf.tenure_start)
                     windows += [Window(w, role, r.first_step, r.last_step, perf.tenure_start,
-                                       r.compute_s) for r in recent]
+                                       r.compute_s) for r in recent if r.last_step > seen]
         for gone in [w for w in self._latest if w not in holders]:
             del self._latest[gone]
         self.detector.keep_only(set(holders))

@@ -95,6 +95,13 @@ class StragglerDetector:
         self.s = settings
         self._tracks: dict[str, _Track] = {}
 
+    def seen(self, worker: str, tenure_start: int) -> int:
+        """The last step of the newest window taken in of ``worker`` in the tenure starting
+        at ``tenure_start`` (-1: none): an older window would be ignored (``observe``), so
+        a reader need not make one."""
+        track = self._tracks.get(worker)
+        return track.last if track is not None and track.tenure_start == tenure_start else -1
+
     def keep_only(self, workers: set[str]) -> None:
         """Workers that left their roles (migrated, failed) take their history with them:
         they are no one's peers any more."""
