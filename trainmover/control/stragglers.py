@@ -104,9 +104,8 @@ class Stragglers:
     STATE = ("found", "moved", "last_move_step", "not_moved")
 
     def __init__(self, ctx: JobContext, migrations: Migrations, health: Health,
-                 connect: Callable[[], object] | None = None):
-        """``connect``: a new store client, for the feed's thread (None: the feed runs in
-        the round, on the controller's client)."""
+                 connect: Callable[[], object]):
+        """``connect``: a new store client, for the feed's thread."""
         self.ctx, self.migrations, self.health = ctx, migrations, health
         self.connect = connect
         self.found: list[dict] = []        # each straggler episode, as reported
@@ -117,7 +116,6 @@ class Stragglers:
         self.latest: dict[str, P.StepPerf] = {}   # each role holder's newest measurements
         self._read_at = 0.0
         self._moved: set[int] = set()      # hosts with news, not handed to the feed yet
-        self._feed: PerfFeed | None = None
         self._thread: threading.Thread | None = None
         self._todo: queue.Queue = queue.Queue()      # host sets, to the thread
         self._done: queue.Queue = queue.Queue()      # (verdicts, latest), from it
@@ -126,7 +124,7 @@ class Stragglers:
         """The feed's thread: each batch of hosts handed to it (the ones queued meanwhile
         with it), read and judged."""
         try:
-            self._feed = PerfFeed(self.ctx, self.connect())
+            feed = PerfFeed(self.ctx, self.connect())
         except Exception as exc:  # noqa: BLE001 - the store is gone: so is the controller
             self.ctx.events.emit("straggler_feed_stopped", level="warning", error=str(exc))
             return
@@ -135,12 +133,12 @@ class Stragglers:
             while not self._todo.empty():
                 hosts |= self._todo.get()
             try:
-                self._done.put(self._feed.collect(hosts, pace=True))
+                self._done.put(feed.collect(hosts, pace=True))
             except Exception as exc:  # noqa: BLE001 - a store error: the next window's try
                 self.ctx.events.emit("straggler_feed_error", level="warning", error=str(exc))
 
     def poll(self) -> None:
-        ctx, cfg = self.ctx, self.ctx.cfg.straggler
+        cfg = self.ctx.cfg.straggler
         if cfg.policy == "off":
             return
         now = time.time()
@@ -148,17 +146,12 @@ class Stragglers:
         self._moved |= self.health.perf_moved()
         if self._moved and now - self._read_at >= cfg.check_interval_s:
             self._read_at = now
-            hosts, self._moved = self._moved, set()
-            if self.connect is None:
-                if self._feed is None:
-                    self._feed = PerfFeed(ctx, ctx.store)
-                self._done.put(self._feed.collect(hosts))
-            else:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="straggler-feed",
-                                                    daemon=True)
-                    self._thread.start()
-                self._todo.put(hosts)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="straggler-feed",
+                                                daemon=True)
+                self._thread.start()
+            self._todo.put(self._moved)
+            self._moved = set()
         while not self._done.empty():
             verdicts, self.latest = self._done.get()
             self._act(verdicts)
