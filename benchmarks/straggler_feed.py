@@ -49,6 +49,10 @@ from trainmover.core.topology import Role
 
 PER_HOST = 8
 HOST_FORM = "HostPerf" in P.__dict__
+try:      # trees whose controller freezes its start-up state (control/collector.py)
+    from trainmover.control import collector
+except ImportError:
+    collector = None
 STEP_S = 1.0          # the step time the per-second column assumes
 
 
@@ -139,7 +143,10 @@ class Job:
 
     def done(self) -> bool:
         latest = self.stragglers.latest
-        return len(latest) == self.n and all(p.last_step == self.last for p in latest.values())
+        # a dict where the tree keeps the status's form (status_perf), else the message
+        return len(latest) == self.n and all(
+            (p["last_step"] if isinstance(p, dict) else p.last_step) == self.last
+            for p in latest.values())
 
 
 def probe() -> float:
@@ -156,6 +163,8 @@ def measure(workers: int, repeats: int) -> dict:
     out = {k: [] for k in ("keys", "mb", "keys_per_s", "poll_ms", "probe_ms", "done_ms")}
     for _ in range(repeats):
         job = Job(workers)
+        if collector is not None:         # as the tree's controller does once it started
+            collector.settle()
         for _ in range(3):                # settled: the detector has its tracks
             job.write_window()
             job.stragglers._read_at = 0.0
@@ -185,6 +194,8 @@ def measure(workers: int, repeats: int) -> dict:
         out["probe_ms"].append(max(probes) * 1000)
         out["done_ms"].append(done * 1000)
         out.setdefault("probe_alone_ms", []).append(alone * 1000)
+        if collector is not None:
+            collector.release()
     return out
 
 

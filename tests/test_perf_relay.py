@@ -136,7 +136,7 @@ def test_the_feed_reads_the_hosts_it_is_given_and_takes_only_genuine_windows_of_
     _, latest = feed.collect({0, 1})
     assert set(latest) == {"w0"}
     _, latest = feed.collect({2})                  # only the hosts given are read
-    assert set(latest) == {"w0", "w2"} and latest["w2"].compute_s == 0.1
+    assert set(latest) == {"w0", "w2"} and latest["w2"]["compute_s"] == 0.1
 
 
 def test_a_slow_worker_is_reported_from_verdicts_judged_on_the_feeds_thread(server):
@@ -166,7 +166,7 @@ def test_a_slow_worker_is_reported_from_verdicts_judged_on_the_feeds_thread(serv
 
         def caught_up():
             stragglers.poll()
-            return stragglers.latest and all(p.last_step == last
+            return stragglers.latest and all(p["last_step"] == last
                                              for p in stragglers.latest.values())
 
         wait_for(caught_up)

@@ -29,6 +29,7 @@ import threading
 import time
 
 from trainmover.bench.report import git_commit, machine_description, write_result
+from trainmover.control import collector
 from trainmover.control.coordinator import Coordinator
 from trainmover.core import decisions as C
 from trainmover.core import jobfile, rundir
@@ -253,9 +254,13 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
 
     def run():
         try:
-            box["summary"] = coord.run()
+            # the controller as in a job's own process; what it froze is collected again
+            # after (the next repeat runs in this process too)
+            box["summary"] = coord.run(own_process=True)
         except BaseException as exc:  # noqa: BLE001 - reported below
             box["error"] = exc
+        finally:
+            collector.release()
 
     thread = threading.Thread(target=run, name="controller", daemon=True)
     t_start = time.time()
@@ -388,7 +393,7 @@ def control_table(result: dict) -> str:
     for row in result["results"]:
         by_size.setdefault(row["workers"], []).append(row)
     full = result["settings"].get("full_hosts")
-    lines = [f"# bench control: the control plane against the number of workers",
+    lines = ["# bench control: the control plane against the number of workers",
              "", f"Command: `{result['command']}`; commit {result['commit']}; "
              f"{result['machine']['cores']} cores. Median (min-max) over "
              f"{result['settings']['repeats']} run(s); a step computes "

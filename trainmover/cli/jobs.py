@@ -60,7 +60,7 @@ def run_until_done(coord) -> dict:
     previous = {sig: signal.signal(sig, handler)
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        return coord.run()
+        return coord.run(own_process=True)
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)

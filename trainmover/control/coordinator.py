@@ -36,6 +36,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+from trainmover.control import collector
 from trainmover.control.baseline import Restarts
 from trainmover.control.context import (JobContext, Progress, count_text, restore_into,
                                         snapshot_of, worker_names)
@@ -451,7 +452,10 @@ class Coordinator:
         return self
 
     # --- the run -----------------------------------------------------------------------------
-    def run(self) -> dict:
+    def run(self, own_process: bool = False) -> dict:
+        """Supervise the job to its end. ``own_process``: this process is the job's
+        controller and nothing else (the CLI, a benchmark): its start-up state is then kept
+        out of the garbage collector's walks (``collector.settle``)."""
         cfg, ctx = self.cfg, self.ctx
         if not self.resumed:
             self._prepare()
@@ -488,6 +492,8 @@ class Coordinator:
         t0 = time.perf_counter()
         try:
             self._flush(force=True)   # a resumed controller re-sends what its predecessor left
+            if own_process:
+                collector.settle()
             self.started.set()
             while not self._stop_requested.is_set() and not self._poll():
                 self._flush()

@@ -17,8 +17,7 @@ from trainmover.control import snapshot_codec
 from trainmover.control.context import JobContext
 from trainmover.control.retention import Retention
 from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
-from trainmover.control.status import (STATUS_MAX_INTERVAL_S, status_from_state, status_perf,
-                                       write_status_file)
+from trainmover.control.status import STATUS_MAX_INTERVAL_S, status_from_state, write_status_file
 from trainmover.core import protocol as P
 
 SET_BATCH = 1024          # keys of the outbox a request (flush)
@@ -50,7 +49,7 @@ class Saver:
     def __init__(self, ctx: JobContext, run_dir: str, state: Callable[[], dict],
                  retention: Retention, perf: Callable[[], dict]):
         """``state``: the controller's whole state, as saved; ``perf``: each role holder's
-        newest step measurements (for the status file)."""
+        newest step measurements as the status file shows them (``status_perf``)."""
         self.ctx, self.run_dir, self.state, self.retention = ctx, run_dir, state, retention
         self.perf = perf
         self.run_key: bytes | None = None   # set once the run began: nothing saved before
@@ -159,7 +158,7 @@ class Saver:
         """``status.json`` for ``trainmover status`` (``control/status.py``)."""
         store = self.ctx.store
         keys = store.raw.num_keys() if hasattr(store, "raw") else None
-        perf = {w: status_perf(p) for w, p in self.perf().items()}
+        perf = self.perf()
         try:
             status = status_from_state(state, perf, os.getpid(), keys, source="controller",
                                        recorded=True)

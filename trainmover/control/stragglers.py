@@ -20,9 +20,11 @@ import time
 from statistics import median
 from typing import Callable
 
+from trainmover.control import collector
 from trainmover.control.context import JobContext
 from trainmover.control.health import Health
 from trainmover.control.migrations import MigrationRequest, Migrations
+from trainmover.control.status import status_perf
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.auth import KEYS_PER_READ, read_raw
@@ -46,7 +48,10 @@ class PerfFeed:
             cfg.window, cfg.min_shift, cfg.min_windows, cfg.settle_windows,
             cfg.baseline_windows))
         self._raw: dict[int, bytes] = {}                # host -> its value as last read
-        self._latest: dict[str, P.StepPerf] = {}        # each role holder's newest window
+        # each role holder's newest window as the status shows it (``status_perf``: one
+        # dict, where the decoded message held its window history, ~8 objects a worker a
+        # window that the garbage collector's full collections walked)
+        self._latest: dict[str, dict] = {}
 
     def _decode(self, key: str, raw: bytes) -> P.HostPerf | None:
         payload = self.store.genuine(key, raw)
@@ -59,7 +64,7 @@ class PerfFeed:
             return None
 
     def collect(self, hosts: set[int], pace: bool = False
-                ) -> tuple[list[Verdict], dict[str, P.StepPerf]]:
+                ) -> tuple[list[Verdict], dict[str, dict]]:
         """Read ``hosts``' measurements, judge the windows new in them; the verdicts and
         each role holder's newest measurements. ``pace``: give the interpreter up every
         ``PACE_HOSTS`` hosts decoded (on the thread: the round, back from a store request,
@@ -85,7 +90,7 @@ class PerfFeed:
                     role = holders.get(w)
                     if role is None or perf.role != role.name:
                         continue
-                    self._latest[w] = perf
+                    self._latest[w] = status_perf(perf)
                     recent = perf.recent or [P.PerfWindow(perf.first_step, perf.last_step,
                                                           perf.compute_s)]
                     # the windows not taken in yet only: the history repeats up to
@@ -113,7 +118,7 @@ class Stragglers:
         self.not_moved: dict[str, str] = {}   # worker -> why not (reported once)
         self.last_move_step = -1
         self._flagged: set[str] = set()    # in an episode now
-        self.latest: dict[str, P.StepPerf] = {}   # each role holder's newest measurements
+        self.latest: dict[str, dict] = {}   # each role holder's newest window (status_perf)
         self._read_at = 0.0
         self._moved: set[int] = set()      # hosts with news, not handed to the feed yet
         self._thread: threading.Thread | None = None
@@ -133,7 +138,8 @@ class Stragglers:
             while not self._todo.empty():
                 hosts |= self._todo.get()
             try:
-                self._done.put(feed.collect(hosts, pace=True))
+                with collector.paused():
+                    self._done.put(feed.collect(hosts, pace=True))
             except Exception as exc:  # noqa: BLE001 - a store error: the next window's try
                 self.ctx.events.emit("straggler_feed_error", level="warning", error=str(exc))
 

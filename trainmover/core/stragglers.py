@@ -80,14 +80,26 @@ class Verdict:
 
 @dataclass
 class _Track:
+    """One worker's history in its tenure. Numbers and tuples of numbers only, and lists
+    changed in place: a tuple of numbers is one the garbage collector stops tracking, so at
+    16K workers a window leaves no new long-lived objects for its full collections to walk
+    (tracks holding each window's ``Window`` made them 0.1-0.2 s pauses of the controller)."""
     tenure_start: int
     last: int = -1                                        # the newest window's last step
     seen: int = 0                                         # windows seen in this tenure
     baseline: list[float] = field(default_factory=list)   # the windows after settling
-    recent: list[tuple[int, Window]] = field(default_factory=list)  # (index, window)
+    # (index, last step, compute s) of the last windows, oldest first
+    recent: list[tuple[int, int, float]] = field(default_factory=list)
+    position: tuple[int, int] = (0, 0)                    # the newest window's (pp, tp)
     ratios: list[float] = field(default_factory=list)    # own / reference, last windows
     slow: int = 0                                         # consecutive slow windows
     straggler: bool = False
+
+
+def _keep_last(values: list, value, n: int) -> None:
+    """``values`` becomes its last ``n`` items after appending ``value``, in place."""
+    values.append(value)
+    del values[:-n]
 
 
 class StragglerDetector:
@@ -125,7 +137,8 @@ class StragglerDetector:
             if self.s.settle_windows <= index < self.s.settle_windows + self.s.baseline_windows:
                 track.baseline.append(w.compute_s)
             # enough to find a peer's window within two windows of any being judged
-            track.recent = (track.recent + [(index, w)])[-(self.s.min_windows + 4):]
+            _keep_last(track.recent, (index, w.last, w.compute_s), self.s.min_windows + 4)
+            track.position = (w.role.pp, w.role.tp)
             fresh.append((index, w))
         out = []
         # judging changes no track's windows, so who is whose peer is settled once per call
@@ -148,7 +161,7 @@ class StragglerDetector:
         own = w.compute_s
         if own <= 0 or ref <= 0:
             return None
-        track.ratios = (track.ratios + [own / ref])[-self.s.min_windows:]
+        _keep_last(track.ratios, own / ref, self.s.min_windows)
         track.slow = track.slow + 1 if own >= (1.0 + self.s.min_shift) * ref else 0
         typical = median(track.ratios) if len(track.ratios) == self.s.min_windows else 1.0
         # hysteresis: a straggler stays one until it is clearly back (half the shift), so a
@@ -171,22 +184,17 @@ class _Peers:
         self.at: dict[tuple[int, int], list[str]] = {}   # peer position -> workers there
         for name, track in tracks.items():
             if track.recent:
-                self.at.setdefault(self._position(track), []).append(name)
+                self.at.setdefault(track.position, []).append(name)
         # (position, step) -> the values there, sorted, and each worker's own (None: none)
         self._seen: dict[tuple[tuple[int, int], int],
                          tuple[list[float], dict[str, float | None]]] = {}
 
-    @staticmethod
-    def _position(track: _Track) -> tuple[int, int]:
-        role = track.recent[-1][1].role
-        return role.pp, role.tp
-
     def _nearest(self, track: _Track, last: int) -> float | None:
         """The track's settled window nearest the steps ending at ``last`` (at most two
         windows away; the older one on a tie), as its compute seconds."""
-        near = [(abs(p.last - last), p) for i, p in track.recent
-                if i >= self.s.settle_windows and abs(p.last - last) <= 2 * self.s.window]
-        return min(near, key=lambda x: x[0])[1].compute_s if near else None
+        near = [(abs(end - last), compute_s) for i, end, compute_s in track.recent
+                if i >= self.s.settle_windows and abs(end - last) <= 2 * self.s.window]
+        return min(near, key=lambda x: x[0])[1] if near else None
 
     def reference(self, worker: str, role: Role, last: int) -> float | None:
         """The median of the windows nearest ``last`` of ``role``'s peers but ``worker``
