@@ -273,6 +273,93 @@ def test_the_controller_saves_its_snapshot_in_the_run_dir_too(tmp_path, server):
             if e["event"] == "snapshot_file_not_written"]
 
 
+def test_a_snapshot_kept_as_parts_writes_changed_parts_only_and_survives_junk_in_one_copy(
+        tmp_path, server):
+    """With every table kept as parts (``controller.snapshot_part_min_bytes`` 0): a save
+    that changed no table writes no part; a table change writes its changed parts, and a
+    part no save of the last two names is deleted from both copies. Junk at a part's key,
+    or a part file removed, leaves the other copy to read; a resumed controller's first
+    saves delete the parts of the snapshot it read once no save names them."""
+    from trainmover.control.coordinator import Coordinator
+    from trainmover.core.events import EventLog
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir, mode=0o700)
+    cfg = job()
+    cfg.controller.snapshot_part_min_bytes = 0
+    names = [f"w{i}" for i in range(4)]
+
+    def coordinator():
+        co = Coordinator(cfg, run_dir, quiet=True)
+        co._run_key = KEY
+        co.ctx.membership = C.Membership.initial(co.cfg.layout, names, ["s0"])
+        co.ctx.store = AuthStore(client(server), KEY)
+        co.ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
+        return co
+
+    def in_store(digests):
+        return {d for d in digests if client(server).check([P.controller_snapshot_part_key(d)])}
+
+    def in_files(digests):
+        return {d for d in digests if os.path.exists(os.path.join(S.parts_path(run_dir), d))}
+
+    co = coordinator()
+    written = []                                        # (copy, digests) of each write
+    for copy in (co.saver.store_parts, co.saver.file_parts):
+        def spy(digests, parts, copy=copy, real=copy._write):
+            written.append((type(copy).__name__, set(digests)))
+            real(digests, parts)
+        copy._write = spy
+    co._flush(force=True)
+    first = set(co.saver.store_parts.present)
+    assert first and in_store(first) == first == in_files(first)
+    assert sorted(written) == [("FileParts", first), ("StoreParts", first)]
+    co.ctx.committed = 7                                # no table changed
+    written.clear()
+    co._flush(force=True)
+    assert co.saver.saves == 2 and written == []
+    m = co.ctx.membership.copy()
+    m.workers["w1"], m.workers["w2"] = m.workers["w2"], m.workers["w1"]
+    co.ctx.membership = m                               # a swap: its parts change
+    co._flush(force=True)
+    second = set(co.saver.store_parts.present)
+    assert written and all(d == second - first for _, d in written) and len(written) == 2
+    gone = first - co.saver._named_before
+    assert gone and in_store(gone) == gone              # named by the save before: kept
+    co.ctx.committed = 8
+    co._flush(force=True)                               # two saves on: deleted
+    assert in_store(gone) == set() == in_files(gone) and in_store(second) - gone
+    seq, state, why = S.read_newest(run_dir, co.ctx.store, KEY)
+    assert seq == 4 and why == [] and state["ctx"]["membership"].workers["w1"] == m.workers["w1"]
+    # junk at one part's key: the store's copy is passed over, the run dir's read
+    some = sorted(co.saver._named_before)[0]
+    client(server).set(P.controller_snapshot_part_key(some), "junk")
+    seq, state, why = S.read_newest(run_dir, co.ctx.store, KEY)
+    assert seq == 4 and why[0].startswith("the store's copy") and some in why[0]
+    # and a part file removed as well: neither copy is whole
+    os.unlink(os.path.join(S.parts_path(run_dir), some))
+    with pytest.raises(ValueError, match=f"part {some} is missing"):
+        S.read_newest(run_dir, co.ctx.store, KEY)
+    co.saver.store_parts.present.discard(some)          # (as if never written here)
+    co.saver.file_parts.present.discard(some)
+    co.ctx.committed = 9
+    co._flush(force=True)                               # the part is written again
+    assert S.read_newest(run_dir, co.ctx.store, KEY)[0] == 5
+    # a resumed controller: adopts the parts it read, deletes them once unnamed
+    parts = set()
+    S.read_newest(run_dir, co.ctx.store, KEY, parts)
+    co2 = coordinator()
+    co2.saver.saves = 5
+    co2.saver.adopt(parts)
+    co2.ctx.membership = C.Membership.initial(co2.cfg.layout, names[::-1], ["s0"])
+    for committed in (10, 11):
+        co2.ctx.committed = committed
+        co2._flush(force=True)
+    left = parts - co2.saver._named_before - co2.saver.store_parts.present
+    assert left and in_store(left) == set() == in_files(left)
+    assert S.read_newest(run_dir, co2.ctx.store, KEY)[1]["ctx"]["committed"] == 11
+
+
 # --- real jobs ----------------------------------------------------------------------------------
 
 def agent_pid(run_dir):

@@ -240,3 +240,72 @@ def test_the_big_tables_of_the_controllers_state_are_tables_after_a_round_trip()
     old = json.loads(SNAPSHOT_CODEC.dumps(state))
     old["procs"]["fields"]["procs"] = old["procs"]["fields"]["procs"]["__table__"]
     assert type(SNAPSHOT_CODEC.decode(old)["procs"].procs) is Table
+
+
+# --- tables as parts --------------------------------------------------------------------------
+
+def _parts_of(codec, state, part_min_bytes=0):
+    parts = {}
+    return codec.dumps(state, parts, part_min_bytes), parts
+
+
+@pytest.mark.parametrize("change,most_new", [
+    (lambda t: t.__setitem__("w1", 5), 1), (lambda t: t.__delitem__("w0"), 1),
+    (lambda t: t.clear(), 0), (lambda t: t.update({f"x{i}": i for i in range(50)}), 64)],
+    ids=["set", "del", "clear", "grow"])
+def test_a_table_written_as_parts_reads_back_and_a_change_writes_only_its_part(
+        change, most_new):
+    """Parts name by digest what the text leaves out; read back through a fetch, the state
+    is the same as from the whole text. A change of one entry gives at most one new part;
+    the parts it did not touch keep their digests and strings."""
+    from trainmover.core.codec import Table
+
+    codec = Codec()
+    table = Table({f"w{i}": i for i in range(300)})
+    state = {"a": table, "b": [Table({"k": 1})], "c": "x"}
+    text, parts = _parts_of(codec, state)
+    assert len(parts) > 32 and "w299" not in text
+    back = codec.loads(text, lambda refs: {d: parts[d] for d in refs})
+    assert back == state == codec.loads(codec.dumps(state)) and type(back["a"]) is Table
+    change(table)
+    text2, parts2 = _parts_of(codec, state)
+    back = codec.loads(text2, lambda refs: {d: parts2[d] for d in refs})
+    assert back == {"a": dict(table), "b": [{"k": 1}], "c": "x"} and type(back["a"]) is Table
+    assert len(set(parts2) - set(parts)) <= most_new
+    assert all(parts[d] == parts2[d] for d in set(parts2) & set(parts))
+
+
+def test_only_tables_past_the_size_are_parts():
+    from trainmover.core.codec import Table
+
+    codec = Codec()
+    state = {"big": Table({f"w{i}": "x" * 20 for i in range(200)}), "small": Table({"k": 1})}
+    text, parts = _parts_of(codec, state, part_min_bytes=2000)
+    assert '"small":{"__table__":{"k":1}}' in text and "w1" not in text
+    text, parts = _parts_of(codec, state, part_min_bytes=10**9)
+    assert parts == {} and text == codec.dumps(state)
+
+
+def test_a_missing_changed_or_malformed_part_is_refused():
+    """A part not fetched, one that is not what its digest names (junk in a copy), a list
+    of parts that is not digests, a part that smuggles a reserved key, and a text that names
+    parts read without a source of parts: each refused naming the problem."""
+    from trainmover.core.codec import Table, part_digest
+
+    codec = Codec()
+    text, parts = _parts_of(codec, {"a": Table({f"w{i}": i for i in range(100)})})
+    some = sorted(parts)[0]
+    with pytest.raises(SnapshotError, match=f"part {some} is missing"):
+        codec.loads(text, lambda refs: {d: parts[d] for d in refs if d != some})
+    with pytest.raises(SnapshotError, match=f"part {some} does not match"):
+        codec.loads(text, lambda refs: {**{d: parts[d] for d in refs}, some: '"w0":7'})
+    with pytest.raises(SnapshotError, match="no source of parts"):
+        codec.loads(text)
+    for bad in (['x' * 32], "abc", [1], [some.upper()]):
+        forged = json.dumps({"a": {"__table__": {"__parts__": bad}}})
+        with pytest.raises(SnapshotError, match="not a list of digests"):
+            codec.loads(forged, lambda refs: {})
+    sneaky = '"__type__":"Role"'
+    forged = json.dumps({"a": {"__table__": {"__parts__": [part_digest(sneaky)]}}})
+    with pytest.raises(SnapshotError, match="reserved key"):
+        codec.loads(forged, lambda refs: {part_digest(sneaky): sneaky})

@@ -64,9 +64,11 @@ def test_controller_crashes_are_survived_and_restarted_automatically(tmp_path, b
     restarted controller finds the crash, recovers it and dies right after sending the plan;
     the survivors carry the plan out on their own; the third controller completes the
     accounting and a scheduled migration. The run ends with the uninterrupted run's
-    weights."""
+    weights. Every table of the snapshot is kept as parts (as a large job's are), so each
+    resumed controller reads them."""
     run_dir = str(tmp_path / "run")
     cfg = with_faults(job(steps=STEPS), Inject("crash", 20, "w1", "backward"))
+    cfg.controller.snapshot_part_min_bytes = 0
     proc = start_controller(cfg, run_dir, "crash@3:controller", "crash@20:controller:recovery",
                             "migrate@100:w2")
     assert proc.wait(timeout=200) == -9, proc.stdout.read().decode()[-2000:]
@@ -86,6 +88,8 @@ def test_controller_crashes_are_survived_and_restarted_automatically(tmp_path, b
     assert any(gap[0] < m["time"] < gap[1] for m in steps_done(run_dir)), gap
     # and no step was lost or recorded twice
     assert sorted(m["step"] for m in steps_done(run_dir)) == list(range(STEPS))
+    from trainmover.control.snapshot_codec import parts_path
+    assert os.listdir(parts_path(run_dir))          # the snapshots were kept as parts
 
 
 @pytest.mark.timeout(400)

@@ -401,11 +401,13 @@ class Coordinator:
                                  f"pass --force to take over anyway")
         # the newest genuine copy, the store's or the run dir's: junk at the store's key
         # (anyone can write it) or an older genuine value put back there is passed over
+        parts: set[str] = set()
         try:
-            self.saver.saves, state, passed_over = snapshot_codec.read_newest(run_dir, probe,
-                                                                         self._run_key)
+            self.saver.saves, state, passed_over = snapshot_codec.read_newest(
+                run_dir, probe, self._run_key, parts)
         except ValueError as exc:
             raise ValueError(f"the job in {run_dir!r} cannot be resumed: {exc}") from exc
+        self.saver.adopt(parts)
         restore_into(ctx, state["ctx"])
         ctx.cmd_next, ctx.hosts = Table(ctx.cmd_next), Table(ctx.hosts)   # an older one's dicts
         restore_into(self.migrations, state["migrations"])

@@ -56,6 +56,11 @@ class Saver:
         self.saves = 0           # the number of the last snapshot saved (the run's count)
         self._saved: str | None = None
         self._file_failed = False
+        # each copy's parts of the large tables (``snapshot_codec``), and the parts the save
+        # before the last named (kept: a reader of that snapshot may be fetching them)
+        self.store_parts = snapshot_codec.StoreParts(lambda: ctx.store)
+        self.file_parts = snapshot_codec.FileParts(run_dir)
+        self._named_before: set[str] = set()
         self._saved_at = self._status_at = float("-inf")
         self._status_every = ctx.cfg.controller.status_interval_s
 
@@ -76,7 +81,8 @@ class Saver:
             self._saved_at = now
             exits_seen = ctx.procs.exits_seen
             state = self.state()
-            blob = SNAPSHOT_CODEC.dumps(state)
+            parts: dict[str, str] = {}
+            blob = SNAPSHOT_CODEC.dumps(state, parts, ctx.cfg.controller.snapshot_part_min_bytes)
             if now - self._status_at >= self._status_every:
                 self._status_at = time.monotonic()
                 self._write_status(state)
@@ -89,9 +95,14 @@ class Saver:
             if blob != self._saved:
                 self.saves += 1
                 payload = snapshot_codec.frame(self.saves, blob)
-                self._save_file(payload)       # first: of the two, the newer one counts
+                self._save_file(payload, parts)   # first: of the two, the newer one counts
+                self.store_parts.put_parts(parts)
                 ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, payload)
                 self._saved = blob
+                keep = self._named_before | parts.keys()
+                self.store_parts.drop(keep)
+                self.file_parts.drop(keep)
+                self._named_before = set(parts)
             self.retention.snapshot_saved(exits_seen)
         if not ctx.outbox:
             return
@@ -134,7 +145,15 @@ class Saver:
         send_keys()
         ctx.outbox = []
 
-    def _save_file(self, payload: bytes) -> None:
+    def adopt(self, parts: set[str]) -> None:
+        """A resumed controller's: ``parts``, named by the snapshot it read, may be in
+        either copy; they are deleted once no save names them (written again by the first
+        save, as every part is: which of them each copy holds is not known)."""
+        self.store_parts.held |= parts
+        self.file_parts.held |= parts
+        self._named_before = set(parts)
+
+    def _save_file(self, payload: bytes, parts: dict[str, str]) -> None:
         """The run dir's copy of the snapshot (``snapshot_codec``): junk written over the
         store's copy cannot stop a restarted controller. Saved with the store's, so never
         older than what was sent; if it cannot be written (a full disk), it is removed
@@ -142,9 +161,11 @@ class Saver:
         if self.run_key is None:
             return                   # failed before the run began: nothing to resume
         try:
+            self.file_parts.put_parts(parts)
             snapshot_codec.write_file(self.run_dir, self.run_key, payload)
             self._file_failed = False
         except OSError as exc:
+            self.file_parts.lost()
             try:
                 os.unlink(snapshot_codec.file_path(self.run_dir))
             except OSError:

@@ -7,10 +7,22 @@ Where a snapshot is kept: at ``controller/snapshot`` in the store, and in the ru
 written in the same save. Each copy is signed with the run's key and carries the save's
 number (``frame``): whoever reaches the store can write junk over its copy, or put back an
 older genuine one, but not into the run dir (the job's user's alone), so a reader takes the
-newest genuine copy of the two (``read_newest``) and junk at the key costs nothing."""
+newest genuine copy of the two (``read_newest``) and junk at the key costs nothing.
+
+A large table (at least ``controller.snapshot_part_min_bytes`` of JSON: the membership and
+process tables from a few hundred workers) is kept as parts, each under its digest: in the store at
+``controller/snapshot_part/<digest>`` (signed like every value), in the run dir in
+``controller.snapshot.parts/<digest>``; the snapshot names them. A save writes the parts a
+copy does not hold yet, then the snapshot, then deletes the parts that neither this save
+nor the one before names (a reader that read the previous snapshot still finds its parts):
+a busy round at 16K workers writes the few parts it changed instead of 4.8 MB twice. A part
+is checked against its digest when read, so a part that is not what the (signed) snapshot
+names is refused like junk.
+"""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from trainmover.control.health import Failure
 from trainmover.control.migrations import ActiveMigration, MigrationRequest
@@ -19,7 +31,7 @@ from trainmover.control.recovery import ActiveRecovery
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core import rundir
-from trainmover.core.auth import seal, unseal
+from trainmover.core.auth import KEYS_PER_READ, read_valid, seal, unseal
 from trainmover.core.codec import Codec, SnapshotError
 from trainmover.core.faults import Inject
 from trainmover.core.topology import Layout, Role
@@ -30,6 +42,7 @@ SNAPSHOT_CODEC = Codec(
     AgentClient, ProcView, P.AgentSpawn, P.FailureReport)
 
 SNAPSHOT_FILE = "controller.snapshot"
+PARTS_DIR = "controller.snapshot.parts"
 # what the file's MAC covers besides its content: no store key, so a value signed for the
 # store is no valid file and the reverse
 _FILE_MAC_KEY = f"file:{SNAPSHOT_FILE}"
@@ -56,41 +69,148 @@ def file_path(run_dir: str) -> str:
     return os.path.join(run_dir, SNAPSHOT_FILE)
 
 
+def parts_path(run_dir: str) -> str:
+    return os.path.join(run_dir, PARTS_DIR)
+
+
 def write_file(run_dir: str, run_key: bytes, payload: bytes) -> None:
     """The run dir's copy of a framed snapshot, signed, replacing the previous one at once."""
     rundir.write_atomic(file_path(run_dir), seal(run_key, _FILE_MAC_KEY, payload))
 
 
-def read_newest(run_dir: str, store, run_key: bytes) -> tuple[int, dict, list[str]]:
+class _Copy:
+    """One copy's parts: those written by this controller (``present``) and those it may
+    hold (``held``: ``present`` and the parts of the snapshot a resumed controller read,
+    deleted once no save names them)."""
+
+    def __init__(self):
+        self.present: set[str] = set()
+        self.held: set[str] = set()
+
+    def put_parts(self, parts: dict[str, str]) -> None:
+        new = [d for d in parts if d not in self.present]
+        if new:
+            self._write(new, parts)
+            self.present.update(new)
+            self.held.update(new)
+
+    def drop(self, keep: set[str]) -> None:
+        stale = self.held - keep
+        if stale:
+            self.held -= stale
+            self.present -= stale
+            self._delete(sorted(stale))
+
+
+class StoreParts(_Copy):
+    """The store's copy's parts (``store``: the controller's ``AuthStore``, when asked: a
+    controller connects after it is built)."""
+
+    def __init__(self, store: Callable[[], object]):
+        super().__init__()
+        self.store = store
+
+    def _write(self, digests: list[str], parts: dict[str, str]) -> None:
+        store = self.store()
+        for i in range(0, len(digests), KEYS_PER_READ):
+            batch = digests[i:i + KEYS_PER_READ]
+            store.multi_set([P.controller_snapshot_part_key(d) for d in batch],
+                            [parts[d] for d in batch])
+
+    def _delete(self, digests: list[str]) -> None:
+        store = self.store()
+        for d in digests:
+            store.delete_key(P.controller_snapshot_part_key(d))
+
+
+class FileParts(_Copy):
+    """The run dir's copy's parts: a file each, replaced atomically like the snapshot's."""
+
+    def __init__(self, run_dir: str):
+        super().__init__()
+        self.dir = parts_path(run_dir)
+
+    def _write(self, digests: list[str], parts: dict[str, str]) -> None:
+        try:
+            os.mkdir(self.dir, 0o700)
+        except FileExistsError:
+            pass
+        if not os.path.isdir(self.dir) or os.path.islink(self.dir):
+            raise OSError(f"{self.dir!r} is not a folder")
+        for d in digests:
+            rundir.write_atomic(os.path.join(self.dir, d), parts[d].encode())
+
+    def _delete(self, digests: list[str]) -> None:
+        for d in digests:
+            try:
+                os.unlink(os.path.join(self.dir, d))
+            except OSError:
+                pass                  # gone already (a folder removed by hand): nothing to do
+
+    def lost(self) -> None:
+        """The files could not be written: the next save writes every part again."""
+        self.present.clear()
+
+
+def _store_parts(store):
+    def fetch(digests: list[str]) -> dict[str, bytes]:
+        keys = [P.controller_snapshot_part_key(d) for d in digests]
+        return {d: v for d, v in zip(digests, read_valid(store, keys)) if v is not None}
+    return fetch
+
+
+def _file_parts(run_dir: str):
+    def fetch(digests: list[str]) -> dict[str, bytes]:
+        out = {}
+        for d in digests:
+            try:
+                out[d] = rundir.read_bytes(os.path.join(parts_path(run_dir), d))
+            except OSError:           # missing, or not this user's regular file: refused
+                pass
+        return out
+    return fetch
+
+
+def read_newest(run_dir: str, store, run_key: bytes, parts: set[str] | None = None
+                ) -> tuple[int, dict, list[str]]:
     """The newest genuine snapshot of the run (``(save number, state, passed over)``; the
     last: why each copy that was not used was passed over: junk at the store's key, a file
-    of another run, one that does not decode). ``store``: an ``AuthStore`` of the run (or a
-    ``PlainStore``). Raises ``ValueError`` naming both copies' problems if neither is
-    usable."""
+    of another run, one that does not decode, a part missing). ``store``: an ``AuthStore``
+    of the run (or a ``PlainStore``). ``parts``: filled with the parts the snapshot read
+    names. Raises ``ValueError`` naming both copies' problems if neither is usable."""
     copies, why = [], []
     if store.check([P.CONTROLLER_SNAPSHOT_KEY]):
         try:
-            copies.append(("the store's", unframe(store.get(P.CONTROLLER_SNAPSHOT_KEY))))
+            copies.append(("the store's", unframe(store.get(P.CONTROLLER_SNAPSHOT_KEY)),
+                           _store_parts(store)))
         except ValueError as exc:        # AuthError, SnapshotError
             why.append(f"the store's copy: {exc}")
     else:
         why.append("the store's copy: none")
     try:
         raw = rundir.read_bytes(file_path(run_dir))
-        copies.append(("the run dir's", unframe(unseal(run_key, _FILE_MAC_KEY, raw))))
+        copies.append(("the run dir's", unframe(unseal(run_key, _FILE_MAC_KEY, raw)),
+                       _file_parts(run_dir)))
     except FileNotFoundError:
         why.append(f"the run dir's copy: no {SNAPSHOT_FILE}")
     except (OSError, ValueError) as exc:  # UnsafeRunDir, AuthError (another run's), framing
         why.append(f"the run dir's copy: {exc}")
     # newest first; of two equal ones the store's (it was written last)
     copies.sort(key=lambda c: -c[1][0])
-    for i, (name, (seq, blob)) in enumerate(copies):
+    for i, (name, (seq, blob), fetch) in enumerate(copies):
+        named: list[str] = []
+
+        def fetch_named(digests: list[str], fetch=fetch, named=named) -> dict:
+            named += digests
+            return fetch(digests)
         try:
-            state = SNAPSHOT_CODEC.loads(blob)
+            state = SNAPSHOT_CODEC.loads(blob, fetch_named)
         except ValueError as exc:
             why.append(f"{name} copy (save {seq}): {exc}")
             continue
-        why += [f"{other} copy: save {older}, older" for other, (older, _) in copies[i + 1:]
+        if parts is not None:
+            parts.update(named)
+        why += [f"{other} copy: save {older}, older" for other, (older, _), _ in copies[i + 1:]
                 if older < seq]
         return seq, state, why
     raise ValueError("no usable controller snapshot (" + "; ".join(why) + ")")

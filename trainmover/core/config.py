@@ -741,6 +741,10 @@ class ControllerConfig:
     # While nothing is in flight, the controller's snapshot is saved at most this often
     # (whatever is in flight, and every order sent, is saved before it goes out).
     snapshot_interval_s: float = 1.0
+    # A table of the snapshot (the membership, the processes, ...) whose JSON is at least this
+    # many bytes is kept as parts, each under its own key and file, and a save writes only
+    # the parts that changed (0: every table; from a few hundred workers with the default).
+    snapshot_part_min_bytes: int = 64 * 1024
     # How often <run dir>/status.json (what `trainmover status` reads) is rewritten; it is
     # taken from a snapshot, so no more often than those are computed, and less often where
     # writing it would take over 5% of the controller's time (thousands of workers: the file
@@ -774,7 +778,8 @@ class ControllerConfig:
             raise ValueError(f"controller.restart must be 'auto' or 'manual', got "
                              f"{self.restart!r}")
         _non_negative("controller", max_restarts=self.max_restarts,
-                      gc_every_steps=self.gc_every_steps)
+                      gc_every_steps=self.gc_every_steps,
+                      snapshot_part_min_bytes=self.snapshot_part_min_bytes)
         _seconds("controller", grace_s=self.grace_s, poll_s=self.poll_s,
                  request_poll_s=self.request_poll_s, standby_poll_s=self.standby_poll_s,
                  request_hole_timeout_s=self.request_hole_timeout_s,

@@ -155,6 +155,12 @@ def controller_takeover_key(incarnation: int) -> str:
 CONTROLLER_SNAPSHOT_KEY = "controller/snapshot"  # the controller's state, for a resume
 
 
+def controller_snapshot_part_key(digest: str) -> str:
+    """A part of a large table of the controller's snapshot, named by its digest
+    (``core/codec.py``; the snapshot at ``CONTROLLER_SNAPSHOT_KEY`` lists its parts)."""
+    return f"controller/snapshot_part/{digest}"
+
+
 AGENT_KEYS = {
     "req/count": "requests queued for the host's agent",
     "req/done": "requests the host's agent has read (and deleted)",
