@@ -278,8 +278,97 @@ def test_a_snapshot_kept_as_parts_writes_changed_parts_only_and_survives_junk_in
     """With every table kept as parts (``controller.snapshot_part_min_bytes`` 0): a save
     that changed no table writes no part; a table change writes its changed parts, and a
     part no save of the last two names is deleted from both copies. Junk at a part's key,
-    or a part file removed, leaves the other copy to read; a resumed controller's first
-    saves delete the parts of the snapshot it read once no save names them."""
+    or a part file removed, leaves the other copy to read."""
+    run_dir, coordinator, in_store, in_files = _parts_job(tmp_path, server)
+    co = coordinator()
+    owner = co.saver.parts_of
+    written = []                                        # (copy, digests) of each write
+    for copy in (co.saver.store_parts, co.saver.file_parts):
+        def spy(digests, parts, copy=copy, real=copy._write):
+            written.append((type(copy).__name__, set(digests)))
+            real(digests, parts)
+        copy._write = spy
+    co._flush(force=True)
+    first = set(co.saver.store_parts.present)
+    assert first and in_store(owner, first) == first == in_files(owner, first)
+    assert sorted(written) == [("FileParts", first), ("StoreParts", first)]
+    co.ctx.committed = 7                                # no table changed
+    written.clear()
+    co._flush(force=True)
+    assert co.saver.saves == 2 and written == []
+    m = co.ctx.membership.copy()
+    m.workers["w1"], m.workers["w2"] = m.workers["w2"], m.workers["w1"]
+    co.ctx.membership = m                               # a swap: its parts change
+    co._flush(force=True)
+    second = set(co.saver.store_parts.present)
+    assert written and all(d == second - first for _, d in written) and len(written) == 2
+    gone = first - co.saver._named_before
+    assert gone and in_store(owner, gone) == gone       # named by the save before: kept
+    co.ctx.committed = 8
+    co._flush(force=True)                               # two saves on: deleted
+    assert in_store(owner, gone) == set() == in_files(owner, gone)
+    seq, state, why = S.read_newest(run_dir, co.ctx.store, KEY)
+    assert seq == 4 and why == [] and state["ctx"]["membership"].workers["w1"] == m.workers["w1"]
+    # junk at one part's key: the store's copy is passed over, the run dir's read
+    some = sorted(co.saver._named_before)[0]
+    client(server).set(S.part_key(owner, some), "junk")
+    seq, state, why = S.read_newest(run_dir, co.ctx.store, KEY)
+    assert seq == 4 and why[0].startswith("the store's copy") and some in why[0]
+    # and a part file removed as well: neither copy is whole
+    os.unlink(S.part_file(run_dir, owner, some))
+    with pytest.raises(ValueError, match=f"part {some} is missing"):
+        S.read_newest(run_dir, co.ctx.store, KEY)
+    co.saver.store_parts.present.discard(some)          # (as if never written here)
+    co.saver.file_parts.present.discard(some)
+    co.ctx.committed = 9
+    co._flush(force=True)                               # the part is written again
+    assert S.read_newest(run_dir, co.ctx.store, KEY)[0] == 5
+
+
+def test_a_resumed_controller_writes_its_own_parts_and_deletes_its_predecessors_later(
+        tmp_path, server):
+    """Each controller writes its parts under a name of its own: a superseded one still
+    saving never deletes a part its successor's snapshots name. The successor deletes the
+    parts of the snapshot it read only once its predecessor has had its checks for a
+    newer controller (``ADOPTED_GRACE_CHECKS``)."""
+    from trainmover.control import saving
+
+    run_dir, coordinator, in_store, in_files = _parts_job(tmp_path, server)
+    old = coordinator()
+    old._flush(force=True)
+    read = set()
+    S.read_newest(run_dir, old.ctx.store, KEY, read)
+    assert read and {o for o, _ in read} == {old.saver.parts_of}
+    new = coordinator()
+    new.saver.saves = 1
+    new.saver.adopt(read)
+    new._flush(force=True)
+    mine = set(new.saver.store_parts.present)
+    assert new.saver.parts_of != old.saver.parts_of and mine
+    assert S.read_newest(run_dir, new.ctx.store, KEY)[0] == 2
+    before = old.saver.parts_of
+    # the predecessor saves on for a moment, its tables changing: it deletes its own only
+    for committed in range(3):
+        m = old.ctx.membership.copy()
+        m.workers["w0"], m.workers["w3"] = m.workers["w3"], m.workers["w0"]
+        old.ctx.membership, old.ctx.committed = m, committed
+        old._flush(force=True)
+    assert in_store(new.saver.parts_of, mine) == mine == in_files(new.saver.parts_of, mine)
+    left = {d for _, d in read} & old.saver.store_parts.present
+    assert left
+    new.ctx.committed = 5
+    new._flush(force=True)                               # within the grace: kept
+    assert in_store(before, left) == left == in_files(before, left)
+    new.saver._adopted_until = 0.0                       # the grace is over
+    new.ctx.committed = 6
+    new._flush(force=True)
+    assert in_store(before, left) == set() == in_files(before, left)
+    assert S.read_newest(run_dir, new.ctx.store, KEY)[1]["ctx"]["committed"] == 6
+    assert saving.ADOPTED_GRACE_CHECKS * new.cfg.controller.incarnation_check_s >= 2
+
+
+def _parts_job(tmp_path, server):
+    """A controller's saving parts, every table kept as parts, and where to look for them."""
     from trainmover.control.coordinator import Coordinator
     from trainmover.core.events import EventLog
 
@@ -297,67 +386,12 @@ def test_a_snapshot_kept_as_parts_writes_changed_parts_only_and_survives_junk_in
         co.ctx.events = EventLog(os.path.join(run_dir, "events.jsonl"), worker="coordinator")
         return co
 
-    def in_store(digests):
-        return {d for d in digests if client(server).check([P.controller_snapshot_part_key(d)])}
+    def in_store(owner, digests):
+        return {d for d in digests if client(server).check([S.part_key(owner, d)])}
 
-    def in_files(digests):
-        return {d for d in digests if os.path.exists(os.path.join(S.parts_path(run_dir), d))}
-
-    co = coordinator()
-    written = []                                        # (copy, digests) of each write
-    for copy in (co.saver.store_parts, co.saver.file_parts):
-        def spy(digests, parts, copy=copy, real=copy._write):
-            written.append((type(copy).__name__, set(digests)))
-            real(digests, parts)
-        copy._write = spy
-    co._flush(force=True)
-    first = set(co.saver.store_parts.present)
-    assert first and in_store(first) == first == in_files(first)
-    assert sorted(written) == [("FileParts", first), ("StoreParts", first)]
-    co.ctx.committed = 7                                # no table changed
-    written.clear()
-    co._flush(force=True)
-    assert co.saver.saves == 2 and written == []
-    m = co.ctx.membership.copy()
-    m.workers["w1"], m.workers["w2"] = m.workers["w2"], m.workers["w1"]
-    co.ctx.membership = m                               # a swap: its parts change
-    co._flush(force=True)
-    second = set(co.saver.store_parts.present)
-    assert written and all(d == second - first for _, d in written) and len(written) == 2
-    gone = first - co.saver._named_before
-    assert gone and in_store(gone) == gone              # named by the save before: kept
-    co.ctx.committed = 8
-    co._flush(force=True)                               # two saves on: deleted
-    assert in_store(gone) == set() == in_files(gone) and in_store(second) - gone
-    seq, state, why = S.read_newest(run_dir, co.ctx.store, KEY)
-    assert seq == 4 and why == [] and state["ctx"]["membership"].workers["w1"] == m.workers["w1"]
-    # junk at one part's key: the store's copy is passed over, the run dir's read
-    some = sorted(co.saver._named_before)[0]
-    client(server).set(P.controller_snapshot_part_key(some), "junk")
-    seq, state, why = S.read_newest(run_dir, co.ctx.store, KEY)
-    assert seq == 4 and why[0].startswith("the store's copy") and some in why[0]
-    # and a part file removed as well: neither copy is whole
-    os.unlink(os.path.join(S.parts_path(run_dir), some))
-    with pytest.raises(ValueError, match=f"part {some} is missing"):
-        S.read_newest(run_dir, co.ctx.store, KEY)
-    co.saver.store_parts.present.discard(some)          # (as if never written here)
-    co.saver.file_parts.present.discard(some)
-    co.ctx.committed = 9
-    co._flush(force=True)                               # the part is written again
-    assert S.read_newest(run_dir, co.ctx.store, KEY)[0] == 5
-    # a resumed controller: adopts the parts it read, deletes them once unnamed
-    parts = set()
-    S.read_newest(run_dir, co.ctx.store, KEY, parts)
-    co2 = coordinator()
-    co2.saver.saves = 5
-    co2.saver.adopt(parts)
-    co2.ctx.membership = C.Membership.initial(co2.cfg.layout, names[::-1], ["s0"])
-    for committed in (10, 11):
-        co2.ctx.committed = committed
-        co2._flush(force=True)
-    left = parts - co2.saver._named_before - co2.saver.store_parts.present
-    assert left and in_store(left) == set() == in_files(left)
-    assert S.read_newest(run_dir, co2.ctx.store, KEY)[1]["ctx"]["committed"] == 11
+    def in_files(owner, digests):
+        return {d for d in digests if os.path.exists(S.part_file(run_dir, owner, d))}
+    return run_dir, coordinator, in_store, in_files
 
 
 # --- real jobs ----------------------------------------------------------------------------------

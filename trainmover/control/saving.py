@@ -10,6 +10,7 @@ less often where it is large.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Callable
 
@@ -40,6 +41,10 @@ def _parts(items: list[list[str]]) -> list[list[list[str]]]:
     return parts
 
 
+# How long a resumed controller keeps its predecessor's snapshot parts, in the predecessor's
+# checks for a newer controller (``Saver.adopt``).
+ADOPTED_GRACE_CHECKS = 20
+
 # The most of the controller's time status.json may take: beyond it the file is written less
 # often than controller.status_interval_s (``flush``).
 STATUS_CPU_SHARE = 0.05
@@ -56,11 +61,15 @@ class Saver:
         self.saves = 0           # the number of the last snapshot saved (the run's count)
         self._saved: str | None = None
         self._file_failed = False
-        # each copy's parts of the large tables (``snapshot_codec``), and the parts the save
-        # before the last named (kept: a reader of that snapshot may be fetching them)
-        self.store_parts = snapshot_codec.StoreParts(lambda: ctx.store)
-        self.file_parts = snapshot_codec.FileParts(run_dir)
+        # each copy's parts of the large tables (``snapshot_codec``), under this controller's
+        # own name for them; the parts the save before the last named (kept: a reader of that
+        # snapshot may be fetching them); a predecessor's, and when they may go
+        self.parts_of = secrets.token_hex(8)
+        self.store_parts = snapshot_codec.StoreParts(self.parts_of, lambda: ctx.store)
+        self.file_parts = snapshot_codec.FileParts(self.parts_of, run_dir)
         self._named_before: set[str] = set()
+        self._adopted: list[tuple[str, str]] = []
+        self._adopted_until = 0.0
         self._saved_at = self._status_at = float("-inf")
         self._status_every = ctx.cfg.controller.status_interval_s
 
@@ -94,7 +103,7 @@ class Saver:
                     (time.monotonic() - self._status_at) / STATUS_CPU_SHARE))
             if blob != self._saved:
                 self.saves += 1
-                payload = snapshot_codec.frame(self.saves, blob)
+                payload = snapshot_codec.frame(self.saves, blob, self.parts_of if parts else "")
                 self._save_file(payload, parts)   # first: of the two, the newer one counts
                 self.store_parts.put_parts(parts)
                 ctx.store.set(P.CONTROLLER_SNAPSHOT_KEY, payload)
@@ -103,6 +112,10 @@ class Saver:
                 self.store_parts.drop(keep)
                 self.file_parts.drop(keep)
                 self._named_before = set(parts)
+            if self._adopted and now >= self._adopted_until:
+                self.store_parts.delete(self._adopted)
+                self.file_parts.delete(self._adopted)
+                self._adopted = []
             self.retention.snapshot_saved(exits_seen)
         if not ctx.outbox:
             return
@@ -145,13 +158,15 @@ class Saver:
         send_keys()
         ctx.outbox = []
 
-    def adopt(self, parts: set[str]) -> None:
-        """A resumed controller's: ``parts``, named by the snapshot it read, may be in
-        either copy; they are deleted once no save names them (written again by the first
-        save, as every part is: which of them each copy holds is not known)."""
-        self.store_parts.held |= parts
-        self.file_parts.held |= parts
-        self._named_before = set(parts)
+    def adopt(self, parts: set[tuple[str, str]]) -> None:
+        """A resumed controller's: ``parts`` (whose, digest), named by the snapshot it read,
+        are its predecessor's, which no save of this one names (it writes its own). They
+        are deleted a while after the takeover: ``ADOPTED_GRACE_CHECKS`` of the
+        predecessor's checks for a newer controller, after which it has stepped down (a
+        predecessor still saving for a moment writes snapshots that name them)."""
+        self._adopted = sorted(parts)
+        self._adopted_until = time.monotonic() + \
+            ADOPTED_GRACE_CHECKS * self.ctx.cfg.controller.incarnation_check_s
 
     def _save_file(self, payload: bytes, parts: dict[str, str]) -> None:
         """The run dir's copy of the snapshot (``snapshot_codec``): junk written over the
