@@ -100,9 +100,11 @@ class SimCoordinator(Coordinator):
     queued in the store, as a job's hosts other than 0 find theirs). Each supervision
     round (``_poll`` and the ``_flush`` after it) is timed, with the thread's CPU time."""
 
-    def __init__(self, cfg: JobConfig, run_dir: str, spec: dict, timeout_s: float):
+    def __init__(self, cfg: JobConfig, run_dir: str, spec: dict, timeout_s: float,
+                 sim_procs: int = 1):
         super().__init__(cfg, run_dir, quiet=True, timeout_s=timeout_s)
-        self.spec = spec
+        self.spec, self.sim_procs = spec, sim_procs
+        self.sims: list[subprocess.Popen] = []
         self.rounds: list[list[float]] = []     # [start (epoch s), wall_s, cpu_s]
         self.store_proc: subprocess.Popen | None = None
         self.store_stats = os.path.join(run_dir + ".store", "stats.txt")
@@ -129,11 +131,13 @@ class SimCoordinator(Coordinator):
         ctx.membership = C.Membership.initial(cfg.layout, workers, standbys)
         ctx.outbox.extend(("agent", *ctx.spawn_request(n, standby=False)) for n in workers)
         ctx.outbox.extend(("agent", *ctx.spawn_request(n, standby=True)) for n in standbys)
-        self._agent_proc = subprocess.Popen(
+        self.sims = [subprocess.Popen(
             [sys.executable, "-m", "trainmover.bench.control_sim", "--run-dir", self.run_dir,
-             "--store", ctx.store_addr, "--spec", json.dumps(self.spec)],
-            stdout=open(os.path.join(self.run_dir, "logs", "sim.log"), "ab"),
-            stderr=subprocess.STDOUT)
+             "--store", ctx.store_addr, "--spec", json.dumps(self.spec),
+             "--part", f"{i}/{self.sim_procs}"],
+            stdout=open(os.path.join(self.run_dir, "logs", f"sim{i}.log"), "ab"),
+            stderr=subprocess.STDOUT) for i in range(self.sim_procs)]
+        self._agent_proc = self.sims[0]     # the controller waits for it at the end
         self._connect()
         for name, role in ctx.membership.workers.items():
             ctx.put(P.membership_key(name), role.name)
@@ -155,6 +159,12 @@ class SimCoordinator(Coordinator):
     def _stop_all(self) -> None:
         try:
             super()._stop_all()     # every agent shut down; then the simulator exits
+            for sim in self.sims[1:]:
+                try:
+                    sim.wait(timeout=self.cfg.controller.agent_exit_timeout_s)
+                except subprocess.TimeoutExpired:
+                    sim.kill()
+                    sim.wait()
         finally:
             if self.store_proc is not None:
                 self.store_proc.kill()
@@ -236,10 +246,11 @@ def full_nodes(cfg: JobConfig, full_hosts: int, crashed: str) -> list[int]:
 def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: int,
              standbys: int, timeout_s: float, work_dir: str,
              full_hosts: int | None = None,
-             overrides: list[tuple[str, str | None]] = ()) -> dict:
+             overrides: list[tuple[str, str | None]] = (), sim_procs: int = 1) -> dict:
     """One simulated job of ``workers``: ``warmup`` + ``steady`` steps, a crash, ``after``
-    more steps; ``full_hosts`` of its hosts simulated whole (None: all), the others light.
-    Returns the row of figures (module doc)."""
+    more steps; ``full_hosts`` of its hosts simulated whole (None: all), the others light,
+    shared among ``sim_procs`` simulator processes. Returns the row of figures (module
+    doc)."""
     cfg = sim_config(workers, standbys, overrides)
     run_dir = tempfile.mkdtemp(prefix=f"control-{workers}-", dir=work_dir)
     os.rmdir(run_dir)
@@ -249,7 +260,7 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
     full = None if full_hosts is None else full_nodes(cfg, full_hosts, crashed)
     spec = {"compute_s": compute_s, "crashes": {crashed: crash_step}, "full_nodes": full,
             "samples_path": os.path.join(run_dir + ".store", "samples.json")}
-    coord = SimCoordinator(cfg, run_dir, spec, timeout_s)
+    coord = SimCoordinator(cfg, run_dir, spec, timeout_s, sim_procs)
     box: dict = {}
 
     def run():
@@ -270,8 +281,9 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
     target = crash_step + after
     deadline = time.monotonic() + timeout_s
     while thread.is_alive() and time.monotonic() < deadline:
-        if sampler is None and coord.store_proc is not None and coord._agent_proc is not None:
-            sampler = CpuSampler({"store": coord.store_proc.pid, "sim": coord._agent_proc.pid})
+        if sampler is None and coord.store_proc is not None and coord.sims:
+            sampler = CpuSampler({"store": coord.store_proc.pid,
+                                  **{f"sim{i}": p.pid for i, p in enumerate(coord.sims)}})
         if coord.progress.last_step >= target and not coord.recovery.active and \
                 not coord.recovery.awaiting:
             break
@@ -294,8 +306,10 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
 def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSampler,
              workers: int, warmup: int, crash_step: int, compute_s: float,
              wall_s: float) -> dict:
-    with open(spec["samples_path"]) as f:
-        rows = json.load(f)["rows"]
+    rows = []
+    for i in range(coord.sim_procs):
+        with open(f"{spec['samples_path']}.{i}") as f:
+            rows += json.load(f)["rows"]
     # the steady steps: after the warm-up, before the step the crash interrupts; the
     # workers' own (light hosts' rows are their agents': no channel, no local vote)
     steady = [r for r in rows if r[1] == 0 and warmup <= r[2] < crash_step - 1
@@ -324,7 +338,10 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
         "vote_call_p50_ms": 1000 * quantile(vote, 0.5),
         "root_store_rps": rate(served, t0, t1),
         "store_cpu_share": rate(sampler.samples["store"], t0, t1),
-        "sim_cpu_share": rate(sampler.samples["sim"], t0, t1),
+        # the busiest simulator process's (each is one core's worth at most)
+        "sim_cpu_share": max(rate(sampler.samples[f"sim{i}"], t0, t1) or 0.0
+                             for i in range(coord.sim_procs)),
+        "sim_procs": coord.sim_procs,
         "controller_round_ms": 1000 * quantile([r[1] for r in rounds], 0.5),
         "controller_round_p99_ms": 1000 * quantile([r[1] for r in rounds], 0.99),
         "controller_round_max_ms": 1000 * max(r[1] for r in rounds),
@@ -341,7 +358,9 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
                   after: int, standbys: int, timeout_s: float, out_dir: str,
                   name: str = "control", keep: bool = False,
                   full_hosts: int | None = 4,
-                  overrides: list[tuple[str, str | None]] = ()) -> dict:
+                  overrides: list[tuple[str, str | None]] = (), sim_procs: int = 1) -> dict:
+    if sim_procs < 1:
+        raise ValueError(f"--sim-procs {sim_procs}: at least one simulator process")
     for n in sizes:      # a bad setting is named before anything starts
         sim_config(n, standbys, overrides)
     work_dir = tempfile.mkdtemp(prefix="tm-control-")
@@ -351,7 +370,7 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
             for n in sizes:
                 t = time.time()
                 row = run_once(n, compute_s, warmup, steady, after, standbys, timeout_s,
-                               work_dir, full_hosts, overrides)
+                               work_dir, full_hosts, overrides, sim_procs)
                 row["repeat"] = rep
                 rows.append(row)
                 print(f"control: {n} workers, repeat {rep + 1}/{repeats}: step overhead p50 "
@@ -371,7 +390,7 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
               "settings": {"compute_s": compute_s, "warmup": warmup, "steady": steady,
                            "after": after, "standbys": standbys, "repeats": repeats,
                            "overrides": {k: v for k, v in overrides},
-                           "full_hosts": full_hosts},
+                           "full_hosts": full_hosts, "sim_procs": sim_procs},
               "results": rows}
     write_result(out_dir, name, result, control_table(result))
     return result
@@ -403,7 +422,10 @@ def control_table(result: dict) -> str:
                 f"worker's (the step overhead is their workers'); the others light (their "
                 f"agents relay their workers' votes and beats without channels).")
              + "".join(f" The simulated job's {k} = {v} (the default changed)." for k, v in
-                       result["settings"].get("overrides", {}).items()), "",
+                       result["settings"].get("overrides", {}).items())
+             + (f" The simulated hosts are shared among {procs} simulator processes "
+                f"(simulator CPU: the busiest one's)."
+                if (procs := result["settings"].get("sim_procs", 1)) > 1 else ""), "",
              "| workers (hosts, whole) | " + " | ".join(c[1] for c in COLUMNS) + " |",
              "|---|" + "---|" * len(COLUMNS)]
     for n, rows in sorted(by_size.items()):

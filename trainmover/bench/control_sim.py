@@ -18,8 +18,9 @@ What runs as in a job, and what stands in for it:
 Each worker records, per committed step, its *control overhead*: the time from one decision
 it saw to the next, less the step's compute. That is what the control plane adds to a step
 (the vote, and the skew of the step starts its decisions fan out), and what the benchmark
-reports. One process runs every simulated host: its CPU is the simulator's limit, reported
-beside the figures (``sim_cpu_share``).
+reports. One process (``--part I/K``: each of K processes) runs the simulated hosts (those
+whose number is I modulo K): its CPU is the simulator's limit, reported beside the figures
+(``sim_cpu_share``: the busiest process's).
 """
 from gevent import monkey
 
@@ -507,7 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--store", required=True, help="HOST:PORT")
     p.add_argument("--spec", required=True, help="SimSpec as JSON")
+    p.add_argument("--part", default="0/1", help="I/K: this process simulates the hosts "
+                   "whose number is I modulo K (K processes share the hosts)")
     args = p.parse_args(argv)
+    part, _, parts = args.part.partition("/")
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)     # never outlives the benchmark
     raise_open_files(1 << 20)
     spec = SimSpec(**json.loads(args.spec))
@@ -518,10 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     full = set(range(cfg.hosts.nnodes) if spec.full_nodes is None else spec.full_nodes)
     agents = [(SimAgent if node in full else LightAgent)(args.run_dir, host, int(port), cfg,
                                                          node, spec, samples, run_key)
-              for node in range(cfg.hosts.nnodes)]
+              for node in range(cfg.hosts.nnodes) if node % int(parts) == int(part)]
     jobs = [gevent.spawn(a.serve, []) for a in agents]
     gevent.joinall(jobs)
-    with open(spec.samples_path, "w") as f:
+    with open(f"{spec.samples_path}.{part}", "w") as f:
         json.dump({"rows": samples.rows,
                    "cpu_s": sum(os.times()[:2])}, f)
     return 0

@@ -314,7 +314,7 @@ def main(args) -> int:
         bench_control(parse_sizes(args.workers), args.repeats, args.compute_s, WARMUP_STEPS,
                       args.steady, WARMUP_STEPS, args.standbys, args.timeout_s, args.out,
                       args.name, keep=args.keep, full_hosts=args.full_hosts or None,
-                      overrides=args.overrides)
+                      overrides=args.overrides, sim_procs=args.sim_procs)
         return 0
     if args.bench == "soak":
         from trainmover.bench.soak import bench_soak

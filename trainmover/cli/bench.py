@@ -308,6 +308,9 @@ def add_bench_parser(sub) -> None:
                           "with the reporter's and the crashed worker's): the others are "
                           "light, their agents relaying their workers' votes and beats "
                           "themselves (the root store and controller see the same); 0: all")
+    ctl.add_argument("--sim-procs", type=int, default=1,
+                     help="processes the simulated hosts are shared among (each one core's "
+                          "worth at most: past ~2K workers one saturates)")
     ctl.add_argument("--timeout-s", type=float, default=600.0,
                      help="the most one simulated job may take")
     ctl.add_argument("--keep", action="store_true",
