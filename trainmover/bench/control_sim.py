@@ -471,6 +471,10 @@ class LightAgent(SimAgent):
         workers = [c.worker for c in self.children.values()]
         for w in workers:
             w.ready.wait()
+            # its client for the job's life (this greenlet's, which reports its failures):
+            # a worker keeps its store clients from its start, so a recovery opens none
+            # (2,048 connections opened at a crash were ~3 s of this process's time)
+            w.stores.get()
         epoch, step, compute_s = 0, 0, self.spec.compute_s
         while True:
             abort = self.abort_of(epoch)
