@@ -34,6 +34,7 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 import gevent  # noqa: E402
@@ -63,13 +64,19 @@ class SimSpec:
 
 class SimStores:
     """What the worker classes take as ``stores`` (``comm.groups.StoreClients``): one
-    authenticated client per greenlet, as a worker has one per thread."""
+    authenticated client per greenlet, as a worker has one per thread; or (``shared``, a
+    light worker's, whose store traffic runs in one greenlet at a time) one client for the
+    worker's life, as a worker's main thread keeps its client: a light host's workers then
+    hold a connection each, not one per greenlet of a recovery (at 8K workers that was
+    past the store's descriptor limit here)."""
 
-    def __init__(self, host: str, port: int, run_key: bytes, timeout_s: float):
+    def __init__(self, host: str, port: int, run_key: bytes, timeout_s: float,
+                 shared: bool = False):
         self.host, self.port, self.run_key, self.timeout_s = host, port, run_key, timeout_s
         self.on_reject = None
         self.closed = False
-        self._local = threading.local()
+        self.shared = shared
+        self._local = threading.local() if not shared else SimpleNamespace(store=None)
         self._clients: list[kvstore.KVClient] = []
 
     def get(self) -> AuthStore:
@@ -83,9 +90,15 @@ class SimStores:
         return store
 
     def release(self) -> None:
-        """The calling greenlet is done with its client: closed (a greenlet killed in the
-        middle of a request leaves its connection out of step) and forgotten, so that a
-        short-lived greenlet a recovery holds no descriptor after it."""
+        """The calling greenlet is done with its client: closed and forgotten, so that a
+        short-lived greenlet of a recovery holds no descriptor after it (a shared client is
+        kept)."""
+        if not self.shared:
+            self.reset()
+
+    def reset(self) -> None:
+        """The calling greenlet's client is closed and forgotten (a greenlet killed in the
+        middle of a request leaves its connection out of step)."""
         store = getattr(self._local, "store", None)
         if store is not None:
             self._local.store = None
@@ -193,8 +206,9 @@ class _Recovers:
             elif not abort.is_set():
                 work.get()             # a failure of its own: raised
             self.epoch = cmd.epoch
+            store = self.stores.get()  # (a shared client the killed work reset: anew)
             self._report(store, cmd.resume_step)
-        store.add(P.recovered_count_key(cmd.recovery_id), 1)
+        self.stores.get().add(P.recovered_count_key(cmd.recovery_id), 1)
         self.epoch, self.step = cmd.epoch, cmd.resume_step
 
     def _plan_abort(self, epoch: int) -> AbortSignal:
@@ -209,6 +223,9 @@ class _Recovers:
             self._rebuild(cmd.groups)
             for send in cmd.send_states or []:
                 self._rendezvous(send.transfer_group, send.transfer_generation, 0, 2)
+        except gevent.GreenletExit:
+            self.stores.reset()        # killed (an abort) maybe in a request
+            raise
         finally:
             self.stores.release()
 
@@ -376,7 +393,7 @@ class LightWorker(_Recovers):
         self.agent, self.cfg, self.layout = agent, agent.cfg, agent.cfg.layout
         self.name, self.channel = req.name, None
         self.stores = SimStores(agent.host, agent.port, agent.run_key,
-                                self.cfg.comm.group_timeout_s)
+                                self.cfg.comm.group_timeout_s, shared=True)
         self.proc = SimProcess(self)
         self.role: Role | None = None
         self.epoch, self.step, self.collectives = 0, 0, 0
@@ -391,11 +408,8 @@ class LightWorker(_Recovers):
         self.agent._perfs.received(self.name, P.read_perf_message(message))
 
     def _start(self) -> None:
-        store = self.stores.get()
+        store = self.stores.get()        # kept for the worker's life (shared)
         self.role = Role.parse(store.get(P.membership_key(self.name)).decode())
-        # this greenlet ends here: its client would hold a descriptor for nothing (one
-        # process holds every light worker's, under its descriptor limit)
-        self.stores.release()
         self.commands = CommandChannel(self.stores, None, self.name)   # filled by its agent
         self.ready.set()
 
@@ -471,10 +485,6 @@ class LightAgent(SimAgent):
         workers = [c.worker for c in self.children.values()]
         for w in workers:
             w.ready.wait()
-            # its client for the job's life (this greenlet's, which reports its failures):
-            # a worker keeps its store clients from its start, so a recovery opens none
-            # (2,048 connections opened at a crash were ~3 s of this process's time)
-            w.stores.get()
         epoch, step, compute_s = 0, 0, self.spec.compute_s
         while True:
             abort = self.abort_of(epoch)
