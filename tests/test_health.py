@@ -338,3 +338,49 @@ def test_the_hosts_whose_beats_announce_new_measurements_are_handed_to_the_strag
     assert health.perf_moved() == {0}              # two moves between calls: once
     look({0: 3, 2: 1}, pid=777)                    # host 2's agent restarted: seq 1 anew
     assert health.perf_moved() == {2}
+
+
+def test_the_survivors_reports_are_read_when_their_counter_moved_or_after_the_reread_time(
+        monkeypatch):
+    """A recovery collecting reports reads the unread survivors' keys only when the epoch's
+    report counter moved (not thousands of keys every round), and after
+    ``recovery.report_reread_s`` whatever the counter says: a counter held still by another
+    user (it is unsigned) does not hold the plan back for longer."""
+    from trainmover.comm.groups import start_store_server
+    from trainmover.control.recovery import Recovery
+    from trainmover.core.auth import AuthStore
+    from trainmover.core.config import JobConfig
+
+    key = b"k" * 64
+    srv = start_store_server(timeout_s=10, run_key=key)
+    try:
+        store = AuthStore(srv.client(), key)
+        cfg = JobConfig()
+        cfg.recovery.report_reread_s = 0.5
+        rec = Recovery.__new__(Recovery)
+        rec.ctx = SimpleNamespace(store=store, cfg=cfg,
+                                  events=SimpleNamespace(emit=lambda *a, **k: None))
+        rec._reports_counted, rec._reports_read_at = None, float("-inf")
+        clock = [100.0]
+        monkeypatch.setattr("trainmover.control.recovery.time.monotonic", lambda: clock[0])
+
+        def report(w, count=True):
+            store.set(P.failure_key(3, w), P.write_message(P.FailureReport(7, "aborted", False,
+                                                                           {})))
+            if count:
+                store.add(P.failure_count_key(3), 1)
+
+        survivors = ["w0", "w1", "w2"]
+        assert rec._new_reports(3, survivors) == {}             # first look: read, none yet
+        report("w0")
+        assert set(rec._new_reports(3, survivors)) == {"w0"}    # the counter moved
+        report("w1", count=False)                               # its add not there yet
+        clock[0] += 0.1
+        assert rec._new_reports(3, ["w1", "w2"]) == {}          # not read: nothing moved
+        clock[0] += 0.5
+        assert set(rec._new_reports(3, ["w1", "w2"])) == {"w1"}  # read again after 0.5 s
+        report("w2")
+        assert set(rec._new_reports(3, ["w2"])) == {"w2"}
+        assert set(rec._new_reports(4, ["w2"])) == set()        # another epoch: read
+    finally:
+        srv.close()
