@@ -401,7 +401,7 @@ class Coordinator:
                                  f"pass --force to take over anyway")
         # the newest genuine copy, the store's or the run dir's: junk at the store's key
         # (anyone can write it) or an older genuine value put back there is passed over
-        parts: set[str] = set()
+        parts: set[tuple[str, str]] = set()
         try:
             self.saver.saves, state, passed_over = snapshot_codec.read_newest(
                 run_dir, probe, self._run_key, parts)

@@ -10,16 +10,16 @@ older genuine one, but not into the run dir (the job's user's alone), so a reade
 newest genuine copy of the two (``read_newest``) and junk at the key costs nothing.
 
 A large table (at least ``controller.snapshot_part_min_bytes`` of JSON: the membership and
-process tables from a few hundred workers) is kept as parts, each under its digest: in the store at
-``controller/snapshot_part/<whose>/<digest>`` (signed like every value), in the run dir in
-``controller.snapshot.parts/<whose>-<digest>`` (whose: a name each controller draws for its
-own parts, in its snapshots' frame); the snapshot names them. A save writes the parts a
-copy does not hold yet, then the snapshot, then deletes the parts of its own that neither
-this save nor the one before names (a reader that read the previous snapshot still finds
-its parts); a resumed controller deletes the parts of the snapshot it read a while after it
-took over, once its predecessor has stepped down (``Saver.adopt``):
-a busy round at 16K workers writes the few parts it changed instead of 4.8 MB twice. A part
-is checked against its digest when read, so a part that is not what the (signed) snapshot
+process tables from a few hundred workers) is kept as parts, each under its digest: in the
+store at ``controller/snapshot_part/<whose>/<digest>`` (signed like every value), in the
+run dir in ``controller.snapshot.parts/<whose>-<digest>`` (whose: a name each controller
+draws for its own parts, in its snapshots' frame); the snapshot names them. A save writes
+the parts a copy does not hold yet, then the snapshot, then deletes the parts of its own
+that neither this save nor the one before names (a reader that read the previous snapshot
+still finds its parts); a resumed controller deletes the parts of the snapshot it read a
+while after it took over, once its predecessor has stepped down (``Saver.adopt``). A busy
+round at 16K workers writes the few parts it changed instead of 4.8 MB twice. A part is
+checked against its digest when read, so a part that is not what the (signed) snapshot
 names is refused like junk.
 """
 from __future__ import annotations
