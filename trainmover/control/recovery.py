@@ -78,9 +78,6 @@ class Recovery:
         self.failed_workers: set[str] = set()
         self.awaiting: list[ActiveRecovery] = []   # done, downtime not yet known
         self._committed_read_at = float("-inf")
-        # the report counter's value at the last read of reports, and when (``_new_reports``)
-        self._reports_counted: tuple[int, int] | None = None
-        self._reports_read_at = float("-inf")
         self.skipped_checkpoints: list[int] = []   # reported once each
         # snapshot steps a plan failed with (an unreachable or broken copy): not used again,
         # the next plan takes an older snapshot or a checkpoint
@@ -152,7 +149,7 @@ class Recovery:
                 return self._after_the_last_step(list(rec.failures.values()))
             survivors = [w for w in ctx.membership.workers if w not in rec.failures]
             unread = [w for w in survivors if w not in rec.reports]
-            read = self._new_reports(rec.epoch, unread)
+            read = read_failure_reports(ctx, rec.epoch, unread)
             now = time.time()
             if read:
                 rec.reports.update(read)
@@ -187,20 +184,6 @@ class Recovery:
             count = ctx.store.add(P.recovered_count_key(rec.recovery_id), 0)
             if count >= len(participants):
                 self._complete(rec)
-
-    def _new_reports(self, epoch: int, unread: list[str]) -> dict[str, P.FailureReport]:
-        """The reports of ``unread`` survivors that came: read when the epoch's report
-        counter moved since the last read, or ``recovery.report_reread_s`` after it, else
-        none. Reading every unread survivor's key every round was, while thousands of
-        reports came in, thousands of keys looked up at the store 50 times a second."""
-        ctx = self.ctx
-        count = ctx.store.add(P.failure_count_key(epoch), 0)
-        now = time.monotonic()
-        if (epoch, count) == self._reports_counted and \
-                now - self._reports_read_at < ctx.cfg.recovery.report_reread_s:
-            return {}
-        self._reports_counted, self._reports_read_at = (epoch, count), now
-        return read_failure_reports(ctx, epoch, unread)
 
     def _all_committed(self, failed: set[str]) -> bool:
         """The job's last step is committed: known from the step count, or because a

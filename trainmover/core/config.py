@@ -544,10 +544,6 @@ class RecoveryConfig:
     # large job's, queued at the store) it waits on, up to ``report_wait_max_s``.
     report_timeout_s: float = 6.0
     report_wait_max_s: float = 120.0
-    # While reports come in, the controller reads the ones not read yet when the epoch's
-    # report counter moved, and at least this often whatever it says (the counter is
-    # unsigned: one held still by another user delays a plan by at most this).
-    report_reread_s: float = 0.5
     # A failure with no free standby: start a replacement process (a new standby, promoted
     # as soon as it runs; the job waits for it, "degraded") instead of stopping the job.
     replace_without_standby: bool = True
@@ -562,7 +558,7 @@ class RecoveryConfig:
 
     def validate(self) -> None:
         _seconds("recovery", report_timeout_s=self.report_timeout_s,
-                 report_wait_max_s=self.report_wait_max_s, report_reread_s=self.report_reread_s)
+                 report_wait_max_s=self.report_wait_max_s)
         if self.report_wait_max_s < self.report_timeout_s:
             raise ValueError(f"recovery.report_wait_max_s={self.report_wait_max_s} is less "
                              f"than recovery.report_timeout_s={self.report_timeout_s}")
