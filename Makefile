@@ -75,9 +75,11 @@ benchmarks: install bench-quick
 	$(BIN)/trainmover bench control --workers 256,512,1024,2048 --name control_scaling
 	$(BIN)/trainmover bench control --workers 4096 --health.silence_floor_s=5 \
 		--name control_4096
+	$(BIN)/trainmover bench control --workers 1024,2048,4096 --sim-procs 2 \
+		--health.silence_floor_s=5 --name control_simprocs
 	$(BIN)/trainmover project --bench benchmarks/results/downtime-eager.json \
 		--bench benchmarks/results/downtime-failures-eager.json \
-		--control benchmarks/results/control_scaling.json
+		--control benchmarks/results/control_simprocs.json
 	$(BIN)/trainmover bench checkpoint
 	$(BIN)/trainmover bench sources
 	$(BIN)/trainmover bench straggler --json benchmarks/results/straggler_results.json
