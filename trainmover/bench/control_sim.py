@@ -34,8 +34,8 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import gevent  # noqa: E402
 import gevent.event  # noqa: E402
