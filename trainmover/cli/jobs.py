@@ -146,7 +146,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         serve_when_started(coord.started, coord.run_dir, coord.cfg.dashboard,
                            say=lambda line: print(line, flush=True))
     try:
-        summary = coord.run()
+        summary = coord.run(own_process=True)    # this process is the job's controller
     except Superseded as exc:
         print(f"trainmover: this controller stepped down: {exc}", file=sys.stderr)
         return 3
