@@ -1,0 +1,129 @@
+"""What the survivors' failure reports of one recovery cost the job's store and the
+controller, one report a worker as today (issue #24: the term of a crash's control time that
+grows with N once the rest is by host).
+
+    python benchmarks/report_cost.py --workers 2048,16384 --repeats 3 [--out DIR]
+
+The store (``core/kvserver.py``, one thread, as a job's) runs in a process of its own. Each
+survivor's report is written as ``worker/recover.report_failure`` writes it: its signed
+``FailureReport`` (the accounting of 3 groups, as a DP x PP x TP worker's) at its key, then
+one ``add`` to the epoch's count, from 8 client connections in turn (the store sees the
+same requests; the clients' own time is not counted). Measured: the store process's CPU
+for those 2N requests (from /proc), and the controller's ``read_failure_reports`` of every
+survivor (``control/health.py``: batched reads, signatures checked, messages decoded) on
+this process's CPU. Prints seconds per recovery."""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trainmover.bench.report import git_commit, machine_description, write_result  # noqa: E402
+from trainmover.control.health import read_failure_reports  # noqa: E402
+from trainmover.core import kvstore  # noqa: E402
+from trainmover.core import protocol as P  # noqa: E402
+from trainmover.core.auth import AuthStore  # noqa: E402
+
+KEY = b"r" * 32
+SERVER = """
+import sys
+from trainmover.core import kvserver
+from trainmover.core.proc import raise_open_files
+raise_open_files(1 << 20)
+s = kvserver.serve(bytes.fromhex(sys.argv[1]))
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+CLIENTS = 8
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def report(step: int) -> bytes:
+    acct = {"coll": 812, "sent": 0, "recv": 0, "pending": 1, "generation": 0}
+    return P.write_message(P.FailureReport(step, "aborted: a peer failed", False,
+                                           {"dp.pp3.tp5": acct, "tp.dp7.pp3": acct,
+                                            "p2p.dp7.tp5.pp3-4": acct}))
+
+
+def measure(server, port: int, n: int, epoch: int) -> dict:
+    stores = [AuthStore(kvstore.connect("127.0.0.1", port, KEY, 60.0), KEY)
+              for _ in range(CLIENTS)]
+    workers = [f"w{i}" for i in range(n)]
+    payload = report(41)
+    before = cpu_s(server.pid)
+    for i, w in enumerate(workers):
+        store = stores[i % CLIENTS]
+        store.set(P.failure_key(epoch, w), payload)
+        store.add(P.failure_count_key(epoch), 1)
+    stores[0].check(["x"])        # every request above answered before the reading
+    store_cpu = cpu_s(server.pid) - before
+    ctx = SimpleNamespace(store=stores[0], events=SimpleNamespace(emit=lambda *a, **k: None))
+    t0, c0 = time.perf_counter(), time.process_time()
+    got = read_failure_reports(ctx, epoch, workers)
+    read_s, read_cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert len(got) == n
+    for s in stores:
+        s.raw.close()
+    return {"store_cpu_s": store_cpu, "read_s": read_s, "read_cpu_s": read_cpu,
+            "bytes": n * len(payload)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", default="2048,16384")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", help="write report_cost.md/.json here")
+    args = ap.parse_args()
+    server = subprocess.Popen([sys.executable, "-c", SERVER, KEY.hex()],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rows, epoch = [], 0
+    try:
+        port = int(server.stdout.readline())
+        for n in [int(x) for x in args.workers.split(",")]:
+            runs = []
+            for _ in range(args.repeats):
+                epoch += 1
+                runs.append(measure(server, port, n, epoch))
+            rows.append({"workers": n, "runs": runs})
+    finally:
+        server.kill()
+        server.wait()
+
+    def cell(key, n_digits=3):
+        return lambda runs: (f"{statistics.median(r[key] for r in runs):.{n_digits}f} "
+                             f"({min(r[key] for r in runs):.{n_digits}f}-"
+                             f"{max(r[key] for r in runs):.{n_digits}f})")
+    lines = ["# The survivors' failure reports of one recovery: the store's and the "
+             "controller's cost", "",
+             f"`python benchmarks/report_cost.py --workers {args.workers} --repeats "
+             f"{args.repeats}`; commit {git_commit()}; {machine_description()['cores']} "
+             f"cores. Median (min-max) over the repeats (the module doc says what is "
+             f"measured).", "",
+             "| survivors | requests at the store | store CPU (s) | controller's read (s) | "
+             "its CPU (s) | report bytes (MB) |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        runs = row["runs"]
+        lines.append(f"| {row['workers']} | {2 * row['workers']} | "
+                     f"{cell('store_cpu_s')(runs)} | {cell('read_s')(runs)} | "
+                     f"{cell('read_cpu_s')(runs)} | {runs[0]['bytes'] / 1e6:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        write_result(args.out, "report_cost", {"benchmark": "report_cost",
+                                               "commit": git_commit(), "rows": rows,
+                                               "machine": machine_description()}, text)
+
+
+if __name__ == "__main__":
+    main()
