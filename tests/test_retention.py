@@ -135,13 +135,15 @@ def test_keys_go_only_once_the_snapshot_that_no_longer_needs_them_is_saved():
 
     store = Store()
     membership = SimpleNamespace(generations={}, standbys={}, workers={})
-    ret = Retention(SimpleNamespace(store=store, membership=membership))
+    ret = Retention(SimpleNamespace(store=store, membership=membership,
+                                    procs=SimpleNamespace(nnodes=2)))
     ret.recovery_done(7, [1], ["w0", "w1"], failed=["w1"])
     ret.migration_done(2, ["w0"], [])
     assert store.deleted == []
     ret.snapshot_saved(exits_seen=1)
     assert P.recovered_count_key(7) in store.deleted
     assert P.failure_key(1, "w0") in store.deleted and P.membership_key("w1") in store.deleted
+    assert P.host_reports_key(1, 1) in store.deleted
     assert P.mig_key(2, "go") in store.deleted and P.agent_exit_key(1) in store.deleted
     store.deleted.clear()
     ret.snapshot_saved(exits_seen=1)

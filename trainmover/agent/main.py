@@ -44,6 +44,7 @@ from trainmover.agent.beat import HostBeat
 from trainmover.agent.failover import ControllerWatch
 from trainmover.agent.feeds import FenceWatch, RequestFeed
 from trainmover.agent.perfs import Perfs
+from trainmover.agent.reports import Reports
 from trainmover.agent.votes import Channels, VoteRelay, send_on
 from trainmover.agent.snapshots import SnapshotServer
 from trainmover.core import jobfile, kvserver, kvstore, rundir, storeaddr
@@ -332,7 +333,8 @@ class Agent:
     # --- the controller ----------------------------------------------------------------------
     def _watch(self, now: float) -> str | None:
         """Why this agent must stop (None: it goes on)."""
-        for part in (self._host_beat, self._relay, self._aborts, self._commands):
+        for part in (self._host_beat, self._relay, self._aborts, self._commands,
+                     self._reports):
             if part.error is not None:
                 raise part.error
         if self.node == 0 and not self.etcd:
@@ -399,8 +401,17 @@ class Agent:
             client(), self.node, self.deliver,
             on_reject=lambda key, why: self.events.emit("message_rejected", key=key,
                                                         error=why, level="error"))
+        # its processes' failure reports, one value a host and epoch (agent/reports.py)
+        self._reports = Reports(
+            client(), self.node, self.cfg.agent.vote_coalesce_s,
+            lambda: {c.name for c in list(self.children.values())
+                     if not c.standby and c.proc.poll() is None},
+            on_reject=lambda name, why: self.events.emit(
+                "message_rejected", key=f"channel of {name}", error=why, level="error"))
         self._channels = Channels(self._relay.vote, self._aborts.watch,
-                                  lambda child, raw: self._perfs.received(child.name, raw))
+                                  lambda child, raw: self._perfs.received(child.name, raw),
+                                  lambda child, epoch, raw: self._reports.received(
+                                      child.name, epoch, raw))
         for c in self.children.values():
             if c.channel is not None:
                 self._track(c, c.standby)

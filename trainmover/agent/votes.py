@@ -51,11 +51,13 @@ class Channels:
     """Reads every message the agent's processes send on their channels: beats are
     counted on the process's record (``Child.beats``), votes handed to ``on_vote``, asks
     for an epoch's abort to ``on_watch`` (``agent/aborts.py``), step measurements to
-    ``on_perf`` (``agent/perfs.py``). The channels are closed
+    ``on_perf`` (``agent/perfs.py``), failure reports to ``on_report``
+    (``agent/reports.py``). The channels are closed
     here (``remove``), never under this thread's ``select``."""
 
-    def __init__(self, on_vote, on_watch=None, on_perf=None):
+    def __init__(self, on_vote, on_watch=None, on_perf=None, on_report=None):
         self.on_vote, self.on_watch, self.on_perf = on_vote, on_watch, on_perf
+        self.on_report = on_report
         self._lock = threading.Lock()
         self._open: dict[int, object] = {}          # descriptor -> the process's record
         self._closing: list = []
@@ -130,8 +132,13 @@ class Channels:
                     self.on_watch(child, epoch)
                 continue
             perf = P.read_perf_message(raw)
-            if perf is not None and self.on_perf is not None:
-                self.on_perf(child, perf)
+            if perf is not None:
+                if self.on_perf is not None:
+                    self.on_perf(child, perf)
+                continue
+            report = P.read_report_message(raw)
+            if report is not None and self.on_report is not None:
+                self.on_report(child, *report)
 
 
 @dataclass

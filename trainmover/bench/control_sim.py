@@ -182,9 +182,8 @@ class _Recovers:
         accounting = {name: {"coll": self.collectives, "sent": 0, "recv": 0, "pending": 0,
                              "generation": self.generations.get(name, 0)}
                       for name in self._groups()}
-        store.set(P.failure_key(self.epoch, self.name), P.write_message(
-            P.FailureReport(step, "aborted", False, accounting)))
-        store.add(P.failure_count_key(self.epoch), 1)
+        # to its agent, as a worker sends it on its channel (agent/reports.py)
+        self._send_report(self.epoch, P.FailureReport(step, "aborted", False, accounting))
 
     def _recover(self, store) -> None:
         self._report(store, self.step)
@@ -344,6 +343,9 @@ class SimWorker(_Recovers):
     def _send_perf(self, message: bytes) -> None:
         self.inbox.send(message)
 
+    def _send_report(self, epoch: int, report: P.FailureReport) -> None:
+        self.inbox.send(P.report_message(epoch, report))
+
     def _join(self, cmd: P.AssignRecovery) -> None:
         """A standby promoted by a recovery: the role's groups, its state's channels."""
         self.role = Role.parse(cmd.role)
@@ -383,10 +385,10 @@ class SimAgent(Agent):
 
 
 class LightWorker(_Recovers):
-    """A worker of a light host: its own store traffic as a worker's (failure report,
-    rendezvous, recovery count), but for its beats and votes, which its agent makes for all
-    of its workers at once, its commands, which its agent puts in its queue instead of on a
-    channel, and its step measurements, which it hands its agent as its channel's reader
+    """A worker of a light host: its own store traffic as a worker's (rendezvous, recovery
+    count), but for its beats and votes, which its agent makes for all of its workers at
+    once, its commands, which its agent puts in its queue instead of on a channel, and its
+    step measurements and failure reports, which it hands its agent as its channel's reader
     would (``LightAgent``)."""
 
     def __init__(self, agent: "LightAgent", req: P.AgentSpawn):
@@ -406,6 +408,9 @@ class LightWorker(_Recovers):
 
     def _send_perf(self, message: bytes) -> None:
         self.agent._perfs.received(self.name, P.read_perf_message(message))
+
+    def _send_report(self, epoch: int, report: P.FailureReport) -> None:
+        self.agent._reports.received(self.name, epoch, P.write_message(report).encode())
 
     def _start(self) -> None:
         store = self.stores.get()        # kept for the worker's life (shared)

@@ -390,20 +390,39 @@ def moved(seen: tuple[int, int] | None, pid: int, seq: int) -> bool:
     return seen is None or seen[0] != pid or seq > seen[1]
 
 
-def read_failure_report(ctx: JobContext, epoch: int, worker: str) -> P.FailureReport | None:
-    """The worker's own account of a failed step in ``epoch``, if it wrote one. A malformed
-    one is logged and read as "no report" (its writer is then fenced as silent)."""
-    return ctx.read(P.FailureReport, P.failure_key(epoch, worker))
-
-
 def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
                          ) -> dict[str, P.FailureReport]:
-    """``read_failure_report`` of many workers, ``KEYS_PER_READ`` keys a request (a
-    recovery's survivors are every worker but the failed: one round trip each was most of
-    the time from a crash to its plan at a thousand workers)."""
-    out = {}
-    keys = [P.failure_key(epoch, w) for w in workers]
-    for w, key, raw in zip(workers, keys, read_valid(ctx.store, keys)):
+    """The failure reports in ``epoch`` of ``workers`` that came: from their hosts' values
+    (``P.HostReports``, written by the agents: one key a host), a worker's report only from
+    its own host's; a worker whose host is not known, from its own key (a process no agent
+    started writes it there). ``KEYS_PER_READ`` keys a request."""
+    out: dict[str, P.FailureReport] = {}
+    by_host: dict[int, set[str]] = {}
+    own = []
+    for w in workers:
+        node = ctx.hosts.get(w) if hasattr(ctx, "hosts") else None
+        if node is None:
+            own.append(w)
+        else:
+            by_host.setdefault(node, set()).add(w)
+    nodes = sorted(by_host)
+    keys = [P.host_reports_key(n, epoch) for n in nodes]
+    for node, key, raw in zip(nodes, keys, read_valid(ctx.store, keys)):
+        if raw is None:
+            continue
+        try:
+            host = P.read_message(P.HostReports, raw)
+        except P.MessageError as exc:
+            ctx.events.emit("message_rejected", key=key, error=str(exc))
+            continue
+        if host.epoch != epoch:
+            ctx.events.emit("message_rejected", key=key, error=f"epoch {host.epoch}")
+            continue
+        for w, report in host.reports.items():
+            if w in by_host[node]:
+                out[w] = report
+    keys = [P.failure_key(epoch, w) for w in own]
+    for w, key, raw in zip(own, keys, read_valid(ctx.store, keys)):
         if raw is None:
             continue
         try:

@@ -146,8 +146,11 @@ class Retention:
             self.process_gone(w)
         self.replaced_groups(channels)
         self._drop(P.recovered_count_key(recovery_id))
+        nodes = range(self.ctx.procs.nnodes)
         for epoch in epochs:
             self._drop(P.abort_key(epoch))
             self._drop(P.failure_count_key(epoch))
             for w in workers:
                 self._drop(P.failure_key(epoch, w))
+            for node in nodes:
+                self._drop(P.host_reports_key(node, epoch))

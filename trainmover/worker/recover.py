@@ -37,13 +37,24 @@ BUILD_ABORT_POLL_S = 0.001
 
 def report_failure(ctx, step: int, error: str, groups: CommGroups) -> None:
     """Tell the controller what this worker saw: the error, whether its own communicator
-    failed, and each group's operation accounting (which groups are still consistent)."""
+    failed, and each group's operation accounting (which groups are still consistent). On
+    its channel to its agent, which writes the host's reports as one value
+    (``agent/reports.py``); in the store itself without one (a process no agent started)."""
     own = [g.name for g in groups.slots().values()
            if g.error is not None and g.error.op == "abort"]
     accounting = {g.name: g.accounting() for g in groups.slots().values() if g.size > 1}
-    ctx.store.set(P.failure_key(ctx.epoch, ctx.name), P.write_message(
-        P.FailureReport(step, error[:400], bool(own), accounting)))
-    ctx.store.add(P.failure_count_key(ctx.epoch), 1)
+    report = P.FailureReport(step, error[:400], bool(own), accounting)
+    message = None
+    if ctx.inbox is not None:
+        try:
+            message = P.report_message(ctx.epoch, report)
+        except P.MessageError:
+            message = None           # past the channel's size: in the store instead
+    if message is not None:
+        ctx.inbox.send(message)
+    else:
+        ctx.store.set(P.failure_key(ctx.epoch, ctx.name), P.write_message(report))
+        ctx.store.add(P.failure_count_key(ctx.epoch), 1)
     ctx.events.emit("step_failed", step=step, epoch=ctx.epoch, error=error[:300])
 
 

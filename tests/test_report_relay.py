@@ -1,0 +1,121 @@
+"""The survivors' failure reports on their way (``agent/reports.py``, ``control/health.py``):
+a worker sends its report on its channel, its agent writes the host's reports of the epoch
+as one signed ``HostReports`` and adds their number to the epoch's count, and the
+controller reads a worker's report only from its own host's value. On a real store in this
+process, the channels real socket pairs, the agent's reader and relay thread the real
+ones."""
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from trainmover.agent.reports import Reports
+from trainmover.agent.votes import Channels
+from trainmover.comm.groups import start_store_server
+from trainmover.control.health import read_failure_reports
+from trainmover.core import protocol as P
+from trainmover.core.auth import AuthStore
+
+SECRET = b"f" * 64
+DEADLINE_S = 20
+
+
+def wait_for(what, timeout_s=DEADLINE_S):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = what()
+        if got:
+            return got
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def server():
+    server = start_store_server(timeout_s=20, run_key=SECRET)
+    yield server
+    server.close()
+
+
+def report(step: int, error: str = "aborted") -> P.FailureReport:
+    return P.FailureReport(step, error, False, {"dp": {"coll": 3, "sent": 0, "recv": 0,
+                                                      "pending": 0, "generation": 0}})
+
+
+def test_a_hosts_reports_reach_the_store_as_one_value_and_one_count(server):
+    """Two processes report on their channels: one ``HostReports`` with both, written once
+    both came, and one add of 2 to the count. A third process that never reports (it
+    failed) holds nothing up beyond the coalescing time. A late report rewrites the value
+    with it and adds 1; junk on a channel is reported and left out."""
+    store = AuthStore(server.client(), SECRET)
+    writes = []
+    real_set = store.set
+    store.set = lambda key, value: (writes.append(key), real_set(key, value))
+    rejected = []
+    expected = {"w0", "w1"}
+    relay = Reports(store, 3, 0.05, lambda: set(expected),
+                    on_reject=lambda name, why: rejected.append(name))
+    ends = {}
+    channels = Channels(lambda *a: None, on_report=lambda child, epoch, raw:
+                        relay.received(child.name, epoch, raw))
+    for name in ("w0", "w1", "w2"):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        mine.setblocking(False)
+        ends[name] = theirs
+        channels.add(SimpleNamespace(name=name, channel=mine, beats=0, beat_at=0.0))
+    ends["w0"].send(P.report_message(5, report(40)))
+    time.sleep(0.02)
+    assert writes == []                      # w1 not yet: within the coalescing time
+    ends["w1"].send(P.report_message(5, report(40, "reset")))
+    key = P.host_reports_key(3, 5)
+    got = wait_for(lambda: store.valid(key))
+    host = P.read_message(P.HostReports, got)
+    assert host.epoch == 5 and set(host.reports) == {"w0", "w1"}
+    assert host.reports["w1"].error == "reset" and writes == [key]
+    assert store.add(P.failure_count_key(5), 0) == 2
+    # a process that is expected but never reports: written after the coalescing time
+    expected.add("w2")
+    ends["w0"].send(P.report_message(6, report(41)))
+    wait_for(lambda: store.valid(P.host_reports_key(3, 6)))
+    # a late report of epoch 5: the value again, with it; the count one more
+    ends["w2"].send(P.report_message(5, report(40)))
+    wait_for(lambda: store.add(P.failure_count_key(5), 0) == 3)
+    assert set(P.read_message(P.HostReports, store.valid(key)).reports) == \
+        {"w0", "w1", "w2"}
+    ends["w2"].send(b"f 5 {not json")
+    wait_for(lambda: rejected == ["w2"])
+    assert relay.error is None
+
+
+def test_the_controller_reads_a_workers_report_only_from_its_own_hosts_value(server):
+    """Host 0's value names w0 and, forged in, w1 (which runs on host 1): only w0's is
+    taken from it. An unsigned value, one of another epoch and a worker with no known host
+    (read from its own key, as a process no agent started writes it) are covered too."""
+    store = AuthStore(server.client(), SECRET)
+    events = []
+    ctx = SimpleNamespace(store=store, hosts={"w0": 0, "w1": 1, "w2": 2},
+                          events=SimpleNamespace(emit=lambda e, **kw: events.append(e)))
+    store.set(P.host_reports_key(0, 4), P.write_message(P.HostReports(4, {
+        "w0": report(9), "w1": report(9, "forged")})))
+    server.client().set(P.host_reports_key(1, 4), P.write_message(P.HostReports(4, {
+        "w1": report(9, "unsigned")})))
+    store.set(P.host_reports_key(2, 4), P.write_message(P.HostReports(3, {
+        "w2": report(9, "old epoch")})))
+    store.set(P.failure_key(4, "w9"), P.write_message(report(9, "own key")))
+    got = read_failure_reports(ctx, 4, ["w0", "w1", "w2", "w9"])
+    assert set(got) == {"w0", "w9"} and got["w9"].error == "own key"
+    assert "message_rejected" in events       # the other epoch's value
+    store.set(P.host_reports_key(1, 4), P.write_message(P.HostReports(4, {
+        "w1": report(9, "genuine")})))
+    assert read_failure_reports(ctx, 4, ["w1"])["w1"].error == "genuine"
+
+
+def test_report_messages_round_trip_and_refuse_what_is_not_one():
+    raw = P.report_message(12, report(3))
+    epoch, payload = P.read_report_message(raw)
+    assert epoch == 12 and P.read_message(P.FailureReport, payload) == report(3)
+    for bad in (b"f x {}", b"f {}", b"p 1 {}", b"f 1", b""):
+        assert P.read_report_message(bad) is None
+    with pytest.raises(P.MessageError, match="over the channel"):
+        P.report_message(1, report(3, "e" * P.CHANNEL_MAX))
