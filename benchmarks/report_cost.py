@@ -1,14 +1,18 @@
 """What the survivors' failure reports of one recovery cost the job's store and the
-controller, one report a worker as today (issue #24: the term of a crash's control time that
-grows with N once the rest is by host).
+controller, in the code of a source tree: one report a worker (older trees), or one
+``HostReports`` a host of 8 (trees with ``agent/reports.py``) (issue #24: the term of a
+crash's control time that grows with N once the rest is by host). Run it once per tree
+(``PYTHONPATH=TREE``) to compare them.
 
     python benchmarks/report_cost.py --workers 2048,16384 --repeats 3 [--out DIR]
 
 The store (``core/kvserver.py``, one thread, as a job's) runs in a process of its own. Each
-survivor's report is written as ``worker/recover.report_failure`` writes it: its signed
-``FailureReport`` (the accounting of 3 groups, as a DP x PP x TP worker's) at its key, then
-one ``add`` to the epoch's count, from 8 client connections in turn (the store sees the
-same requests; the clients' own time is not counted). Measured: the store process's CPU
+survivor's report is written as the tree writes it: its signed ``FailureReport`` (the
+accounting of 3 groups, as a DP x PP x TP worker's) at its key and one ``add`` to the
+epoch's count (``worker/recover.report_failure`` of older trees), or each host's 8 in one
+signed ``HostReports`` and one ``add`` of 8 (``agent/reports.py``), from 8 client
+connections in turn (the store sees the same requests; the clients' own time is not
+counted). Measured: the store process's CPU
 for those 2N requests (from /proc), and the controller's ``read_failure_reports`` of every
 survivor (``control/health.py``: batched reads, signatures checked, messages decoded) on
 this process's CPU. Prints seconds per recovery."""
@@ -41,6 +45,8 @@ print(s.port, flush=True)
 sys.stdin.read()
 """
 CLIENTS = 8
+PER_HOST = 8
+HOST_FORM = hasattr(P, "HostReports")
 
 
 def cpu_s(pid: int) -> float:
@@ -61,14 +67,28 @@ def measure(server, port: int, n: int, epoch: int) -> dict:
               for _ in range(CLIENTS)]
     workers = [f"w{i}" for i in range(n)]
     payload = report(41)
+    hosts = {w: i // PER_HOST for i, w in enumerate(workers)}
+    one = P.read_message(P.FailureReport, payload)
     before = cpu_s(server.pid)
-    for i, w in enumerate(workers):
-        store = stores[i % CLIENTS]
-        store.set(P.failure_key(epoch, w), payload)
-        store.add(P.failure_count_key(epoch), 1)
+    requests = 0
+    if HOST_FORM:
+        for node in range(n // PER_HOST):
+            store = stores[node % CLIENTS]
+            names = workers[node * PER_HOST:(node + 1) * PER_HOST]
+            store.set(P.host_reports_key(node, epoch), P.write_message(
+                P.HostReports(epoch, {w: one for w in names})))
+            store.add(P.failure_count_key(epoch), len(names))
+            requests += 2
+    else:
+        for i, w in enumerate(workers):
+            store = stores[i % CLIENTS]
+            store.set(P.failure_key(epoch, w), payload)
+            store.add(P.failure_count_key(epoch), 1)
+            requests += 2
     stores[0].check(["x"])        # every request above answered before the reading
     store_cpu = cpu_s(server.pid) - before
-    ctx = SimpleNamespace(store=stores[0], events=SimpleNamespace(emit=lambda *a, **k: None))
+    ctx = SimpleNamespace(store=stores[0], hosts=hosts,
+                          events=SimpleNamespace(emit=lambda *a, **k: None))
     t0, c0 = time.perf_counter(), time.process_time()
     got = read_failure_reports(ctx, epoch, workers)
     read_s, read_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -76,14 +96,15 @@ def measure(server, port: int, n: int, epoch: int) -> dict:
     for s in stores:
         s.raw.close()
     return {"store_cpu_s": store_cpu, "read_s": read_s, "read_cpu_s": read_cpu,
-            "bytes": n * len(payload)}
+            "bytes": n * len(payload), "requests": requests}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="2048,16384")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", help="write report_cost.md/.json here")
+    ap.add_argument("--out", help="write NAME.md/.json here")
+    ap.add_argument("--name", default="report_cost")
     args = ap.parse_args()
     server = subprocess.Popen([sys.executable, "-c", SERVER, KEY.hex()],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -108,21 +129,22 @@ def main() -> None:
              "controller's cost", "",
              f"`python benchmarks/report_cost.py --workers {args.workers} --repeats "
              f"{args.repeats}`; commit {git_commit()}; {machine_description()['cores']} "
-             f"cores. Median (min-max) over the repeats (the module doc says what is "
-             f"measured).", "",
+             f"cores; reports {'by host' if HOST_FORM else 'by worker'}. Median (min-max) "
+             f"over the repeats (the module doc says what is measured).", "",
              "| survivors | requests at the store | store CPU (s) | controller's read (s) | "
              "its CPU (s) | report bytes (MB) |", "|---|---|---|---|---|---|"]
     for row in rows:
         runs = row["runs"]
-        lines.append(f"| {row['workers']} | {2 * row['workers']} | "
+        lines.append(f"| {row['workers']} | {runs[0]['requests']} | "
                      f"{cell('store_cpu_s')(runs)} | {cell('read_s')(runs)} | "
                      f"{cell('read_cpu_s')(runs)} | {runs[0]['bytes'] / 1e6:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        write_result(args.out, "report_cost", {"benchmark": "report_cost",
-                                               "commit": git_commit(), "rows": rows,
-                                               "machine": machine_description()}, text)
+        write_result(args.out, args.name, {"benchmark": "report_cost", "commit": git_commit(),
+                                           "form": "host" if HOST_FORM else "worker",
+                                           "rows": rows, "machine": machine_description()},
+                     text)
 
 
 if __name__ == "__main__":

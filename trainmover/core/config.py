@@ -815,6 +815,8 @@ class AgentConfig:
     # casts the host's ballot with the votes it has, when a process that voted before has
     # not voted yet (a leaver past its switch, until it exits; a vote after the ballot went
     # goes in a ballot of its own). In the steady state the ballot goes with the last vote.
+    # The same for its processes' failure reports of an epoch (agent/reports.py): written
+    # as one value once every running worker reported, else this long after the first.
     vote_coalesce_s: float = 0.005
     # After stopping every process, how long it keeps the store up for the controller to
     # read that it did (then it exits regardless).
