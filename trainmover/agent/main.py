@@ -404,8 +404,9 @@ class Agent:
         # its processes' failure reports, one value a host and epoch (agent/reports.py)
         self._reports = Reports(
             client(), self.node, self.cfg.agent.vote_coalesce_s,
+            # (the exits the loop has seen: a process is reaped by the loop's thread only)
             lambda: {c.name for c in list(self.children.values())
-                     if not c.standby and c.proc.poll() is None},
+                     if not c.standby and c.proc.returncode is None},
             on_reject=lambda name, why: self.events.emit(
                 "message_rejected", key=f"channel of {name}", error=why, level="error"))
         self._channels = Channels(self._relay.vote, self._aborts.watch,
