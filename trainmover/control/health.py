@@ -394,8 +394,9 @@ def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
                          ) -> dict[str, P.FailureReport]:
     """The failure reports in ``epoch`` of ``workers`` that came: from their hosts' values
     (``P.HostReports``, written by the agents: one key a host), a worker's report only from
-    its own host's; a worker whose host is not known, from its own key (a process no agent
-    started writes it there). ``KEYS_PER_READ`` keys a request."""
+    its own host's; a worker whose host is not known, from its own key (where a process no
+    agent started writes it; in a job every process is an agent's). ``KEYS_PER_READ`` keys
+    a request."""
     out: dict[str, P.FailureReport] = {}
     by_host: dict[int, set[str]] = {}
     own = []

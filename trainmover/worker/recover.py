@@ -17,6 +17,7 @@ the survivor then reports again and waits for the next plan.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -39,18 +40,20 @@ def report_failure(ctx, step: int, error: str, groups: CommGroups) -> None:
     """Tell the controller what this worker saw: the error, whether its own communicator
     failed, and each group's operation accounting (which groups are still consistent). On
     its channel to its agent, which writes the host's reports as one value
-    (``agent/reports.py``); in the store itself without one (a process no agent started)."""
+    (``agent/reports.py``); in the store itself without one (a process no agent started:
+    it does not beat either, and the controller reads such a key only for a worker whose
+    host it does not know)."""
     own = [g.name for g in groups.slots().values()
            if g.error is not None and g.error.op == "abort"]
     accounting = {g.name: g.accounting() for g in groups.slots().values() if g.size > 1}
     report = P.FailureReport(step, error[:400], bool(own), accounting)
-    message = None
     if ctx.inbox is not None:
         try:
             message = P.report_message(ctx.epoch, report)
         except P.MessageError:
-            message = None           # past the channel's size: in the store instead
-    if message is not None:
+            # past the channel's size (five groups' counters and 400 characters are not):
+            # sent without the error's text rather than not at all
+            message = P.report_message(ctx.epoch, dataclasses.replace(report, error=""))
         ctx.inbox.send(message)
     else:
         ctx.store.set(P.failure_key(ctx.epoch, ctx.name), P.write_message(report))
