@@ -17,18 +17,10 @@ from trainmover.control.health import read_failure_reports
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore
 
+from mp_harness import wait_for
+
 SECRET = b"f" * 64
 DEADLINE_S = 20
-
-
-def wait_for(what, timeout_s=DEADLINE_S):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -69,22 +61,23 @@ def test_a_hosts_reports_reach_the_store_as_one_value_and_one_count(server):
     assert writes == []                      # w1 not yet: within the coalescing time
     ends["w1"].send(P.report_message(5, report(40, "reset")))
     key = P.host_reports_key(3, 5)
-    got = wait_for(lambda: store.valid(key))
-    host = P.read_message(P.HostReports, got)
+    wait_for(lambda: store.valid(key), DEADLINE_S, "host 3's reports of epoch 5")
+    host = P.read_message(P.HostReports, store.valid(key))
     assert host.epoch == 5 and set(host.reports) == {"w0", "w1"}
     assert host.reports["w1"].error == "reset" and writes == [key]
     assert store.add(P.failure_count_key(5), 0) == 2
     # a process that is expected but never reports: written after the coalescing time
     expected.add("w2")
     ends["w0"].send(P.report_message(6, report(41)))
-    wait_for(lambda: store.valid(P.host_reports_key(3, 6)))
+    wait_for(lambda: store.valid(P.host_reports_key(3, 6)), DEADLINE_S,
+             "the reports of epoch 6 after the coalescing time")
     # a late report of epoch 5: the value again, with it; the count one more
     ends["w2"].send(P.report_message(5, report(40)))
-    wait_for(lambda: store.add(P.failure_count_key(5), 0) == 3)
+    wait_for(lambda: store.add(P.failure_count_key(5), 0) == 3, DEADLINE_S, "the late report")
     assert set(P.read_message(P.HostReports, store.valid(key)).reports) == \
         {"w0", "w1", "w2"}
     ends["w2"].send(b"f 5 {not json")
-    wait_for(lambda: rejected == ["w2"])
+    wait_for(lambda: rejected == ["w2"], DEADLINE_S, "the junk report's rejection")
     assert relay.error is None
 
 
