@@ -178,15 +178,15 @@ class _Recovers:
         return {spec.name: spec.members.index(self.role)
                 for spec in self.layout.groups_of(self.role).values() if spec.size > 1}
 
-    def _report(self, store, step: int) -> None:
+    def _report(self, step: int) -> None:
         accounting = {name: {"coll": self.collectives, "sent": 0, "recv": 0, "pending": 0,
                              "generation": self.generations.get(name, 0)}
                       for name in self._groups()}
         # to its agent, as a worker sends it on its channel (agent/reports.py)
         self._send_report(self.epoch, P.FailureReport(step, "aborted", False, accounting))
 
-    def _recover(self, store) -> None:
-        self._report(store, self.step)
+    def _recover(self) -> None:
+        self._report(self.step)
         while True:
             cmd = self.commands.next()
             if not isinstance(cmd, P.Recover):
@@ -205,8 +205,7 @@ class _Recovers:
             elif not abort.is_set():
                 work.get()             # a failure of its own: raised
             self.epoch = cmd.epoch
-            store = self.stores.get()  # (a shared client the killed work reset: anew)
-            self._report(store, cmd.resume_step)
+            self._report(cmd.resume_step)
         self.stores.get().add(P.recovered_count_key(cmd.recovery_id), 1)
         self.epoch, self.step = cmd.epoch, cmd.resume_step
 
@@ -306,7 +305,7 @@ class SimWorker(_Recovers):
 
     def _train(self) -> None:
         """Steps of one epoch, until the job's end or a failed step (then recovered)."""
-        spec, cfg, store = self.agent.spec, self.cfg, self.stores.get()
+        spec, cfg = self.agent.spec, self.cfg
         reporter = self.role == reporter_role(self.layout)
         metrics = JsonlWriter(os.path.join(self.agent.run_dir, "metrics.jsonl")) \
             if reporter else None
@@ -326,7 +325,7 @@ class SimWorker(_Recovers):
                                                   "step_time_s": t_vote - last})
             now = time.time()
             if not ok:
-                self._recover(store)
+                self._recover()
                 return
             self.agent.samples.add(self.name, self.epoch, self.step, now,
                                    now - last - spec.compute_s, now - t_vote)
@@ -517,7 +516,7 @@ class LightAgent(SimAgent):
                         w._perf()
             for w in workers:
                 w.epoch, w.step = epoch, step
-            jobs = [gevent.spawn(w._recover, w.stores.get()) for w in workers]
+            jobs = [gevent.spawn(w._recover) for w in workers]
             gevent.joinall(jobs, raise_error=True)
             epoch, step = workers[0].epoch, workers[0].step
 

@@ -401,33 +401,34 @@ def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
     by_host: dict[int, set[str]] = {}
     own = []
     for w in workers:
-        node = ctx.hosts.get(w) if hasattr(ctx, "hosts") else None
+        node = ctx.hosts.get(w)
         if node is None:
             own.append(w)
         else:
             by_host.setdefault(node, set()).add(w)
     nodes = sorted(by_host)
-    keys = [P.host_reports_key(n, epoch) for n in nodes]
-    for node, key, raw in zip(nodes, keys, read_valid(ctx.store, keys)):
-        if raw is None:
-            continue
-        try:
-            host = P.read_message(P.HostReports, raw)
-        except P.MessageError as exc:
-            ctx.events.emit("message_rejected", key=key, error=str(exc))
-            continue
-        if host.epoch != epoch:
+    hosts = _read_messages(ctx, P.HostReports, [P.host_reports_key(n, epoch) for n in nodes])
+    for node, (key, host) in zip(nodes, hosts):
+        if host is not None and host.epoch != epoch:
             ctx.events.emit("message_rejected", key=key, error=f"epoch {host.epoch}")
-            continue
-        for w, report in host.reports.items():
-            if w in by_host[node]:
-                out[w] = report
+        elif host is not None:
+            out.update((w, r) for w, r in host.reports.items() if w in by_host[node])
     keys = [P.failure_key(epoch, w) for w in own]
-    for w, key, raw in zip(own, keys, read_valid(ctx.store, keys)):
-        if raw is None:
-            continue
-        try:
-            out[w] = P.read_message(P.FailureReport, raw)
-        except P.MessageError as exc:
-            ctx.events.emit("message_rejected", key=key, error=str(exc))
+    out.update((w, r) for w, (_, r) in zip(own, _read_messages(ctx, P.FailureReport, keys))
+               if r is not None)
+    return out
+
+
+def _read_messages(ctx: JobContext, cls, keys: list[str]) -> list[tuple[str, object]]:
+    """``(key, the cls message there or None)`` of each key, in a few requests; a genuine
+    value that does not decode is reported (``message_rejected``) and reads as None."""
+    out = []
+    for key, raw in zip(keys, read_valid(ctx.store, keys)):
+        message = None
+        if raw is not None:
+            try:
+                message = P.read_message(cls, raw)
+            except P.MessageError as exc:
+                ctx.events.emit("message_rejected", key=key, error=str(exc))
+        out.append((key, message))
     return out

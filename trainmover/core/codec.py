@@ -134,6 +134,19 @@ def _json(tree) -> str:
     return json.dumps(tree, sort_keys=True, separators=(",", ":"), check_circular=False)
 
 
+@dataclasses.dataclass(eq=False)
+class _TableJSON:
+    """A table's JSON as the last ``dumps`` wrote it, by part (``Codec._encode_table``)."""
+
+    table: Table                  # (a strong reference: its id is not reused meanwhile)
+    versions: list[int] = dataclasses.field(default_factory=lambda: [-1] * TABLE_SHARDS)
+    texts: list[str] = dataclasses.field(default_factory=lambda: [""] * TABLE_SHARDS)
+    digests: list[str | None] = dataclasses.field(
+        default_factory=lambda: [None] * TABLE_SHARDS)
+    whole: str | None = None      # the table's JSON, inline
+    refs: str | None = None       # the table as its parts' digests
+
+
 class Codec:
     def __init__(self, *registered: type, max_bytes: int = 64 * 2**20):
         self.types = {t.__name__: t for t in registered}
@@ -142,11 +155,9 @@ class Codec:
         self.max_bytes = max_bytes
         self._hints: dict[type, dict] = {}
         self._encoders: dict[type, typing.Callable] = {}
-        # id -> [table, each part's version, each part's JSON, the whole's JSON or None,
-        # each part's digest or None, the parts' reference JSON or None]: kept from the last
-        # dumps
-        self._tables: dict[int, list] = {}
-        self._seen: dict[int, list] = {}
+        # id -> its table's JSON as the last dumps wrote it
+        self._tables: dict[int, _TableJSON] = {}
+        self._seen: dict[int, _TableJSON] = {}
         self._parts: list[str] | None = None     # in a dumps: each placeholder's table JSON
         self._out: dict[str, str] | None = None  # in a dumps with parts: digest -> JSON
         self._part_min = 0                       # ... of tables of at least these bytes
@@ -226,10 +237,9 @@ class Codec:
         if self._parts is None:                    # encode() outside a dumps
             return {"__table__": self._encode_dict(obj)}
         hit = self._tables.get(id(obj))
-        if hit is None or hit[0] is not obj:
-            hit = [obj, [-1] * TABLE_SHARDS, [""] * TABLE_SHARDS, None, [None] * TABLE_SHARDS,
-                   None]
-        _, versions, texts, _, digests, _ = hit
+        if hit is None or hit.table is not obj:
+            hit = _TableJSON(obj)
+        versions, texts, digests = hit.versions, hit.texts, hit.digests
         parts, self._parts = self._parts, None     # a table inside one is written inline
         out, self._out = self._out, None
         try:
@@ -237,25 +247,25 @@ class Codec:
                 if versions[i] != obj.versions[i]:
                     texts[i] = _json(self._encode_dict({k: obj[k] for k in keys}))[1:-1]
                     versions[i] = obj.versions[i]
-                    digests[i] = hit[3] = hit[5] = None
+                    digests[i] = hit.whole = hit.refs = None
         finally:
             self._parts, self._out = parts, out
         self._seen[id(obj)] = hit
         if out is not None and sum(map(len, texts)) >= self._part_min:
-            if hit[5] is None:
+            if hit.refs is None:
                 for i, text in enumerate(texts):
                     if text and digests[i] is None:
                         digests[i] = part_digest(text)
-                hit[5] = '{"__table__":{"__parts__":[' + ",".join(
+                hit.refs = '{"__table__":{"__parts__":[' + ",".join(
                     f'"{d}"' for d in digests if d is not None) + "]}}"
             for text, digest in zip(texts, digests):
                 if text:
                     out[digest] = text
-            self._parts.append(hit[5])
+            self._parts.append(hit.refs)
         else:
-            if hit[3] is None:
-                hit[3] = '{"__table__":{' + ",".join(t for t in texts if t) + "}}"
-            self._parts.append(hit[3])
+            if hit.whole is None:
+                hit.whole = '{"__table__":{' + ",".join(t for t in texts if t) + "}}"
+            self._parts.append(hit.whole)
         return f"table:{self._nonce}:{len(self._parts) - 1}"
 
     def _check_registered(self, cls: type) -> None:
