@@ -15,7 +15,10 @@ connections in turn (the store sees the same requests; the clients' own time is 
 counted). Measured: the store process's CPU
 for those 2N requests (from /proc), and the controller's ``read_failure_reports`` of every
 survivor (``control/health.py``: batched reads, signatures checked, messages decoded) on
-this process's CPU. Prints seconds per recovery."""
+this process's CPU. Then the same survivors' notes that their part of the recovery is done,
+as the tree sends them: one ``add`` to the recovery's count a worker (older trees), or one
+a host (trees with ``P.recovered_message``: the agent adds its host's number); measured:
+the store process's CPU for them. Prints seconds per recovery."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +50,7 @@ sys.stdin.read()
 CLIENTS = 8
 PER_HOST = 8
 HOST_FORM = hasattr(P, "HostReports")
+NOTES_BY_HOST = hasattr(P, "recovered_message")
 
 
 def cpu_s(pid: int) -> float:
@@ -93,10 +97,18 @@ def measure(server, port: int, n: int, epoch: int) -> dict:
     got = read_failure_reports(ctx, epoch, workers)
     read_s, read_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert len(got) == n
+    before, notes = cpu_s(server.pid), 0
+    for i in range(0, n, PER_HOST if NOTES_BY_HOST else 1):
+        stores[notes % CLIENTS].add(P.recovered_count_key(epoch),
+                                    PER_HOST if NOTES_BY_HOST else 1)
+        notes += 1
+    assert stores[0].add(P.recovered_count_key(epoch), 0) == n
+    notes_cpu = cpu_s(server.pid) - before
     for s in stores:
         s.raw.close()
     return {"store_cpu_s": store_cpu, "read_s": read_s, "read_cpu_s": read_cpu,
-            "bytes": n * len(payload), "requests": requests}
+            "bytes": n * len(payload), "requests": requests,
+            "notes_requests": notes, "notes_store_cpu_s": notes_cpu}
 
 
 def main() -> None:
@@ -129,20 +141,24 @@ def main() -> None:
              "controller's cost", "",
              f"`python benchmarks/report_cost.py --workers {args.workers} --repeats "
              f"{args.repeats}`; commit {git_commit()}; {machine_description()['cores']} "
-             f"cores; reports {'by host' if HOST_FORM else 'by worker'}. Median (min-max) "
+             f"cores; reports {'by host' if HOST_FORM else 'by worker'}, notes of a recovery "
+             f"done {'by host' if NOTES_BY_HOST else 'by worker'}. Median (min-max) "
              f"over the repeats (the module doc says what is measured).", "",
              "| survivors | requests at the store | store CPU (s) | controller's read (s) | "
-             "its CPU (s) | report bytes (MB) |", "|---|---|---|---|---|---|"]
+             "its CPU (s) | report bytes (MB) | notes: requests | notes: store CPU (s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = row["runs"]
         lines.append(f"| {row['workers']} | {runs[0]['requests']} | "
                      f"{cell('store_cpu_s')(runs)} | {cell('read_s')(runs)} | "
-                     f"{cell('read_cpu_s')(runs)} | {runs[0]['bytes'] / 1e6:.2f} |")
+                     f"{cell('read_cpu_s')(runs)} | {runs[0]['bytes'] / 1e6:.2f} | "
+                     f"{runs[0]['notes_requests']} | {cell('notes_store_cpu_s')(runs)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         write_result(args.out, args.name, {"benchmark": "report_cost", "commit": git_commit(),
                                            "form": "host" if HOST_FORM else "worker",
+                                           "notes": "host" if NOTES_BY_HOST else "worker",
                                            "rows": rows, "machine": machine_description()},
                      text)
 

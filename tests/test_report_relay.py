@@ -81,6 +81,40 @@ def test_a_hosts_reports_reach_the_store_as_one_value_and_one_count(server):
     assert relay.error is None
 
 
+def test_a_hosts_notes_of_a_recovery_done_reach_the_store_as_one_add(server):
+    """Two processes note recovery 7 done on their channels: one add of 2 to its count,
+    once both came. A note sent twice counts once; a joiner's note (not expected: it was a
+    standby), after the coalescing time, adds 1 more; junk is left out."""
+    store = AuthStore(server.client(), SECRET)
+    adds = []
+    real_add = store.add
+    store.add = lambda key, n: (adds.append((key, n)), real_add(key, n))[1]
+    relay = Reports(store, 1, 0.05, lambda: {"w0", "w1"})
+    ends = {}
+    channels = Channels(lambda *a: None, on_recovered=lambda child, rid:
+                        relay.recovered(child.name, rid))
+    for name in ("w0", "w1", "j0"):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        mine.setblocking(False)
+        ends[name] = theirs
+        channels.add(SimpleNamespace(name=name, channel=mine, beats=0, beat_at=0.0))
+    key = P.recovered_count_key(7)
+    ends["w0"].send(P.recovered_message(7))
+    ends["w0"].send(P.recovered_message(7))
+    time.sleep(0.02)
+    assert adds == []                        # w1 not yet: within the coalescing time
+    ends["w1"].send(P.recovered_message(7))
+    wait_for(lambda: adds, DEADLINE_S, "host 1's add to recovery 7's count")
+    assert adds == [(key, 2)]
+    ends["w0"].send(P.recovered_message(7))        # again, after its add: not counted
+    ends["j0"].send(P.recovered_message(7))
+    ends["j0"].send(b"r x")
+    wait_for(lambda: len(adds) == 2, DEADLINE_S, "the joiner's note")
+    time.sleep(0.1)
+    assert adds == [(key, 2), (key, 1)] and store.add(key, 0) == 3
+    assert relay.error is None
+
+
 def test_the_controller_reads_a_workers_report_only_from_its_own_hosts_value(server):
     """Host 0's value names w0 and, forged in, w1 (which runs on host 1): only w0's is
     taken from it. An unsigned value, one of another epoch and a worker with no known host
@@ -105,6 +139,9 @@ def test_the_controller_reads_a_workers_report_only_from_its_own_hosts_value(ser
 
 
 def test_report_messages_round_trip_and_refuse_what_is_not_one():
+    assert P.read_recovered_message(P.recovered_message(31)) == 31
+    for bad in (b"r", b"r x", b"r -1", b"f 1", b"r 1 2", b"r " + b"9" * 19):
+        assert P.read_recovered_message(bad) is None
     raw = P.report_message(12, report(3))
     epoch, payload = P.read_report_message(raw)
     assert epoch == 12 and P.read_message(P.FailureReport, payload) == report(3)

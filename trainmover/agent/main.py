@@ -401,7 +401,8 @@ class Agent:
             client(), self.node, self.deliver,
             on_reject=lambda key, why: self.events.emit("message_rejected", key=key,
                                                         error=why, level="error"))
-        # its processes' failure reports, one value a host and epoch (agent/reports.py)
+        # its processes' failure reports, one value a host and epoch, and their notes of a
+        # recovery done, one add a host (agent/reports.py)
         self._reports = Reports(
             client(), self.node, self.cfg.agent.vote_coalesce_s,
             # (the exits the loop has seen: a process is reaped by the loop's thread only)
@@ -412,7 +413,9 @@ class Agent:
         self._channels = Channels(self._relay.vote, self._aborts.watch,
                                   lambda child, raw: self._perfs.received(child.name, raw),
                                   lambda child, epoch, raw: self._reports.received(
-                                      child.name, epoch, raw))
+                                      child.name, epoch, raw),
+                                  lambda child, rid: self._reports.recovered(
+                                      child.name, rid))
         for c in self.children.values():
             if c.channel is not None:
                 self._track(c, c.standby)

@@ -1,18 +1,26 @@
-"""The host's agent as the relay of its processes' failure reports (``P.FailureReport``, sent
-on each process's channel when its step failed): one signed ``P.HostReports`` a host and
-epoch, and one ``add`` of their number to the epoch's report count.
+"""The host's agent as the relay of two things its processes tell the controller through
+the store in a recovery, each sent on the process's channel:
 
-Why: every survivor of a failure wrote its report and added to the count itself, two
-requests a worker to the job's one store in every recovery: 32K at 16K workers, 1.6 s of the
-store's thread on the path from a crash to its plan (``benchmarks/report_cost.py``). Here
-the store sees about two a host.
+- a failure report (``P.FailureReport``, when its step failed): one signed
+  ``P.HostReports`` a host and epoch, and one ``add`` of their number to the epoch's
+  report count;
+- that it recovered (``r <recovery id>``: a survivor once its part of a plan is done, a
+  joiner after its first step): one ``add`` of the host's number to the recovery's count.
 
-When a host's reports go: as soon as every running process of the host that is not a
-standby has reported in the epoch, else ``coalesce_s`` after the epoch's first report here
-(a process that does not report: one that failed, or a standby). A report that comes after
-its host's value went makes the agent write the value again, with it; the count grows by
-the reports new in each write. A process names only itself (its channel is its own), and a
-report that does not decode is reported and dropped here.
+Why: every survivor of a failure wrote its report and added to the count itself, and then
+added to the recovered count, three requests a worker to the job's one store in every
+recovery: 48K at 16K workers, 1.6 s of the store's thread on the path from a crash to its
+plan for the reports alone (``benchmarks/report_cost.py``). Here the store sees about
+three a host.
+
+When a host's batch goes: as soon as every running process of the host that is not a
+standby has sent it (for an epoch's reports, a recovery's notes), else ``coalesce_s``
+after the batch's first message here (a process that does not send one: one that failed,
+a standby; a joiner's note comes after its first step, in a second batch). A message that
+comes after its host's batch went makes the agent write again, with it; the count grows
+by the processes new in each write. A process names only itself (its channel is its own):
+the same message twice counts once, and a report that does not decode is reported and
+dropped here.
 """
 from __future__ import annotations
 
@@ -23,7 +31,18 @@ from typing import Callable
 
 from trainmover.core import protocol as P
 
-EPOCHS_KEPT = 8              # epochs whose reports are kept, to write again with a late one
+BATCHES_KEPT = 8             # batches of each kind kept, to write again with a late message
+
+
+class _Batch:
+    """One epoch's reports or one recovery's notes on this host."""
+
+    __slots__ = ("first", "items", "written")
+
+    def __init__(self):
+        self.first = time.monotonic()
+        self.items: dict = {}             # process -> its report (None for a note)
+        self.written: set[str] = set()    # processes whose message went
 
 
 class Reports:
@@ -31,13 +50,14 @@ class Reports:
                  expected: Callable[[], set[str]],
                  on_reject: Callable[[str, str], None] | None = None):
         """``store``: a client of this relay's own; ``expected()``: the processes of the
-        host that report when a step fails (running, not standbys)."""
+        host that report when a step fails and note a recovery (running, not standbys)."""
         self.store, self.node, self.coalesce_s = store, node, coalesce_s
         self.expected, self.on_reject = expected, on_reject
         self.error: BaseException | None = None      # the store is gone
         self._cv = threading.Condition()
-        # epoch -> [first report's time, {process: report}, processes already written]
-        self._epochs: collections.OrderedDict[int, list] = collections.OrderedDict()
+        # ("f", epoch) and ("r", recovery id) -> its batch; one ordered table a kind
+        self._batches: dict[str, collections.OrderedDict[int, _Batch]] = {
+            "f": collections.OrderedDict(), "r": collections.OrderedDict()}
         threading.Thread(target=self._run, name="report-relay", daemon=True).start()
 
     def received(self, name: str, epoch: int, payload: bytes) -> None:
@@ -48,27 +68,41 @@ class Reports:
             if self.on_reject is not None:
                 self.on_reject(name, str(exc))
             return
+        self._add("f", epoch, name, report)
+
+    def recovered(self, name: str, recovery_id: int) -> None:
+        """Process ``name`` is done with its part of recovery ``recovery_id``."""
+        self._add("r", recovery_id, name, None)
+
+    def _add(self, kind: str, key: int, name: str, item) -> None:
         with self._cv:
-            entry = self._epochs.get(epoch)
-            if entry is None:
-                entry = self._epochs[epoch] = [time.monotonic(), {}, set()]
-                while len(self._epochs) > EPOCHS_KEPT:
-                    self._epochs.popitem(last=False)
-            entry[1][name] = report
-            entry[2].discard(name)           # a second report of a process: written again
+            table = self._batches[kind]
+            batch = table.get(key)
+            if batch is None:
+                batch = table[key] = _Batch()
+                while len(table) > BATCHES_KEPT:
+                    table.popitem(last=False)
+            elif kind == "r" and name in batch.items:
+                return                       # counted already
+            batch.items[name] = item
+            batch.written.discard(name)      # a second report of a process: written again
             self._cv.notify()
 
-    def _due(self, now: float) -> tuple[list[int], float | None]:
-        """The epochs to write now, and how long until the next one may be due."""
+    def _due(self, now: float) -> tuple[list[tuple[str, int]], float | None]:
+        """The batches to write now, and how long until the next one may be due."""
         due, wait = [], None
-        for epoch, (first, reports, written) in self._epochs.items():
-            if len(written) == len(reports):
-                continue
-            if self.expected() <= set(reports) or now - first >= self.coalesce_s:
-                due.append(epoch)
-            else:
-                left = first + self.coalesce_s - now
-                wait = left if wait is None else min(wait, left)
+        expected = None
+        for kind, table in self._batches.items():
+            for key, batch in table.items():
+                if len(batch.written) == len(batch.items):
+                    continue
+                if expected is None:
+                    expected = self.expected()
+                if expected <= batch.items.keys() or now - batch.first >= self.coalesce_s:
+                    due.append((kind, key))
+                else:
+                    left = batch.first + self.coalesce_s - now
+                    wait = left if wait is None else min(wait, left)
         return due, wait
 
     def _run(self) -> None:
@@ -81,13 +115,17 @@ class Reports:
                             break
                         self._cv.wait(wait)
                     work = []
-                    for epoch in due:
-                        _, reports, written = self._epochs[epoch]
-                        work.append((epoch, dict(reports), len(set(reports) - written)))
-                        written.update(reports)
-                for epoch, reports, new in work:
-                    self.store.set(P.host_reports_key(self.node, epoch),
-                                   P.write_message(P.HostReports(epoch, reports)))
-                    self.store.add(P.failure_count_key(epoch), new)
+                    for kind, key in due:
+                        batch = self._batches[kind][key]
+                        work.append((kind, key, dict(batch.items),
+                                     len(batch.items.keys() - batch.written)))
+                        batch.written.update(batch.items)
+                for kind, key, items, new in work:
+                    if kind == "f":
+                        self.store.set(P.host_reports_key(self.node, key),
+                                       P.write_message(P.HostReports(key, items)))
+                        self.store.add(P.failure_count_key(key), new)
+                    else:
+                        self.store.add(P.recovered_count_key(key), new)
         except Exception as exc:  # noqa: BLE001 - the store is gone: the agent learns of it
             self.error = exc

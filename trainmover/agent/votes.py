@@ -51,13 +51,14 @@ class Channels:
     """Reads every message the agent's processes send on their channels: beats are
     counted on the process's record (``Child.beats``), votes handed to ``on_vote``, asks
     for an epoch's abort to ``on_watch`` (``agent/aborts.py``), step measurements to
-    ``on_perf`` (``agent/perfs.py``), failure reports to ``on_report``
-    (``agent/reports.py``). The channels are closed
+    ``on_perf`` (``agent/perfs.py``), failure reports to ``on_report`` and notes of a
+    recovery done to ``on_recovered`` (``agent/reports.py``). The channels are closed
     here (``remove``), never under this thread's ``select``."""
 
-    def __init__(self, on_vote, on_watch=None, on_perf=None, on_report=None):
+    def __init__(self, on_vote, on_watch=None, on_perf=None, on_report=None,
+                 on_recovered=None):
         self.on_vote, self.on_watch, self.on_perf = on_vote, on_watch, on_perf
-        self.on_report = on_report
+        self.on_report, self.on_recovered = on_report, on_recovered
         self._lock = threading.Lock()
         self._open: dict[int, object] = {}          # descriptor -> the process's record
         self._closing: list = []
@@ -137,8 +138,13 @@ class Channels:
                     self.on_perf(child, perf)
                 continue
             report = P.read_report_message(raw)
-            if report is not None and self.on_report is not None:
-                self.on_report(child, *report)
+            if report is not None:
+                if self.on_report is not None:
+                    self.on_report(child, *report)
+                continue
+            recovery_id = P.read_recovered_message(raw)
+            if recovery_id is not None and self.on_recovered is not None:
+                self.on_recovered(child, recovery_id)
 
 
 @dataclass

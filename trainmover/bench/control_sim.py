@@ -206,7 +206,7 @@ class _Recovers:
                 work.get()             # a failure of its own: raised
             self.epoch = cmd.epoch
             self._report(cmd.resume_step)
-        self.stores.get().add(P.recovered_count_key(cmd.recovery_id), 1)
+        self._send_recovered(cmd.recovery_id)
         self.epoch, self.step = cmd.epoch, cmd.resume_step
 
     def _plan_abort(self, epoch: int) -> AbortSignal:
@@ -345,6 +345,9 @@ class SimWorker(_Recovers):
     def _send_report(self, epoch: int, report: P.FailureReport) -> None:
         self.inbox.send(P.report_message(epoch, report))
 
+    def _send_recovered(self, recovery_id: int) -> None:
+        self.inbox.send(P.recovered_message(recovery_id))
+
     def _join(self, cmd: P.AssignRecovery) -> None:
         """A standby promoted by a recovery: the role's groups, its state's channels."""
         self.role = Role.parse(cmd.role)
@@ -353,7 +356,7 @@ class SimWorker(_Recovers):
         if src.kind == "replica":
             for channel in [src.transfer_group, *(src.more_groups or [])]:
                 self._rendezvous(channel, src.transfer_generation, 1, 2)
-        self.stores.get().add(P.recovered_count_key(cmd.recovery_id), 1)
+        self._send_recovered(cmd.recovery_id)
         self.epoch, self.step = cmd.epoch, cmd.resume_step
 
 
@@ -384,11 +387,10 @@ class SimAgent(Agent):
 
 
 class LightWorker(_Recovers):
-    """A worker of a light host: its own store traffic as a worker's (rendezvous, recovery
-    count), but for its beats and votes, which its agent makes for all of its workers at
+    """A worker of a light host: its own store traffic as a worker's (rendezvous), but for its beats and votes, which its agent makes for all of its workers at
     once, its commands, which its agent puts in its queue instead of on a channel, and its
-    step measurements and failure reports, which it hands its agent as its channel's reader
-    would (``LightAgent``)."""
+    step measurements, failure reports and notes of a recovery done, which it hands its agent
+    as its channel's reader would (``LightAgent``)."""
 
     def __init__(self, agent: "LightAgent", req: P.AgentSpawn):
         self.agent, self.cfg, self.layout = agent, agent.cfg, agent.cfg.layout
@@ -410,6 +412,9 @@ class LightWorker(_Recovers):
 
     def _send_report(self, epoch: int, report: P.FailureReport) -> None:
         self.agent._reports.received(self.name, epoch, P.write_message(report).encode())
+
+    def _send_recovered(self, recovery_id: int) -> None:
+        self.agent._reports.recovered(self.name, recovery_id)
 
     def _start(self) -> None:
         store = self.stores.get()        # kept for the worker's life (shared)

@@ -902,6 +902,20 @@ def read_report_message(raw: bytes) -> tuple[int, bytes] | None:
     if not sep or not head.isdigit() or len(head) > 18:
         return None
     return int(head), payload
+
+
+def recovered_message(recovery_id: int) -> bytes:
+    return b"r %d" % recovery_id
+
+
+def read_recovered_message(raw: bytes) -> int | None:
+    """The recovery id of an ``r <recovery id>`` message, None for anything else."""
+    kind, _, rid = raw.partition(b" ")
+    if kind != b"r" or not rid.isdigit() or len(rid) > 18:
+        return None
+    return int(rid)
+
+
 COMMAND_CHANNEL_MAX = 1 << 16    # what an agent sends a process (a command at most)
 
 

@@ -186,7 +186,7 @@ class StepLoop:
             prepare_s = time.perf_counter() - t0
 
             def first(step_time_s: float) -> None:
-                ctx.store.add(P.recovered_count_key(cmd.recovery_id), 1)
+                R.note_recovered(ctx, cmd.recovery_id)
                 ctx.events.emit("joiner_started", recovery_id=cmd.recovery_id, step=start,
                                 prepare_s=round(prepare_s, 4), source=cmd.source.kind,
                                 first_step_s=round(step_time_s, 4))

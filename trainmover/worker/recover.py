@@ -61,6 +61,16 @@ def report_failure(ctx, step: int, error: str, groups: CommGroups) -> None:
     ctx.events.emit("step_failed", step=step, epoch=ctx.epoch, error=error[:300])
 
 
+def note_recovered(ctx, recovery_id: int) -> None:
+    """Tell the controller this worker's part of recovery ``recovery_id`` is done: on its
+    channel, the agent adding the host's number to the recovery's count once
+    (``agent/reports.py``); to the count itself without a channel."""
+    if ctx.inbox is not None:
+        ctx.inbox.send(P.recovered_message(recovery_id))
+    else:
+        ctx.store.add(P.recovered_count_key(recovery_id), 1)
+
+
 def abortably(signal: AbortSignal, build):
     """Run ``build`` (a group rendezvous: a blocking call gloo cannot cancel) in a helper
     thread and wait for it, or raise ``StepAborted`` as soon as the epoch is aborted. An
@@ -137,7 +147,7 @@ def survive(ctx, role: Role, groups: CommGroups, state, migrations, step: int,
             continue
         break
     ctx.epoch = cmd.epoch
-    ctx.store.add(P.recovered_count_key(cmd.recovery_id), 1)
+    note_recovered(ctx, cmd.recovery_id)
     ctx.events.emit("recovered", recovery_id=cmd.recovery_id, epoch=ctx.epoch,
                     resume_step=cmd.resume_step, rebuilt=sorted(built),
                     rollback_step=cmd.rollback_step,
