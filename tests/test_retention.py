@@ -136,6 +136,7 @@ def test_keys_go_only_once_the_snapshot_that_no_longer_needs_them_is_saved():
     store = Store()
     membership = SimpleNamespace(generations={}, standbys={}, workers={})
     ret = Retention(SimpleNamespace(store=store, membership=membership,
+                                    cfg=SimpleNamespace(comm=SimpleNamespace(backend="auto")),
                                     procs=SimpleNamespace(nnodes=2)))
     ret.recovery_done(7, [1], ["w0", "w1"], failed=["w1"])
     ret.migration_done(2, ["w0"], [])
@@ -148,3 +149,42 @@ def test_keys_go_only_once_the_snapshot_that_no_longer_needs_them_is_saved():
     store.deleted.clear()
     ret.snapshot_saved(exits_seen=1)
     assert store.deleted == []           # each key once
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "auto"])
+def test_a_replaced_communicators_rendezvous_keys_go_as_its_backend_left_them(backend):
+    """gloo's full mesh leaves one key a member, NCCL one unique id: a replaced generation's
+    are deleted (both forms where the controller cannot tell, "auto"), each once, and a
+    transfer channel's with them; the live generation's stay."""
+    from types import SimpleNamespace
+
+    from trainmover.control.retention import Retention
+    from trainmover.core import protocol as P
+    from trainmover.core.topology import Layout
+
+    class Store:
+        def __init__(self):
+            self.deleted = []
+
+        def delete_key(self, key):
+            self.deleted.append(key)
+            return True
+
+    store, layout = Store(), Layout(dp=4, pp=1, tp=1)
+    name = next(n for n, g in layout.communicator_groups().items() if g.size == 4)
+    membership = SimpleNamespace(generations={name: 2}, standbys={}, workers={}, layout=layout)
+    ret = Retention(SimpleNamespace(store=store, membership=membership,
+                                    cfg=SimpleNamespace(comm=SimpleNamespace(backend=backend)),
+                                    procs=SimpleNamespace(nnodes=1)))
+    ret.replaced_groups([("xfer.w0-s0", 0)])
+    ret.snapshot_saved(exits_seen=0)
+    gloo = {k for gen in (0, 1) for k in P.rendezvous_keys(name, gen, 4)} | \
+        set(P.rendezvous_keys("xfer.w0-s0", 0, 2))
+    nccl = {P.nccl_id_key(name, 0), P.nccl_id_key(name, 1), P.nccl_id_key("xfer.w0-s0", 0)}
+    want = {"gloo": gloo, "nccl": nccl, "auto": gloo | nccl}[backend]
+    assert sorted(store.deleted) == sorted(want)
+    assert not any("gen2" in k for k in store.deleted)
+    store.deleted.clear()
+    ret.replaced_groups()
+    ret.snapshot_saved(exits_seen=0)
+    assert store.deleted == []

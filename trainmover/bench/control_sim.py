@@ -164,6 +164,8 @@ class Samples:
         self.rows.append(row)
 
 
+NCCL_ID_BYTES = 128          # a NCCL communicator's unique id (ncclUniqueId)
+
 # how often a survivor's recovery looks at its plan's abort (worker/recover.py polls a
 # group build's every millisecond; thousands of simulated workers share one process here)
 ABORT_POLL_S = 0.05
@@ -235,11 +237,22 @@ class _Recovers:
         self.collectives = 0
 
     def _rendezvous(self, group: str, generation: int, rank: int, size: int) -> None:
-        """A group build's store traffic: this member's address in, every member's out."""
-        raw = self.stores.get().raw
+        """A group build's store traffic, as the job's backend makes it
+        (``benchmarks/rendezvous_cost.py``): gloo's full mesh, this member's addresses in
+        (one a peer) and every member's out; with ``comm.backend`` "nccl", the unique id,
+        set by rank 0 and read by the others (NCCL's own bootstrap then runs outside the
+        store: not simulated)."""
+        raw, timeout = self.stores.get().raw, self.cfg.comm.group_timeout_s
+        if self.cfg.comm.backend == "nccl":
+            key = P.nccl_id_key(group, generation)
+            if rank == 0:
+                raw.set(key, b"i" * NCCL_ID_BYTES)
+            else:
+                raw.get(key, timeout=timeout)
+            return
         keys = P.rendezvous_keys(group, generation, size)
         raw.set(keys[rank], b"a" * (154 + 8 * size))
-        raw.multi_get(keys, timeout=self.cfg.comm.group_timeout_s)
+        raw.multi_get(keys, timeout=timeout)
 
     def _perf(self) -> None:
         """The straggler detector's measurements, as a worker sends them to its agent

@@ -20,7 +20,8 @@ The rule, per key family (``core/protocol.py``):
   requests are deleted by the agent as it reads them (a host declared lost leaves the few
   it had not read), a `trainmover migrate` request's keys by the client that made it;
 - ``mig/<id>/*`` of an aborted or interrupted migration, when a later one is accounted;
-- a communicator's rendezvous keys (``groups/<name>/gen<g>/...``), once a migration or
+- a communicator's rendezvous keys (``groups/<name>/gen<g>/...``: gloo's one a member,
+  NCCL's unique id), once a migration or
   recovery that replaced generation ``g`` is accounted (no one builds it again); a
   transfer channel's, with its migration or recovery.
 Everything else is bounded by the job's size (roles, hosts, structures), not its length.
@@ -104,16 +105,16 @@ class Retention:
     def replaced_groups(self, channels: list[tuple[str, int]] = ()) -> None:
         """Delete the rendezvous keys of every communicator generation older than the live
         one, and of the given transfer channels (name, generation)."""
-        m = self.ctx.membership
+        m, backend = self.ctx.membership, self.ctx.cfg.comm.backend
         for name, live in m.generations.items():
             old = range(self.generations_deleted.get(name, 0), live)
             size = m.layout.group(name).size if old else 0
             for gen in old:
-                for key in P.rendezvous_keys(name, gen, size):
+                for key in P.group_keys(name, gen, size, backend):
                     self._drop(key)
             self.generations_deleted[name] = max(live, self.generations_deleted.get(name, 0))
         for name, gen in channels:
-            for key in P.rendezvous_keys(name, gen, 2):
+            for key in P.group_keys(name, gen, 2, backend):
                 self._drop(key)
 
     def process_gone(self, name: str) -> None:

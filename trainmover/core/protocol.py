@@ -216,6 +216,21 @@ def rendezvous_keys(group: str, generation: int, size: int) -> list[str]:
     return [f"groups/{group}/gen{generation}//0/{rank}" for rank in range(size)]
 
 
+def nccl_id_key(group: str, generation: int) -> str:
+    """The key a NCCL communicator's rendezvous leaves in the store: its unique id, set by
+    rank 0 and read by the others (``ProcessGroupNCCL``'s first communicator, "0", under
+    ``comm.groups.group_prefix``): one key of 128 bytes, where gloo's full mesh leaves one
+    of ``154 + 8 * size`` bytes a member, each read by every member."""
+    return f"groups/{group}/gen{generation}//0"
+
+
+def group_keys(group: str, generation: int, size: int, backend: str) -> list[str]:
+    """The rendezvous keys of one communicator for ``comm.backend`` (both forms for "auto":
+    the controller cannot tell which the workers resolved it to)."""
+    keys = [] if backend == "nccl" else rendezvous_keys(group, generation, size)
+    return keys if backend == "gloo" else keys + [nccl_id_key(group, generation)]
+
+
 def final_need_key(role: str) -> str:
     """Set by the controller when the holder of data-parallel-rank-0 ``role`` died after the
     job's last step was committed: names the replica that writes that role's final state
