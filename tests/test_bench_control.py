@@ -1,7 +1,7 @@
 """``trainmover bench control``'s small case: a job of 256 simulated workers (32 hosts)
 on the real store, agents, worker control code and controller trains, loses a worker,
-is recovered from a data-parallel replica onto a standby, and trains on; the figures the
-benchmark reports come out of it."""
+is recovered from a data-parallel replica onto a standby, trains on, and migrates a worker
+onto the other standby; the figures the benchmark reports come out of it."""
 import pytest
 
 from trainmover.bench.control import layout_for, parse_sizes, run_once
@@ -23,6 +23,12 @@ def test_a_simulated_job_of_256_workers_trains_recovers_and_is_measured(tmp_path
     assert row["controller_round_ms"] > 0
     # the crash was detected, planned and recovered from, then steps were committed again
     assert 0 < row["crash_to_plan_s"] < row["recovery_downtime_s"] < 60
+    # the planned migration completed (run_once raises otherwise) and was accounted from
+    # its stayers' step ends: the other members of the leaver's data-parallel, tensor-
+    # and pipeline-parallel groups (its point-to-point neighbours are in the last)
+    assert row["migration_stayers"] == 3 + 7 + 7
+    assert row["migration_control_s"] is not None and row["migration_control_s"] < 60
+    assert 0 < row["migration_to_go_s"] < row["migration_total_s"] < 120
 
 
 def test_sizes_are_checked_before_anything_starts():

@@ -6,14 +6,19 @@ job's is in host 0's agent), the real controller (``control/coordinator.py``, he
 thread, its agent and process starts replaced: ``SimCoordinator``), and N/8 simulated hosts
 of 8 workers each (``bench/control_sim.py``: real agents and real worker control code, the
 compute and tensors stood in for). The job trains ``steady`` steps, then a worker crashes
-and is recovered from a data-parallel replica onto a standby, then trains on.
+and is recovered from a data-parallel replica onto a standby, then trains on; ``after``
+steps later a worker of host 1 is migrated onto the other standby (asked for as
+`trainmover migrate` asks), and the run ends once that migration is accounted.
 
 Reported per size: the per-step control overhead (a step's time less its compute, every
 worker's steady steps: p50, p99), the root store's requests per second and CPU share, the
 controller's supervision round (p50, p99, max) and CPU share, the crash's control time
 (from the fault to the recovery plan, and to the first step committed after it less that
-step's compute), and the simulator's own CPU share: where it nears one core, the figures
-are the simulator's limit, not the control plane's.
+step's compute), the migration's control time (its downtime as the controller accounts
+it: with no state to move and no real group to build, what its protocol costs the stayers
+at the switch; and from the request to the go and to done), and the simulator's own CPU
+share: where it nears one core, the figures are the simulator's limit, not the control
+plane's.
 """
 from __future__ import annotations
 
@@ -257,6 +262,9 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
     crash_step = warmup + steady
     # a worker of host 2 (a middle one's in a small job), not the reporter
     crashed = f"w{2 * WORKERS_PER_HOST + 1}" if cfg.hosts.nnodes > 3 else f"w{workers // 2 + 1}"
+    # the migration's leaver: a worker of host 1, simulated whole, neither the reporter nor
+    # in the crashed worker's data-parallel group
+    leaver = f"w{WORKERS_PER_HOST + 2}"
     full = None if full_hosts is None else full_nodes(cfg, full_hosts, crashed)
     spec = {"compute_s": compute_s, "crashes": {crashed: crash_step}, "full_nodes": full,
             "samples_path": os.path.join(run_dir + ".store", "samples.json")}
@@ -279,13 +287,18 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
     coord.started.wait()
     sampler = None
     target = crash_step + after
+    migration = None             # the planned migration's future, once asked for
     deadline = time.monotonic() + timeout_s
     while thread.is_alive() and time.monotonic() < deadline:
         if sampler is None and coord.store_proc is not None and coord.sims:
             sampler = CpuSampler({"store": coord.store_proc.pid,
                                   **{f"sim{i}": p.pid for i, p in enumerate(coord.sims)}})
-        if coord.progress.last_step >= target and not coord.recovery.active and \
-                not coord.recovery.awaiting:
+        recovered = coord.progress.last_step >= target and not coord.recovery.active and \
+            not coord.recovery.awaiting
+        if recovered and migration is None:
+            # then a planned migration, as `trainmover migrate` asks for one
+            migration = coord.migrations.request([leaver], source="bench")
+        if migration is not None and migration.done():
             break
         time.sleep(0.2)
     coord.stop()
@@ -299,13 +312,19 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
         raise RuntimeError(f"the simulated job of {workers} workers reached step "
                            f"{coord.progress.last_step} of {target} in {timeout_s} s "
                            f"(run dir {run_dir})")
+    result = migration.result(timeout=0) if migration is not None and migration.done() \
+        else None
+    if result is None or result.get("status") != "done":
+        raise RuntimeError(f"the simulated job of {workers} workers: the planned migration "
+                           f"of {leaver} did not complete in {timeout_s} s: {result} "
+                           f"(run dir {run_dir})")
     return _figures(coord, run_dir, spec, sampler, workers, warmup, crash_step,
-                    compute_s, time.time() - t_start)
+                    compute_s, time.time() - t_start, result)
 
 
 def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSampler,
              workers: int, warmup: int, crash_step: int, compute_s: float,
-             wall_s: float) -> dict:
+             wall_s: float, migration: dict) -> dict:
     rows = []
     for i in range(coord.sim_procs):
         with open(f"{spec['samples_path']}.{i}") as f:
@@ -324,6 +343,8 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
     fault = next(e["time"] for e in events if e["event"] == "fault_injected")
     planned = next(e["time"] for e in events if e["event"] == "recovery_planned")
     done = next(e for e in events if e["event"] == "recovery_done")
+    started = next(e["time"] for e in events if e["event"] == "migration_started")
+    go = next(e["time"] for e in events if e["event"] == "migration_go")
     span = t1 - t0
     return {
         "workers": workers, "hosts": workers // WORKERS_PER_HOST,
@@ -349,7 +370,13 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
         "crash_to_plan_s": planned - fault,
         "crash_to_resumed_s": done["downtime_s"] - compute_s,
         "recovery_downtime_s": done["downtime_s"],
-        "migration_control_s": None,      # not simulated yet
+        # the migration's downtime as the controller accounts it (its slowest stayer's
+        # step across the switch, beyond a normal one): with no state to move and no real
+        # group to build, what its control protocol costs the stayers
+        "migration_control_s": migration["downtime_s"],
+        "migration_to_go_s": go - started,      # orders, background builds, readiness
+        "migration_total_s": migration["requested_to_done_s"],
+        "migration_stayers": len(migration["stayers"]),
         "wall_s": wall_s,
     }
 
@@ -404,6 +431,8 @@ COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (m
            ("controller_cpu_share", "controller CPU", 2),
            ("crash_to_plan_s", "crash to plan (s)", 2),
            ("crash_to_resumed_s", "crash to resumed (s)", 2),
+           ("migration_control_s", "migration downtime (s)", 3),
+           ("migration_to_go_s", "migration to go (s)", 2),
            ("sim_cpu_share", "simulator CPU", 2)]
 
 

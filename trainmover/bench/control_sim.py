@@ -7,13 +7,16 @@ What runs as in a job, and what stands in for it:
   heartbeat with its processes' beats, fencing watch, process and exit records), and each
   worker's control code: its heartbeat (``worker.liveness.Heartbeat``, on its channel to
   the agent), its watch of the controller's aborts, commit vote and commands (``Inbox``,
-  ``HostVote``, ``worker.migration.CommandChannel``: through the agent), its store traffic
-  with its own authenticated store client, writing signed messages, as a worker does;
+  ``HostVote``, ``worker.migration.CommandChannel``: through the agent), a planned
+  migration's stayers and leaver (``worker.migration.Migrations``, ``bench/sim_migration.py``),
+  its store traffic with its own authenticated store client, writing signed messages, as a
+  worker does;
 - stood in for: a step's compute (a wait of ``compute_s``, cut short by an abort); a process
   (a greenlet whose store connections are closed when it is "killed"); tensors (none: a state
-  transfer takes no time); a group's rendezvous (each member sets an address the size of
-  gloo's and reads every member's in one request: gloo's bytes in fewer requests); the
-  failure report's accounting (every group clean: the step's collectives are not simulated).
+  transfer takes no time; a migration's leaver hands nothing over, ``sim_migration``); a
+  group's rendezvous (its store traffic as the job's backend makes it: gloo's addresses, in
+  fewer requests, or NCCL's unique id; ``_rendezvous``); the failure report's accounting
+  (every group clean: the step's collectives are not simulated).
 
 Each worker records, per committed step, its *control overhead*: the time from one decision
 it saw to the next, less the step's compute. That is what the control plane adds to a step
@@ -46,6 +49,7 @@ from trainmover.core import jobfile, kvstore  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.core.auth import AuthStore  # noqa: E402
 from trainmover.core.events import EventLog, JsonlWriter  # noqa: E402
+from trainmover.bench import sim_migration as SM  # noqa: E402
 from trainmover.core.proc import PR_SET_PDEATHSIG, prctl, raise_open_files  # noqa: E402
 from trainmover.core.topology import Role, reporter_role  # noqa: E402
 from trainmover.worker.liveness import AbortWatcher, Heartbeat, HostVote, Inbox  # noqa: E402
@@ -236,13 +240,21 @@ class _Recovers:
             self.generations[name] = generation
         self.collectives = 0
 
-    def _rendezvous(self, group: str, generation: int, rank: int, size: int) -> None:
+    def own_stores(self) -> SimStores:
+        """Store clients of this worker's own, apart from its main ones (a helper
+        thread's)."""
+        return SimStores(self.agent.host, self.agent.port, self.agent.run_key,
+                         self.cfg.comm.group_timeout_s)
+
+    def _rendezvous(self, group: str, generation: int, rank: int, size: int,
+                    raw=None) -> None:
         """A group build's store traffic, as the job's backend makes it
         (``benchmarks/rendezvous_cost.py``): gloo's full mesh, this member's addresses in
         (one a peer) and every member's out; with ``comm.backend`` "nccl", the unique id,
         set by rank 0 and read by the others (NCCL's own bootstrap then runs outside the
         store: not simulated)."""
-        raw, timeout = self.stores.get().raw, self.cfg.comm.group_timeout_s
+        raw = raw if raw is not None else self.stores.get().raw
+        timeout = self.cfg.comm.group_timeout_s
         if self.cfg.comm.backend == "nccl":
             key = P.nccl_id_key(group, generation)
             if rank == 0:
@@ -279,6 +291,7 @@ class SimWorker(_Recovers):
         self.epoch, self.step = 0, 0
         self.generations: dict[str, int] = {}
         self.collectives = 0
+        self.taking_over = None      # a migration's joiner before its first step: (cmd, t)
         self.greenlet = gevent.spawn(self._run)
 
     def _run(self) -> None:
@@ -307,13 +320,19 @@ class SimWorker(_Recovers):
             store.set(P.standby_state_key(self.name),
                       P.write_message(P.StandbyReport("warm")))
             cmd = self.commands.next()
-            if not isinstance(cmd, P.AssignRecovery):
+            if isinstance(cmd, P.AssignRecovery):
+                self._join(cmd)
+            elif isinstance(cmd, P.AssignMigration):
+                self.step, t_at = SM.take_over(self, cmd)
+                self.epoch, self.taking_over = cmd.epoch, (cmd, t_at)
+            else:
                 raise RuntimeError(f"{type(cmd).__name__} is not simulated yet")
-            self._join(cmd)
         else:
             self.role = Role.parse(store.get(P.membership_key(self.name)).decode())
+        self.migrations = SM.SimMigrations(self)
         while self.step < cfg.train.steps:
-            self._train()
+            if self._train() == SM.M.LEAVE:
+                return                   # a migration's leaver: its role is the joiner's
         store.set(P.finished_key(self.name), "1")
 
     def _train(self) -> None:
@@ -327,6 +346,8 @@ class SimWorker(_Recovers):
                         self.name if reporter else None, voter=self.name)
         last = time.time()
         while self.step < cfg.train.steps:
+            if self.migrations.at_boundary(self.step) == SM.M.LEAVE:
+                return SM.M.LEAVE
             if spec.crashes.get(self.name) == self.step:
                 EventLog(os.path.join(self.agent.run_dir, "events.jsonl"),
                          worker=self.name).emit("fault_injected", kind="crash",
@@ -345,12 +366,16 @@ class SimWorker(_Recovers):
             if metrics is not None:
                 metrics.write({"step": self.step, "loss": 0.0, "epoch": self.epoch,
                                "worker": self.name, "step_time_s": round(now - last, 6)})
+            self.migrations.step_ended(self.step, now)
+            if self.taking_over is not None:
+                cmd, t_at = self.taking_over
+                self.taking_over = None
+                SM.joiner_started(self, cmd, self.step, t_at, now - last)
             last = now
             self.collectives += 1
             self.step += 1
             if self.step % cfg.straggler.window == 0:
                 self._perf()
-            self.commands.poll()         # nothing else is simulated between steps yet
 
     def _send_perf(self, message: bytes) -> None:
         self.inbox.send(message)
@@ -433,6 +458,7 @@ class LightWorker(_Recovers):
         store = self.stores.get()        # kept for the worker's life (shared)
         self.role = Role.parse(store.get(P.membership_key(self.name)).decode())
         self.commands = CommandChannel(self.stores, None, self.name)   # filled by its agent
+        self.migrations = SM.SimMigrations(self)
         self.ready.set()
 
 
@@ -512,6 +538,9 @@ class LightAgent(SimAgent):
             abort = self.abort_of(epoch)
             last = time.time()
             while True:
+                for w in workers:            # their boundary: a migration's commands
+                    if w.migrations.at_boundary(step) == SM.M.LEAVE:
+                        raise RuntimeError(f"{w.name} of a light host left: not simulated")
                 if abort.wait(compute_s):
                     break
                 key = (epoch, step)
@@ -529,6 +558,7 @@ class LightAgent(SimAgent):
                                  now - last - compute_s, now - t_vote)
                 last, step = now, step + 1
                 for w in workers:
+                    w.migrations.step_ended(step - 1, now)
                     w.step, w.collectives = step, w.collectives + 1
                     if step % self.cfg.straggler.window == 0:
                         w._perf()
