@@ -374,6 +374,13 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
         # step across the switch, beyond a normal one): with no state to move and no real
         # group to build, what its control protocol costs the stayers
         "migration_control_s": migration["downtime_s"],
+        # the step-to-step noise of the stayer it was measured on (core/accounting.py): a
+        # downtime below it is not told apart from none
+        "migration_noise_s": migration["downtime_noise_s"],
+        # the reporter's own step across the switch beyond its normal ones: one worker's,
+        # where the slowest of the stayers' is the largest of dozens of noisy steps (every
+        # worker's step waits for the same decision)
+        "migration_reporter_s": migration["downtime_reporter_s"],
         "migration_to_go_s": go - started,      # orders, background builds, readiness
         "migration_total_s": migration["requested_to_done_s"],
         "migration_stayers": len(migration["stayers"]),
@@ -432,6 +439,8 @@ COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (m
            ("crash_to_plan_s", "crash to plan (s)", 2),
            ("crash_to_resumed_s", "crash to resumed (s)", 2),
            ("migration_control_s", "migration downtime (s)", 3),
+           ("migration_noise_s", "its noise (s)", 3),
+           ("migration_reporter_s", "reporter's (s)", 3),
            ("migration_to_go_s", "migration to go (s)", 2),
            ("sim_cpu_share", "simulator CPU", 2)]
 
