@@ -82,6 +82,9 @@ class Recovery:
         # snapshot steps a plan failed with (an unreachable or broken copy): not used again,
         # the next plan takes an older snapshot or a checkpoint
         self.skipped_snapshots: list[int] = []
+        # (recovery id, when, whether a complete snapshot or checkpoint was there): asked at
+        # most once a report timeout while silent survivors wait (a round trip a host)
+        self._copy_seen: tuple[int, float, bool] | None = None
 
     # --- the state machine ------------------------------------------------------------------
     def poll(self) -> None:
@@ -159,9 +162,15 @@ class Recovery:
                 since = rec.t_collect or rec.t_detected
                 cfg = ctx.cfg.recovery
                 # alive (beating) yet silent while the others' reports stopped coming: hung
-                for w in C.silent_survivors(missing, now - since,
+                silent = C.silent_survivors(missing, now - since,
                                             now - max(since, rec.t_report or since),
-                                            cfg.report_timeout_s, cfg.report_wait_max_s):
+                                            cfg.report_timeout_s, cfg.report_wait_max_s,
+                                            any_read=bool(rec.reports))
+                if silent and not C.fence_silent_now(
+                        ctx.membership, set(rec.failures), silent, now - since,
+                        cfg.report_wait_max_s, lambda: self._copy_available(rec, silent)):
+                    return
+                for w in silent:
                     ctx.fence(w, "no report after abort")
                     rec.failures[w] = Failure(w, "hang", now, "no report after abort")
                 return
@@ -184,6 +193,30 @@ class Recovery:
             count = ctx.store.add(P.recovered_count_key(rec.recovery_id), 0)
             if count >= len(participants):
                 self._complete(rec)
+
+    def _copy_available(self, rec: ActiveRecovery, silent: list[str]) -> bool:
+        """Whether a complete snapshot or checkpoint could stand in for the roles that
+        fencing ``silent`` would leave without a replica; while not, their fencing waits
+        (``decisions.fence_silent_now``), said once a recovery."""
+        ctx, now = self.ctx, time.time()
+        seen = self._copy_seen
+        if seen is None or seen[0] != rec.recovery_id or \
+                now - seen[1] > ctx.cfg.recovery.report_timeout_s:
+            newest = rec.last_committed + 1
+            ok = self.newest_checkpoint(newest) is not None or \
+                self.newest_snapshot(newest)[0] is not None
+            if not ok and (seen is None or seen[0] != rec.recovery_id):
+                ctx.events.emit("fencing_deferred", recovery_id=rec.recovery_id,
+                                silent=len(silent), level="warning",
+                                reason="fencing the survivors that sent no report would "
+                                       "leave roles with no copy of their state")
+                ctx.progress.say(
+                    f"recovery {rec.recovery_id}: {len(silent)} survivor(s) sent no report, "
+                    f"but fencing them would leave roles with no copy of their state: "
+                    f"waiting for them (at most recovery.report_wait_max_s="
+                    f"{ctx.cfg.recovery.report_wait_max_s:g} s)")
+            seen = self._copy_seen = (rec.recovery_id, now, ok)
+        return seen[2]
 
     def _all_committed(self, failed: set[str]) -> bool:
         """The job's last step is committed: known from the step count, or because a
