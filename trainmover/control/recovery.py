@@ -85,6 +85,7 @@ class Recovery:
         # (recovery id, when, whether a complete snapshot or checkpoint was there): asked at
         # most once a report timeout while silent survivors wait (a round trip a host)
         self._copy_seen: tuple[int, float, bool] | None = None
+        self._deferred: set[int] = set()     # recoveries whose deferred fencing was said
 
     # --- the state machine ------------------------------------------------------------------
     def poll(self) -> None:
@@ -164,11 +165,13 @@ class Recovery:
                 # alive (beating) yet silent while the others' reports stopped coming: hung
                 silent = C.silent_survivors(missing, now - since,
                                             now - max(since, rec.t_report or since),
-                                            cfg.report_timeout_s, cfg.report_wait_max_s,
-                                            any_read=bool(rec.reports))
-                if silent and not C.fence_silent_now(
-                        ctx.membership, set(rec.failures), silent, now - since,
-                        cfg.report_wait_max_s, lambda: self._copy_available(rec, silent)):
+                                            cfg.report_timeout_s, cfg.report_wait_max_s)
+                why = C.fence_silent_later(
+                    ctx.membership, set(rec.failures), silent, now - since,
+                    cfg.report_wait_max_s, lambda: self._copy_available(rec)) \
+                    if silent else None
+                if why is not None:
+                    self._defer_fencing(rec, len(silent), why)
                     return
                 for w in silent:
                     ctx.fence(w, "no report after abort")
@@ -194,10 +197,10 @@ class Recovery:
             if count >= len(participants):
                 self._complete(rec)
 
-    def _copy_available(self, rec: ActiveRecovery, silent: list[str]) -> bool:
-        """Whether a complete snapshot or checkpoint could stand in for the roles that
-        fencing ``silent`` would leave without a replica; while not, their fencing waits
-        (``decisions.fence_silent_now``), said once a recovery."""
+    def _copy_available(self, rec: ActiveRecovery) -> bool:
+        """Whether a complete snapshot or checkpoint could stand in for roles left without
+        a replica (``decisions.fence_silent_later``); asked again at most once a report
+        timeout (a round trip a host)."""
         ctx, now = self.ctx, time.time()
         seen = self._copy_seen
         if seen is None or seen[0] != rec.recovery_id or \
@@ -205,18 +208,21 @@ class Recovery:
             newest = rec.last_committed + 1
             ok = self.newest_checkpoint(newest) is not None or \
                 self.newest_snapshot(newest)[0] is not None
-            if not ok and (seen is None or seen[0] != rec.recovery_id):
-                ctx.events.emit("fencing_deferred", recovery_id=rec.recovery_id,
-                                silent=len(silent), level="warning",
-                                reason="fencing the survivors that sent no report would "
-                                       "leave roles with no copy of their state")
-                ctx.progress.say(
-                    f"recovery {rec.recovery_id}: {len(silent)} survivor(s) sent no report, "
-                    f"but fencing them would leave roles with no copy of their state: "
-                    f"waiting for them (at most recovery.report_wait_max_s="
-                    f"{ctx.cfg.recovery.report_wait_max_s:g} s)")
             seen = self._copy_seen = (rec.recovery_id, now, ok)
         return seen[2]
+
+    def _defer_fencing(self, rec: ActiveRecovery, silent: int, why: str) -> None:
+        """Said once a recovery: survivors that sent no report are not fenced yet."""
+        if rec.recovery_id in self._deferred:
+            return
+        self._deferred.add(rec.recovery_id)
+        ctx = self.ctx
+        ctx.events.emit("fencing_deferred", recovery_id=rec.recovery_id, silent=silent,
+                        reason=why, level="warning")
+        ctx.progress.say(f"recovery {rec.recovery_id}: {silent} survivor(s) sent no report, "
+                         f"but fencing them now costs the job more than it can take ({why}): "
+                         f"waiting for them, at most recovery.report_wait_max_s="
+                         f"{ctx.cfg.recovery.report_wait_max_s:g} s")
 
     def _all_committed(self, failed: set[str]) -> bool:
         """The job's last step is committed: known from the step count, or because a

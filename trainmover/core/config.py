@@ -541,7 +541,8 @@ class RecoveryConfig:
     # After aborting the step in flight, how long the controller waits for the survivors'
     # reports: a survivor that beats but has not reported this long after the abort, or
     # after the last report that came in, is fenced as hung. While reports keep coming (a
-    # large job's, queued at the store), or before the first one came, it waits on, up to
+    # large job's, queued at the store), or while fencing the silent would cost the job
+    # more than its free standbys or a role's last copy, it waits on, up to
     # ``report_wait_max_s``.
     report_timeout_s: float = 6.0
     report_wait_max_s: float = 120.0

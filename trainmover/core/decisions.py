@@ -379,17 +379,25 @@ def without_replica(m: Membership, failed: set[str]) -> bool:
     return any(n >= m.layout.dp for n in lost.values())
 
 
-def fence_silent_now(m: Membership, failed: set[str], silent: list[str], waited_s: float,
-                     max_wait_s: float, copy_available) -> bool:
-    """Whether to fence ``silent`` (survivors ``silent_survivors`` names) now: yes past
-    ``max_wait_s``, or when the job can be recovered without them, from replicas or a copy
-    (``copy_available()``: a complete snapshot or checkpoint; asked only when needed). Else
-    fencing them ends the job for certain (a role with no copy of its state), where waiting
-    on to the bound may not: 8,192 simulated workers whose reports came in bursts on a
-    saturated machine were fenced all but 416 after a 6 s lull, and the job failed."""
+def fence_silent_later(m: Membership, failed: set[str], silent: list[str], waited_s: float,
+                       max_wait_s: float, copy_available) -> str | None:
+    """Why not to fence ``silent`` (survivors ``silent_survivors`` names) yet, or None to
+    fence them now: always past ``max_wait_s``; before it, only if the job can take their
+    loss: no more of them than
+    there are free standbys (at least one), since replacing more turns the recovery into a
+    restart, and that many silent at once is the reports' path being slow, not as many
+    workers hung; and the job still recoverable without them, from replicas or a copy
+    (``copy_available()``: a complete snapshot or checkpoint; asked only when needed).
+    8,192 simulated workers whose reports came in bursts on a saturated machine were all
+    but 416 fenced after a 6 s lull, which left roles with no copy: the job failed."""
     if waited_s > max_wait_s:
-        return True
-    return not without_replica(m, set(failed) | set(silent)) or copy_available()
+        return None
+    free = len(m.free_standbys())
+    if len(silent) > max(1, free):
+        return f"more of them than free standbys ({free})"
+    if without_replica(m, set(failed) | set(silent)) and not copy_available():
+        return "roles would be left with no copy of their state"
+    return None
 
 
 def plan_recovery(m: Membership, recovery_id: int, failed: list[str], dirty: set[str],
@@ -483,16 +491,14 @@ def dirty_groups(layout: Layout, reports: dict[str, dict[str, dict]],
 
 
 def silent_survivors(missing: list[str], waited_s: float, quiet_s: float, timeout_s: float,
-                     max_wait_s: float, any_read: bool = True) -> list[str]:
+                     max_wait_s: float) -> list[str]:
     """The survivors to fence as hung for sending no report after an abort: those
     ``missing`` once ``timeout_s`` passed without any new report (``quiet_s``: since the
     abort or the last report read), or ``max_wait_s`` after the abort however reports keep
     coming. While reports keep arriving the control plane is slow, not these workers: a
     fixed deadline once fenced thousands of healthy survivors of a large job whose reports
-    queued at the store, and the job failed for want of standbys. Before the first report
-    of the collection is read (``any_read`` false) nothing shows the reports' path works:
-    every survivor silent at once is that path's delay (8,192 simulated workers: all of
-    them fenced 6 s after the abort, and the job failed), so only ``max_wait_s`` fences."""
-    if missing and ((any_read and quiet_s > timeout_s) or waited_s > max_wait_s):
+    queued at the store, and the job failed for want of standbys (``fence_silent_later``
+    then says whether the job can take their loss)."""
+    if missing and (quiet_s > timeout_s or waited_s > max_wait_s):
         return sorted(missing, key=natural)
     return []
