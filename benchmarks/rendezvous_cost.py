@@ -21,33 +21,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.store_process import cpu_s, store_process  # noqa: E402
 from trainmover.bench.report import git_commit, machine_description, write_result  # noqa: E402
 from trainmover.core import kvstore  # noqa: E402
 
 KEY = b"z" * 32
-SERVER = """
-import sys
-from trainmover.core import kvserver
-from trainmover.core.proc import raise_open_files
-raise_open_files(1 << 20)
-s = kvserver.serve(bytes.fromhex(sys.argv[1]))
-print(s.port, flush=True)
-sys.stdin.read()
-"""
 CLIENTS = 8
 NCCL_ID_BYTES = 128
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def gloo_rendezvous(stores, prefix: str, n: int) -> int:
@@ -94,11 +79,8 @@ def main() -> None:
     if any(n < 2 for n in sizes) or args.repeats < 1:
         raise SystemExit(f"--sizes {args.sizes} --repeats {args.repeats}: sizes of at least 2 "
                          f"members, at least one repeat")
-    server = subprocess.Popen([sys.executable, "-c", SERVER, KEY.hex()],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rows, generation = [], 0
-    try:
-        port = int(server.stdout.readline())
+    with store_process(KEY) as (server, port):
         stores = [kvstore.connect("127.0.0.1", port, KEY, 600.0) for _ in range(CLIENTS)]
         for n in sizes:
             for backend in ("gloo", "nccl"):
@@ -109,9 +91,6 @@ def main() -> None:
                 rows.append({"members": n, "backend": backend, "runs": runs})
                 print(f"{n} {backend}: store CPU "
                       f"{statistics.median(r['store_cpu_s'] for r in runs):.3f} s", flush=True)
-    finally:
-        server.kill()
-        server.wait()
 
     def cell(runs, key, digits=3):
         values = [r[key] for r in runs]

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.store_process import cpu_s, store_process  # noqa: E402
 from trainmover.bench.report import git_commit, machine_description, write_result  # noqa: E402
 from trainmover.control.health import read_failure_reports  # noqa: E402
 from trainmover.core import kvstore  # noqa: E402
@@ -38,25 +38,10 @@ from trainmover.core import protocol as P  # noqa: E402
 from trainmover.core.auth import AuthStore  # noqa: E402
 
 KEY = b"r" * 32
-SERVER = """
-import sys
-from trainmover.core import kvserver
-from trainmover.core.proc import raise_open_files
-raise_open_files(1 << 20)
-s = kvserver.serve(bytes.fromhex(sys.argv[1]))
-print(s.port, flush=True)
-sys.stdin.read()
-"""
 CLIENTS = 8
 PER_HOST = 8
 HOST_FORM = hasattr(P, "HostReports")
 NOTES_BY_HOST = hasattr(P, "recovered_message")
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def report(step: int) -> bytes:
@@ -118,20 +103,14 @@ def main() -> None:
     ap.add_argument("--out", help="write NAME.md/.json here")
     ap.add_argument("--name", default="report_cost")
     args = ap.parse_args()
-    server = subprocess.Popen([sys.executable, "-c", SERVER, KEY.hex()],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rows, epoch = [], 0
-    try:
-        port = int(server.stdout.readline())
+    with store_process(KEY) as (server, port):
         for n in [int(x) for x in args.workers.split(",")]:
             runs = []
             for _ in range(args.repeats):
                 epoch += 1
                 runs.append(measure(server, port, n, epoch))
             rows.append({"workers": n, "runs": runs})
-    finally:
-        server.kill()
-        server.wait()
 
     def cell(key, n_digits=3):
         return lambda runs: (f"{statistics.median(r[key] for r in runs):.{n_digits}f} "

@@ -114,6 +114,17 @@ def test_store_keys_do_not_grow_with_events(tmp_path):
     assert abs(keys["last"] - keys["first"]) < 12, keys
 
 
+class DeletingStore:
+    """Records the keys a ``Retention`` deletes."""
+
+    def __init__(self):
+        self.deleted = []
+
+    def delete_key(self, key):
+        self.deleted.append(key)
+        return True
+
+
 def test_keys_go_only_once_the_snapshot_that_no_longer_needs_them_is_saved():
     """A controller that completes a recovery and dies before its next snapshot save is
     resumed from a snapshot where that recovery still waits for its recovered count: the
@@ -125,15 +136,7 @@ def test_keys_go_only_once_the_snapshot_that_no_longer_needs_them_is_saved():
     from trainmover.control.retention import Retention
     from trainmover.core import protocol as P
 
-    class Store:
-        def __init__(self):
-            self.deleted = []
-
-        def delete_key(self, key):
-            self.deleted.append(key)
-            return True
-
-    store = Store()
+    store = DeletingStore()
     membership = SimpleNamespace(generations={}, standbys={}, workers={})
     ret = Retention(SimpleNamespace(store=store, membership=membership,
                                     cfg=SimpleNamespace(comm=SimpleNamespace(backend="auto")),
@@ -162,15 +165,7 @@ def test_a_replaced_communicators_rendezvous_keys_go_as_its_backend_left_them(ba
     from trainmover.core import protocol as P
     from trainmover.core.topology import Layout
 
-    class Store:
-        def __init__(self):
-            self.deleted = []
-
-        def delete_key(self, key):
-            self.deleted.append(key)
-            return True
-
-    store, layout = Store(), Layout(dp=4, pp=1, tp=1)
+    store, layout = DeletingStore(), Layout(dp=4, pp=1, tp=1)
     name = next(n for n, g in layout.communicator_groups().items() if g.size == 4)
     membership = SimpleNamespace(generations={name: 2}, standbys={}, workers={}, layout=layout)
     ret = Retention(SimpleNamespace(store=store, membership=membership,
