@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 
 from trainmover.core import protocol as P
 from trainmover.core import rundir
@@ -105,13 +105,7 @@ def write_status_file(run_dir: str, status: JobStatus) -> None:
     their fields by json's own encoder (``dataclasses.asdict`` copies every nested value
     first: most of a 0.41 s write at 2,048 workers, ``benchmarks/status_write.py``)."""
     rundir.write_atomic(os.path.join(run_dir, STATUS_FILE),
-                        json.dumps(status, default=_fields).encode())
-
-
-def _fields(obj) -> dict:
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return obj.__dict__
-    raise TypeError(f"{type(obj).__name__} is not JSON")
+                        json.dumps(status, default=P.json_fields).encode())
 
 
 def fresh_limit_s(run_dir: str) -> float:

@@ -280,7 +280,22 @@ class MessageError(ValueError):
 
 
 def write_message(msg) -> str:
-    return json.dumps(dataclasses.asdict(msg), sort_keys=True)
+    return json.dumps(msg, default=json_fields, sort_keys=True)
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def json_fields(obj) -> dict:
+    """json's ``default`` for a dataclass: its fields, whose values json encodes itself
+    (``dataclasses.asdict`` deep-copies every leaf first: 8.5 us a host's beat, 56 us a
+    window's step measurements, written by every agent every beat)."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+            raise TypeError(f"{type(obj).__name__} is not JSON")
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return {name: getattr(obj, name) for name in names}
 
 
 def read_message(cls, raw: bytes | str):
@@ -309,7 +324,8 @@ def _tagged(registry: dict, kind: str):
     names = {cls: name for name, cls in registry.items()}
 
     def write(msg) -> str:
-        return json.dumps({"type": names[type(msg)], **dataclasses.asdict(msg)}, sort_keys=True)
+        return json.dumps({"type": names[type(msg)], **json_fields(msg)}, default=json_fields,
+                          sort_keys=True)
 
     def read(raw: bytes | str):
         data = _parse(kind, raw)
