@@ -425,10 +425,11 @@ class SimAgent(Agent):
 
 
 class LightWorker(_Recovers):
-    """A worker of a light host: its own store traffic as a worker's (rendezvous), but for its beats and votes, which its agent makes for all of its workers at
-    once, its commands, which its agent puts in its queue instead of on a channel, and its
-    step measurements, failure reports and notes of a recovery done, which it hands its agent
-    as its channel's reader would (``LightAgent``)."""
+    """A worker of a light host: its own store traffic as a worker's (rendezvous, a
+    migration's reports), but for its beats and votes, which its agent makes for all of its
+    workers at once, its commands, which its agent puts in its queue instead of on a
+    channel, and its step measurements, failure reports and notes of a recovery done, which
+    it hands its agent as its channel's reader would (``LightAgent``)."""
 
     def __init__(self, agent: "LightAgent", req: P.AgentSpawn):
         self.agent, self.cfg, self.layout = agent, agent.cfg, agent.cfg.layout

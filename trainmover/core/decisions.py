@@ -383,11 +383,11 @@ def fence_silent_later(m: Membership, failed: set[str], silent: list[str], waite
                        max_wait_s: float, copy_available) -> str | None:
     """Why not to fence ``silent`` (survivors ``silent_survivors`` names) yet, or None to
     fence them now: always past ``max_wait_s``; before it, only if the job can take their
-    loss: no more of them than
-    there are free standbys (at least one), since replacing more turns the recovery into a
-    restart, and that many silent at once is the reports' path being slow, not as many
-    workers hung; and the job still recoverable without them, from replicas or a copy
-    (``copy_available()``: a complete snapshot or checkpoint; asked only when needed).
+    loss: no more of them than there are free standbys (at least one), since replacing more
+    turns the recovery into a restart, and that many silent at once is the reports' path
+    being slow, not as many workers hung; and the job still recoverable without them, from
+    replicas or a copy (``copy_available()``: a complete snapshot or checkpoint; asked only
+    when needed).
     8,192 simulated workers whose reports came in bursts on a saturated machine were all
     but 416 fenced after a 6 s lull, which left roles with no copy: the job failed."""
     if waited_s > max_wait_s:
