@@ -313,9 +313,8 @@ class Recovery:
         # later step is left from a trajectory an earlier rollback undid)
         newest = rec.last_committed + 1
         ckpt = self.newest_checkpoint(newest)
-        snap, snapshot_at = self.newest_snapshot(newest) if any(
-            C.replica_of(m, m.workers[w], set(rec.failures)) is None for w in rec.failures) \
-            else (None, {})
+        snap, snapshot_at = self.newest_snapshot(newest) \
+            if C.without_replica(m, set(rec.failures)) else (None, {})
         short = len(rec.failures) - len(m.free_standbys())
         if short > 0 and ctx.cfg.recovery.replace_without_standby:
             self._start_replacements(rec, short)
