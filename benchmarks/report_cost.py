@@ -17,8 +17,10 @@ for those 2N requests (from /proc), and the controller's ``read_failure_reports`
 survivor (``control/health.py``: batched reads, signatures checked, messages decoded) on
 this process's CPU. Then the same survivors' notes that their part of the recovery is done,
 as the tree sends them: one ``add`` to the recovery's count a worker (older trees), or one
-a host (trees with ``P.recovered_message``: the agent adds its host's number); measured:
-the store process's CPU for them. Prints seconds per recovery."""
+a host (trees with ``P.recovered_message``: the agent adds its host's number), after
+setting its host's signed ``HostRecovered`` (trees with it); measured: the store process's
+CPU for them, and the controller's read of the notes (``control/host_notes.py``). Prints
+seconds per recovery."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.store_process import cpu_s, store_process  # noqa: E402
 from trainmover.bench.report import git_commit, machine_description, write_result  # noqa: E402
-from trainmover.control.health import read_failure_reports  # noqa: E402
+try:  # noqa: E402
+    from trainmover.control.host_notes import read_failure_reports, read_recovery_notes
+except ImportError:          # older trees
+    from trainmover.control.health import read_failure_reports
 from trainmover.core import kvstore  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.core.auth import AuthStore  # noqa: E402
@@ -42,6 +47,7 @@ CLIENTS = 8
 PER_HOST = 8
 HOST_FORM = hasattr(P, "HostReports")
 NOTES_BY_HOST = hasattr(P, "recovered_message")
+NOTES_SIGNED = hasattr(P, "HostRecovered")
 
 
 def report(step: int) -> bytes:
@@ -84,16 +90,26 @@ def measure(server, port: int, n: int, epoch: int) -> dict:
     assert len(got) == n
     before, notes = cpu_s(server.pid), 0
     for i in range(0, n, PER_HOST if NOTES_BY_HOST else 1):
-        stores[notes % CLIENTS].add(P.recovered_count_key(epoch),
-                                    PER_HOST if NOTES_BY_HOST else 1)
+        store = stores[notes % CLIENTS]
+        if NOTES_SIGNED:
+            store.set(P.host_recovered_key(i // PER_HOST, epoch), P.write_message(
+                P.HostRecovered(epoch, workers[i:i + PER_HOST])))
+        store.add(P.recovered_count_key(epoch), PER_HOST if NOTES_BY_HOST else 1)
         notes += 1
     assert stores[0].add(P.recovered_count_key(epoch), 0) == n
+    stores[0].check(["x"])
     notes_cpu = cpu_s(server.pid) - before
+    notes_read_s = None
+    if NOTES_SIGNED:
+        t0 = time.perf_counter()
+        assert len(read_recovery_notes(ctx, epoch, workers)) == n
+        notes_read_s = time.perf_counter() - t0
     for s in stores:
         s.raw.close()
     return {"store_cpu_s": store_cpu, "read_s": read_s, "read_cpu_s": read_cpu,
             "bytes": n * len(payload), "requests": requests,
-            "notes_requests": notes, "notes_store_cpu_s": notes_cpu}
+            "notes_requests": notes * (2 if NOTES_SIGNED else 1),
+            "notes_store_cpu_s": notes_cpu, "notes_read_s": notes_read_s}
 
 
 def main() -> None:
@@ -124,20 +140,23 @@ def main() -> None:
              f"done {'by host' if NOTES_BY_HOST else 'by worker'}. Median (min-max) "
              f"over the repeats (the module doc says what is measured).", "",
              "| survivors | requests at the store | store CPU (s) | controller's read (s) | "
-             "its CPU (s) | report bytes (MB) | notes: requests | notes: store CPU (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "its CPU (s) | report bytes (MB) | notes: requests | notes: store CPU (s) | "
+             "notes: controller's read (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = row["runs"]
         lines.append(f"| {row['workers']} | {runs[0]['requests']} | "
                      f"{cell('store_cpu_s')(runs)} | {cell('read_s')(runs)} | "
                      f"{cell('read_cpu_s')(runs)} | {runs[0]['bytes'] / 1e6:.2f} | "
-                     f"{runs[0]['notes_requests']} | {cell('notes_store_cpu_s')(runs)} |")
+                     f"{runs[0]['notes_requests']} | {cell('notes_store_cpu_s')(runs)} | "
+                     f"{cell('notes_read_s')(runs) if NOTES_SIGNED else '-'} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         write_result(args.out, args.name, {"benchmark": "report_cost", "commit": git_commit(),
                                            "form": "host" if HOST_FORM else "worker",
                                            "notes": "host" if NOTES_BY_HOST else "worker",
+                                           "notes_signed": NOTES_SIGNED,
                                            "rows": rows, "machine": machine_description()},
                      text)
 

@@ -514,3 +514,58 @@ def test_junk_at_the_controllers_record_and_snapshot_stops_neither_it_nor_its_su
         if agent is not None and pid_alive(agent) and not os.path.exists(
                 os.path.join(run_dir, "summary.json")):
             os.kill(agent, signal.SIGKILL)            # the old code's orphaned job
+
+
+@pytest.mark.timeout(300)
+def test_forged_counts_neither_end_a_recovery_early_nor_make_it_abandon_its_plan(
+        tmp_path, baseline):
+    """w2 crashes while someone keeps adding to the counters of the coming recoveries and
+    epochs: the recovered count (which ended a recovery once it reached the participants:
+    its keys then went, a joiner's rendezvous among them) and the failure count (which made
+    the controller abandon every plan it sent, as if a participant had failed). Both are
+    hints now: the signed notes and reports decide. One recovery, no plan abandoned, done
+    once its participants said so; the job ends on the uninterrupted run's weights."""
+    from trainmover.api import Job
+    from trainmover.control.client import connect
+
+    run_dir = str(tmp_path / "run")
+    # the standbys are frozen for a second across the crash: the joiner's note comes well
+    # after the survivors' (under the heartbeat timeout: not found hung)
+    job_ = Job(job(steps=STEPS, health_heartbeat_timeout_s=4.0, recovery_report_timeout_s=8.0),
+               run_dir, timeout_s=150).start()
+    wait_for(lambda: len(steps_done(run_dir)) >= 5, 120, "the first steps")
+    pids = {e["name"]: e["pid"] for e in events(run_dir, "process_started")}
+    raw = connect(run_dir).raw
+    stop = threading.Event()
+
+    def forge():
+        for n in range(1, 4):
+            raw.add(P.recovered_count_key(n), 100)
+            raw.add(P.failure_count_key(n), 1)
+
+    writer = keep_writing(forge, stop, every_s=0.05)
+    wait_for(lambda: writer.done, 20, "the first forged counts")
+    try:
+        for name in ("s0", "s1"):
+            os.kill(pids[name], signal.SIGSTOP)
+        os.kill(pids["w2"], signal.SIGKILL)
+        time.sleep(1.0)
+    finally:
+        for name in ("s0", "s1"):
+            if pid_alive(pids[name]):
+                os.kill(pids[name], signal.SIGCONT)
+    try:
+        summary = job_.wait(200)
+    finally:
+        stop.set()
+        writer.join()
+    assert summary["weights_sha256"] == baseline and summary["steps"] == STEPS
+    (rec,) = summary["recoveries"]
+    assert rec["failures"] == {"w2": "crash"} and rec["abandoned_plans"] == [], rec
+    (done,) = events(run_dir, "recovery_resumed")
+    notes = [e for e in events(run_dir) if e["event"] in ("recovered", "joiner_started")
+             and e.get("recovery_id") == 1]
+    assert len(notes) == 4 and all(e["time"] <= done["time"] for e in notes), (notes, done)
+    assert done["participants"] == 4
+    assert events(run_dir, "recovered_count_ahead")
+    assert not events(run_dir, "recovery_abandoned")

@@ -16,7 +16,8 @@ json_values = st.recursive(
 
 MESSAGE_TYPES = [P.StandbyReport, P.FailureReport, P.ReadyReport, P.SwitchReport,
                  P.MigrationAsk, P.StepEnds, P.ProcRecord, P.ExitRecord, P.ControllerInfo, P.AgentInfo,
-                 P.HostBeat, P.HostPerf, P.StepPerf, P.HostReports]
+                 P.HostBeat, P.HostPerf, P.StepPerf, P.HostReports,
+                 P.HostRecovered]
 READERS = [("command", P.decode_command, tuple(P.COMMANDS.values())),
            ("agent request", P.decode_agent_request, tuple(P.AGENT_REQUESTS.values()))] + \
           [(cls.__name__, (lambda c: lambda raw: P.read_message(c, raw))(cls), (cls,))

@@ -13,7 +13,8 @@ import pytest
 from trainmover.agent.reports import Reports
 from trainmover.agent.votes import Channels
 from trainmover.comm.groups import start_store_server
-from trainmover.control.health import read_failure_reports
+from trainmover.control.host_notes import (RecoveredNotes, read_failure_reports,
+                                           read_recovery_notes)
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore
 
@@ -112,7 +113,62 @@ def test_a_hosts_notes_of_a_recovery_done_reach_the_store_as_one_add(server):
     wait_for(lambda: len(adds) == 2, DEADLINE_S, "the joiner's note")
     time.sleep(0.1)
     assert adds == [(key, 2), (key, 1)] and store.add(key, 0) == 3
+    # each add after the host's signed note naming everyone counted so far
+    note = P.read_message(P.HostRecovered, store.valid(P.host_recovered_key(1, 7)))
+    assert note == P.HostRecovered(7, ["j0", "w0", "w1"])
     assert relay.error is None
+
+
+def note_ctx(store, hosts):
+    events = []
+    return SimpleNamespace(store=store, hosts=hosts,
+                           events=SimpleNamespace(emit=lambda e, **kw: events.append(e))), events
+
+
+def test_the_controller_takes_a_workers_note_only_from_its_own_hosts_value(server):
+    """Host 0's note names w0 and, forged in, w1 (host 1's): only w0 counts from it. An
+    unsigned note, one of another recovery and a worker with no known host (its own key)."""
+    store = AuthStore(server.client(), SECRET)
+    ctx, events = note_ctx(store, {"w0": 0, "w1": 1, "w2": 2})
+    store.set(P.host_recovered_key(0, 3), P.write_message(P.HostRecovered(3, ["w0", "w1"])))
+    server.client().set(P.host_recovered_key(1, 3), P.write_message(
+        P.HostRecovered(3, ["w1"])))
+    store.set(P.host_recovered_key(2, 3), P.write_message(P.HostRecovered(2, ["w2"])))
+    store.set(P.own_recovered_key(3, "w9"), P.write_message(P.HostRecovered(3, ["w9", "w8"])))
+    assert read_recovery_notes(ctx, 3, ["w0", "w1", "w2", "w8", "w9"]) == {"w0", "w9"}
+    assert "message_rejected" in events       # the other recovery's note
+    store.set(P.host_recovered_key(1, 3), P.write_message(P.HostRecovered(3, ["w1"])))
+    assert read_recovery_notes(ctx, 3, ["w1"]) == {"w1"}
+
+
+def test_a_forged_count_neither_ends_a_recovery_early_nor_keeps_it_from_ending(server):
+    """The count is a hint. Pushed up past the participants by someone past the store's
+    handshake: not done while the notes are short (said once), done as soon as the last
+    genuine note's add moves it. Pushed down after every note came: done at the next
+    recheck anyway."""
+    store = AuthStore(server.client(), SECRET)
+    forger = server.client()
+    ctx, events = note_ctx(store, {"w0": 0, "w1": 0, "w2": 1, "j0": 1})
+    notes = RecoveredNotes(ctx, recheck_s=0.3)
+    everyone = {"w0", "w1", "w2", "j0"}
+    forger.add(P.recovered_count_key(5), 10)
+    assert not notes.all_done(5, everyone) and not notes.all_done(5, everyone)
+    assert events.count("recovered_count_ahead") == 1
+    store.set(P.host_recovered_key(0, 5), P.write_message(P.HostRecovered(5, ["w0", "w1"])))
+    store.add(P.recovered_count_key(5), 2)
+    store.set(P.host_recovered_key(1, 5), P.write_message(P.HostRecovered(5, ["w2"])))
+    store.add(P.recovered_count_key(5), 1)
+    assert not notes.all_done(5, everyone)          # j0's note is not there yet
+    store.set(P.host_recovered_key(1, 5), P.write_message(P.HostRecovered(5, ["j0", "w2"])))
+    store.add(P.recovered_count_key(5), 1)
+    assert notes.all_done(5, everyone)
+    # recovery 6: every note came, and the count was pushed down under them
+    store.set(P.host_recovered_key(0, 6), P.write_message(P.HostRecovered(6, ["w0", "w1"])))
+    store.set(P.host_recovered_key(1, 6), P.write_message(P.HostRecovered(6, ["j0", "w2"])))
+    store.add(P.recovered_count_key(6), 4)
+    forger.add(P.recovered_count_key(6), -3)
+    assert not notes.all_done(6, everyone)          # the count says 1: no read yet
+    wait_for(lambda: notes.all_done(6, everyone), DEADLINE_S, "the recheck of recovery 6")
 
 
 def test_the_controller_reads_a_workers_report_only_from_its_own_hosts_value(server):

@@ -5,7 +5,8 @@ the store in a recovery, each sent on the process's channel:
   ``P.HostReports`` a host and epoch, and one ``add`` of their number to the epoch's
   report count;
 - that it recovered (``r <recovery id>``: a survivor once its part of a plan is done, a
-  joiner after its first step): one ``add`` of the host's number to the recovery's count.
+  joiner after its first step): one signed ``P.HostRecovered`` a host and recovery, naming
+  them, and one ``add`` of their number to the recovery's count.
 
 Why: every survivor of a failure wrote its report and added to the count itself, and then
 added to the recovered count, three requests a worker to the job's one store in every
@@ -18,7 +19,8 @@ standby has sent it (for an epoch's reports, a recovery's notes), else ``coalesc
 after the batch's first message here (a process that does not send one: one that failed,
 a standby; a joiner's note comes after its first step, in a second batch). A message that
 comes after its host's batch went makes the agent write again, with it; the count grows
-by the processes new in each write. A process names only itself (its channel is its own):
+by the processes new in each write. The counts are hints of when to look: the controller
+takes the signed values as the answer (``control/host_notes.py``). A process names only itself (its channel is its own):
 the same message twice counts once, and a report that does not decode is reported and
 dropped here.
 """
@@ -126,6 +128,10 @@ class Reports:
                                        P.write_message(P.HostReports(key, items)))
                         self.store.add(P.failure_count_key(key), new)
                     else:
+                        # the signed note first: the count only tells the controller when
+                        # to read the notes (``control/host_notes.py``)
+                        self.store.set(P.host_recovered_key(self.node, key),
+                                       P.write_message(P.HostRecovered(key, sorted(items))))
                         self.store.add(P.recovered_count_key(key), new)
         except Exception as exc:  # noqa: BLE001 - the store is gone: the agent learns of it
             self.error = exc

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from trainmover.control.context import JobContext
+from trainmover.control.host_notes import read_failure_reports
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.accounting import stalled_for
@@ -388,47 +389,3 @@ def moved(seen: tuple[int, int] | None, pid: int, seq: int) -> bool:
     """Whether ``(pid, seq)`` is a beat after ``seen`` (the newest seen): of another
     process, or further in the same process's sequence."""
     return seen is None or seen[0] != pid or seq > seen[1]
-
-
-def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
-                         ) -> dict[str, P.FailureReport]:
-    """The failure reports in ``epoch`` of ``workers`` that came: from their hosts' values
-    (``P.HostReports``, written by the agents: one key a host), a worker's report only from
-    its own host's; a worker whose host is not known, from its own key (where a process no
-    agent started writes it; in a job every process is an agent's). ``KEYS_PER_READ`` keys
-    a request."""
-    out: dict[str, P.FailureReport] = {}
-    by_host: dict[int, set[str]] = {}
-    own = []
-    for w in workers:
-        node = ctx.hosts.get(w)
-        if node is None:
-            own.append(w)
-        else:
-            by_host.setdefault(node, set()).add(w)
-    nodes = sorted(by_host)
-    hosts = _read_messages(ctx, P.HostReports, [P.host_reports_key(n, epoch) for n in nodes])
-    for node, (key, host) in zip(nodes, hosts):
-        if host is not None and host.epoch != epoch:
-            ctx.events.emit("message_rejected", key=key, error=f"epoch {host.epoch}")
-        elif host is not None:
-            out.update((w, r) for w, r in host.reports.items() if w in by_host[node])
-    keys = [P.failure_key(epoch, w) for w in own]
-    out.update((w, r) for w, (_, r) in zip(own, _read_messages(ctx, P.FailureReport, keys))
-               if r is not None)
-    return out
-
-
-def _read_messages(ctx: JobContext, cls, keys: list[str]) -> list[tuple[str, object]]:
-    """``(key, the cls message there or None)`` of each key, in a few requests; a genuine
-    value that does not decode is reported (``message_rejected``) and reads as None."""
-    out = []
-    for key, raw in zip(keys, read_valid(ctx.store, keys)):
-        message = None
-        if raw is not None:
-            try:
-                message = P.read_message(cls, raw)
-            except P.MessageError as exc:
-                ctx.events.emit("message_rejected", key=key, error=str(exc))
-        out.append((key, message))
-    return out

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from trainmover.control.baseline import Restarts
 from trainmover.control.context import JobContext
 from trainmover.control.errors import JobFailed
-from trainmover.control.health import Failure, Health, read_failure_reports
+from trainmover.control.health import Failure, Health
+from trainmover.control.host_notes import RecoveredNotes, read_failure_reports
 from trainmover.control.migrations import Migrations
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
@@ -86,6 +87,8 @@ class Recovery:
         # most once a report timeout while silent survivors wait (a round trip a host)
         self._copy_seen: tuple[int, float, bool] | None = None
         self._deferred: set[int] = set()     # recoveries whose deferred fencing was said
+        self._notes = RecoveredNotes(ctx, ctx.cfg.recovery.report_timeout_s)
+        self._failures_seen: tuple[int, int] | None = None   # (epoch, count) last read
 
     # --- the state machine ------------------------------------------------------------------
     def poll(self) -> None:
@@ -183,19 +186,22 @@ class Recovery:
             if dead:
                 self._abandon(rec, f"joiner {', '.join(dead)} died")
                 return
-            if ctx.store.add(P.failure_count_key(ctx.epoch), 0) > 0:
+            count = ctx.store.add(P.failure_count_key(ctx.epoch), 0)
+            if count > 0 and (ctx.epoch, count) != self._failures_seen:
                 # a participant could not carry out its part (a corrupt checkpoint, a group
-                # build that failed) and waits for another plan
+                # build that failed) and waits for another plan. The count is a hint (anyone
+                # past the store's handshake can add to it): its signed report decides,
+                # read again only when the count moves.
+                self._failures_seen = (ctx.epoch, count)
                 failed = read_failure_reports(ctx, ctx.epoch, sorted(ctx.membership.workers))
-                self._abandon(rec, "; ".join(f"{w} failed while recovering: {r.error}"
-                                             for w, r in failed.items()) or
-                              "a participant failed while recovering")
-                return
+                if failed:
+                    self._abandon(rec, "; ".join(f"{w} failed while recovering: {r.error}"
+                                                 for w, r in failed.items()))
+                    return
             participants = set(rec.plan.joiners) | {w for w in ctx.membership.workers
                                                    if w not in rec.failures}
-            count = ctx.store.add(P.recovered_count_key(rec.recovery_id), 0)
-            if count >= len(participants):
-                self._complete(rec)
+            if self._notes.all_done(rec.recovery_id, participants):
+                self._complete(rec, len(participants))
 
     def _copy_available(self, rec: ActiveRecovery) -> bool:
         """Whether a complete snapshot or checkpoint could stand in for roles left without
@@ -455,7 +461,7 @@ class Recovery:
             writer.close()
             ctx.events.emit("metrics_backfilled", step=step, worker=record["worker"])
 
-    def _complete(self, rec: ActiveRecovery) -> None:
+    def _complete(self, rec: ActiveRecovery, participants: int) -> None:
         ctx = self.ctx
         plan = rec.plan
         ctx.membership = C.commit(ctx.membership, C.MigrationPlan(
@@ -464,6 +470,11 @@ class Recovery:
             ctx.put(P.membership_key(p.joiner), p.role.name)
         self.failed_workers |= set(rec.failures)
         rec.state = "done"
+        # every participant said its part is done (the downtime, ``recovery_done``, waits
+        # for the first step committed after it)
+        ctx.events.emit("recovery_resumed", recovery_id=rec.recovery_id,
+                        participants=participants,
+                        since_plan_s=round(time.time() - rec.t_planned, 4))
         ctx.disrupted()
         self.active = None
         self.awaiting.append(rec)

@@ -9,8 +9,10 @@ The rule, per key family (``core/protocol.py``):
 - heartbeats are one key a host (``agent/<node>/hb``), overwritten: nothing to delete;
 - ``mig/<id>/*`` of a migration that completed, once its accounting is written; those of an
   aborted migration stay (a participant may still be waiting to read ``abort``);
-- ``fail/<epoch>/<worker>``, ``recovery/<id>/recovered_count`` and the aborted epochs'
-  ``abort/<epoch>``, once the recovery's accounting is written;
+- ``fail/<epoch>/<worker>``, the hosts' reports and notes (``agent/<node>/reports/<epoch>``,
+  ``agent/<node>/recovered/<id>``), ``recovery/<id>/recovered_count`` and
+  ``.../recovered/<worker>``, and the aborted epochs' ``abort/<epoch>``, once the
+  recovery's accounting is written;
 - ``agent/exit/<n>`` (exit records), once a controller snapshot that counts them as read is
   saved (a resumed controller starts after them);
 - a process's own keys (``membership/worker/<name>``, its standby state,
@@ -148,6 +150,10 @@ class Retention:
         self.replaced_groups(channels)
         self._drop(P.recovered_count_key(recovery_id))
         nodes = range(self.ctx.procs.nnodes)
+        for node in nodes:
+            self._drop(P.host_recovered_key(node, recovery_id))
+        for w in workers:
+            self._drop(P.own_recovered_key(recovery_id, w))
         for epoch in epochs:
             self._drop(P.abort_key(epoch))
             self._drop(P.failure_count_key(epoch))

@@ -111,8 +111,14 @@ def failure_count_key(epoch: int) -> str:
 
 
 def recovered_count_key(recovery_id: int) -> str:
-    """Counts the participants of a recovery that resumed training."""
+    """Counts the participants of a recovery that resumed training: a hint only, the
+    signed notes (``HostRecovered``) say who did."""
     return f"recovery/{recovery_id}/recovered_count"
+
+
+def own_recovered_key(recovery_id: int, worker: str) -> str:
+    """``HostRecovered`` naming ``worker`` only: the note of a process no agent started."""
+    return f"recovery/{recovery_id}/recovered/{worker}"
 
 
 def checkpoint_key(epoch: int, step: int) -> str:
@@ -184,6 +190,11 @@ def agent_key(node: int, what: str) -> str:
 def host_reports_key(node: int, epoch: int) -> str:
     """``HostReports``: the failure reports of host ``node``'s processes in ``epoch``."""
     return f"agent/{node}/reports/{epoch}"
+
+
+def host_recovered_key(node: int, recovery_id: int) -> str:
+    """``HostRecovered``: the processes of host ``node`` done with recovery ``recovery_id``."""
+    return f"agent/{node}/recovered/{recovery_id}"
 
 
 def agent_request_key(node: int, index: int) -> str:
@@ -693,6 +704,18 @@ class HostReports:
 
     epoch: int
     reports: dict[str, FailureReport] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HostRecovered:
+    """``agent/<node>/recovered/<id>``: the processes of the host that are done with their
+    part of recovery ``<id>`` (each sent its agent ``r <id>`` on its channel), written
+    before the agent adds their number to the recovery's count. The count only tells the
+    controller when to look: a recovery is done once the notes name every participant, so
+    an add to the count by anyone else ends nothing early."""
+
+    recovery_id: int
+    processes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ RECOVERY_PHASES = (("detect_s", "detection", True),
 EVENTS_KEPT = 200          # the newest notable events, for the timeline's tail
 NOTABLE = {"job_started", "job_done", "job_abandoned", "job_stopped", "migration_started",
            "migration_done", "migration_aborted", "migration_interrupted", "migration_refused",
-           "failure_detected", "recovery_planned", "recovery_done", "recovery_abandoned",
-           "straggler_detected", "straggler_cleared", "straggler_migration",
+           "failure_detected", "recovery_planned", "recovery_resumed", "recovery_done",
+           "recovery_abandoned", "straggler_detected", "straggler_cleared", "straggler_migration",
            "controller_lost", "controller_restarted", "controller_resumed", "host_lost",
            "standby_state", "standby_died", "standby_hung", "main_thread_stalled",
            "replicas_disagree", "rebalance"}

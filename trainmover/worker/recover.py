@@ -64,10 +64,12 @@ def report_failure(ctx, step: int, error: str, groups: CommGroups) -> None:
 def note_recovered(ctx, recovery_id: int) -> None:
     """Tell the controller this worker's part of recovery ``recovery_id`` is done: on its
     channel, the agent adding the host's number to the recovery's count once
-    (``agent/reports.py``); to the count itself without a channel."""
+    (``agent/reports.py``); without a channel, its own signed note and an add to the count."""
     if ctx.inbox is not None:
         ctx.inbox.send(P.recovered_message(recovery_id))
     else:
+        ctx.store.set(P.own_recovered_key(recovery_id, ctx.name),
+                      P.write_message(P.HostRecovered(recovery_id, [ctx.name])))
         ctx.store.add(P.recovered_count_key(recovery_id), 1)
 
 
