@@ -47,7 +47,7 @@ from trainmover.agent.perfs import Perfs
 from trainmover.agent.reports import Reports
 from trainmover.agent.votes import Channels, VoteRelay, send_on
 from trainmover.agent.snapshots import SnapshotServer
-from trainmover.core import jobfile, kvserver, kvstore, rundir, storeaddr
+from trainmover.core import jobfile, kvproxy, kvserver, kvstore, rundir, storeaddr
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, load_secret
 from trainmover.core.config import JobConfig
@@ -131,6 +131,11 @@ class Agent:
         self.controller = ControllerWatch(run_dir, cfg, node, self.etcd, self.events)
         self.store = None
         self.store_server = None      # host 0's: the job's store (core/kvserver.py)
+        # the host's door to the built-in store (core/kvproxy.py): its processes connect
+        # there, and it holds one connection to the store for them all
+        self.door: kvproxy.KVProxy | None = None
+        self._door_sock: socket.socket | None = None
+        self.process_store = store    # the store's address handed to its processes
         self._refused_reported, self._refusal_report_at = 0, 0.0
         self._requests: RequestFeed | None = None    # the controller's requests to this host
         self._fence: FenceWatch | None = None        # hosts but 0: declared lost?
@@ -153,7 +158,7 @@ class Agent:
             return  # a request replayed by a resumed controller: already done
         if old is not None and old.proc.poll() is None:
             self._kill(old)  # never two incarnations of one name
-        args = ["--run-dir", self.run_dir, "--name", name, "--store", self.store_address,
+        args = ["--run-dir", self.run_dir, "--name", name, "--store", self.process_store,
                 *req.worker_args()]
         # the process's own channel to this agent (its beats and votes): nobody else can
         # write it
@@ -337,6 +342,9 @@ class Agent:
                      self._reports):
             if part.error is not None:
                 raise part.error
+        if self.door is not None and self.door.upstream_error is not None:
+            raise kvstore.StoreClosed(f"the host's door to the store lost its connection: "
+                                      f"{self.door.upstream_error}")
         if self.node == 0 and not self.etcd:
             return None if self.controller.alive(now) else "no controller"
         # the controller's signed word, not the key's mere existence (agent/feeds.py)
@@ -350,6 +358,11 @@ class Agent:
 
     # --- the loop ----------------------------------------------------------------------------
     def serve(self, initial: list[P.AgentSpawn]) -> int:
+        if not self.etcd and self.cfg.comm.store_proxy:
+            # listening before any process starts (their connections wait in the backlog
+            # until the door opens, once the store is up)
+            self._door_sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
+            self.process_store = f"127.0.0.1:{self._door_sock.getsockname()[1]}"
         self._start_fork_server()
         if self.forks is None:
             for req in initial:      # at once, before the store is up
@@ -366,9 +379,22 @@ class Agent:
             self.store_server = kvserver.serve(run_key, listen_fd=self.listen_fd,
                                               limits=kvstore.StoreLimits.of(self.cfg.comm))
 
-        def client() -> AuthStore:
-            return AuthStore(storeaddr.connect(self.store_address, run_key,
-                                               self.cfg.comm.store_timeout_s), run_key)
+        if self._door_sock is not None:
+            host, _, port = self.store_address.rpartition(":")
+            key = kvstore.store_key(run_key)
+            self.door = kvproxy.KVProxy(
+                key, self._door_sock,
+                kvstore.connect_socket(host, int(port), key, self.cfg.comm.store_timeout_s),
+                kvstore.StoreLimits.of(self.cfg.comm))
+
+        def client(direct: bool = False) -> AuthStore:
+            # through the host's door too: the agent's threads that block on the store (a
+            # client each) are streams of the door's one connection; but for the vote
+            # relay's, on every step's path, where the door's hop would add ~0.1 ms a
+            # request (benchmarks/door_cost.py)
+            return AuthStore(storeaddr.connect(
+                self.store_address if direct else self.process_store, run_key,
+                self.cfg.comm.store_timeout_s), run_key)
 
         self.store = client()
         self.controller.store = self.store      # read in this loop's thread only
@@ -391,7 +417,8 @@ class Agent:
                                    lambda: list(self.children.values()), self._perfs)
         # its processes' votes, relayed as one ballot a host (agent/votes.py), and the
         # reader of their channels (beats and votes)
-        self._relay = VoteRelay(client(), client(), self.node, self.cfg.layout.num_roles,
+        self._relay = VoteRelay(client(direct=True), client(direct=True), self.node,
+                                self.cfg.layout.num_roles,
                                 self.cfg.agent.vote_coalesce_s)
         # its processes' watches of the controller's aborts, one a host (agent/aborts.py)
         self._aborts = AbortRelay(client)

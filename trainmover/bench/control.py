@@ -177,11 +177,14 @@ class SimCoordinator(Coordinator):
 
 
 class CpuSampler:
-    """(time, CPU seconds) of some processes every ``interval_s``, from /proc."""
+    """(time, CPU seconds) of some processes every ``interval_s``, from /proc; and the most
+    sockets the ``count_sockets`` one held (the store's: its connections)."""
 
-    def __init__(self, pids: dict[str, int], interval_s: float = 0.25):
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.25,
+                 count_sockets: str | None = None):
         self.pids, self.interval_s = pids, interval_s
         self.samples: dict[str, list[tuple[float, float]]] = {k: [] for k in pids}
+        self.count_sockets, self.most_sockets = count_sockets, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -197,11 +200,30 @@ class CpuSampler:
                                                / CLOCK_TICKS))
                 except (OSError, IndexError, ValueError):
                     pass
+            if self.count_sockets is not None:
+                self.most_sockets = max(self.most_sockets,
+                                        open_sockets(self.pids[self.count_sockets]))
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def open_sockets(pid: int) -> int:
+    """The sockets process ``pid`` holds open (the store's: its listener, its wake pair and
+    its connections), from /proc."""
+    n = 0
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
 
 
 def rate(samples: list[tuple[float, float]], t0: float, t1: float) -> float | None:
@@ -292,7 +314,8 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
     while thread.is_alive() and time.monotonic() < deadline:
         if sampler is None and coord.store_proc is not None and coord.sims:
             sampler = CpuSampler({"store": coord.store_proc.pid,
-                                  **{f"sim{i}": p.pid for i, p in enumerate(coord.sims)}})
+                                  **{f"sim{i}": p.pid for i, p in enumerate(coord.sims)}},
+                                 count_sockets="store")
         recovered = coord.progress.last_step >= target and not coord.recovery.active and \
             not coord.recovery.awaiting
         if recovered and migration is None:
@@ -359,6 +382,8 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
         "vote_call_p50_ms": 1000 * quantile(vote, 0.5),
         "root_store_rps": rate(served, t0, t1),
         "store_cpu_share": rate(sampler.samples["store"], t0, t1),
+        # the most it held in the run (hosts' doors, the vote relays', the controller's)
+        "store_connections": sampler.most_sockets,
         # the busiest simulator process's (each is one core's worth at most)
         "sim_cpu_share": max(rate(sampler.samples[f"sim{i}"], t0, t1) or 0.0
                              for i in range(coord.sim_procs)),
@@ -433,6 +458,7 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
 COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (ms)", 1),
            ("vote_mean_ms", "mean (ms)", 1),
            ("root_store_rps", "root store req/s", 0), ("store_cpu_share", "store CPU", 2),
+           ("store_connections", "store sockets", 0),
            ("controller_round_ms", "controller round p50 (ms)", 1),
            ("controller_round_p99_ms", "p99 (ms)", 1),
            ("controller_cpu_share", "controller CPU", 2),

@@ -63,7 +63,7 @@ class SimWorker(_Recovers):
         self.channel = channel       # its end of its channel to the agent
         self.name, self.standby = req.name, req.standby
         self.layout = self.cfg.layout
-        self.stores = SimStores(agent.host, agent.port, agent.run_key,
+        self.stores = SimStores(*agent.endpoint(), agent.run_key,
                                 self.cfg.comm.group_timeout_s)
         self.proc = SimProcess(self)
         self.role: Role | None = None
@@ -186,6 +186,12 @@ class SimAgent(Agent):
         self.host, self.port = host, port       # the simulated processes' store clients
         self.spec, self.samples, self.run_key = spec, samples, run_key
 
+    def endpoint(self) -> tuple[str, int]:
+        """Where its simulated processes reach the store: the host's door, as a job's
+        processes do (``comm.store_proxy``), or the store."""
+        host, _, port = self.process_store.rpartition(":")
+        return host, int(port)
+
     def spawn(self, req: P.AgentSpawn) -> None:
         old = self.children.get(req.name)
         if old is not None and old.incarnation >= req.incarnation:
@@ -213,7 +219,7 @@ class LightWorker(_Recovers):
     def __init__(self, agent: "LightAgent", req: P.AgentSpawn):
         self.agent, self.cfg, self.layout = agent, agent.cfg, agent.cfg.layout
         self.name, self.channel = req.name, None
-        self.stores = SimStores(agent.host, agent.port, agent.run_key,
+        self.stores = SimStores(*agent.endpoint(), agent.run_key,
                                 self.cfg.comm.group_timeout_s, shared=True)
         self.proc = SimProcess(self)
         self.role: Role | None = None
@@ -255,8 +261,7 @@ class LightAgent(SimAgent):
         self._decisions: dict[tuple[int, int], bytes] = {}
         self._decided = gevent.event.Event()
         self._epoch_aborts: dict[int, AbortSignal] = {}
-        self._abort_stores = SimStores(self.host, self.port, self.run_key,
-                                       self.cfg.comm.group_timeout_s)
+        self._abort_stores: SimStores | None = None    # once the host's door is open
         gevent.spawn(self._steps)
         gevent.spawn(self._beats)
 
@@ -291,6 +296,9 @@ class LightAgent(SimAgent):
 
     def abort_of(self, epoch: int) -> AbortSignal:
         """The host's one watch of ``epoch``'s abort, shared by its light workers."""
+        if self._abort_stores is None:
+            self._abort_stores = SimStores(*self.endpoint(), self.run_key,
+                                           self.cfg.comm.group_timeout_s)
         if epoch not in self._epoch_aborts:
             self._epoch_aborts[epoch] = AbortSignal()
             AbortWatcher(self._abort_stores, self._epoch_aborts[epoch], epoch)

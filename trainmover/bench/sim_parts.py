@@ -205,7 +205,7 @@ class _Recovers:
     def own_stores(self) -> SimStores:
         """Store clients of this worker's own, apart from its main ones (a helper
         thread's)."""
-        return SimStores(self.agent.host, self.agent.port, self.agent.run_key,
+        return SimStores(*self.agent.endpoint(), self.agent.run_key,
                          self.cfg.comm.group_timeout_s)
 
     def _rendezvous(self, group: str, generation: int, rank: int, size: int,

@@ -314,6 +314,11 @@ class CommConfig:
     # the store nothing.
     store_handshake_timeout_s: float = 10.0
     store_max_pending: int = 64
+    # A host's processes reach the built-in store through their agent (core/kvproxy.py):
+    # every connection they make is a stream of the agent's one connection, so the store
+    # holds a connection a host, not a few a process (~200K at 100K GPUs). False: each
+    # process connects to the store itself. (With the store on etcd they always do.)
+    store_proxy: bool = True
     # The communication backend: "auto" is NCCL on CUDA when every process of the job can
     # have a GPU of its own (NCCL refuses two ranks on one device), gloo otherwise; "gloo"
     # with CUDA stages every operation through host memory (workers sharing GPUs: for

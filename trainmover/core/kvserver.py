@@ -13,9 +13,10 @@ import struct
 import threading
 import time
 
-from trainmover.core.kvstore import (FRAME, MAGIC, NO_REPLY, NO_REPLY_OPS, NONCE_BYTES,
-                                     MAC_BYTES, REFUSED, REQUEST, Op, Status, StoreLimits, as_int,
-                                     encode_answer, handshake_mac, parse_fields, store_key)
+from trainmover.core.kvstore import (FRAME, MAGIC, MUXED, NO_REPLY, NO_REPLY_OPS, NONCE_BYTES,
+                                     MAC_BYTES, REFUSED, REQUEST, STREAM, Op, Status,
+                                     StoreLimits, as_int, encode_answer, handshake_mac,
+                                     parse_fields, store_key, tag_answer)
 
 # With every descriptor taken by authenticated clients, the listener stays readable: the
 # loop pauses this long before it tries to accept again.
@@ -23,7 +24,7 @@ ACCEPT_BACKOFF_S = 0.01
 
 
 class _Conn:
-    __slots__ = ("sock", "inbuf", "outbuf", "authed", "nonce", "waiting", "closed")
+    __slots__ = ("sock", "inbuf", "outbuf", "authed", "nonce", "streams", "closed")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -31,8 +32,21 @@ class _Conn:
         self.outbuf = bytearray()
         self.authed = False
         self.nonce = os.urandom(NONCE_BYTES)
-        self.waiting: _Wait | None = None     # a get/wait blocked on keys not yet there
+        # its plain requests' stream (None), and each of its ``MUXED`` streams by id
+        self.streams: dict[int | None, _Stream] = {}
         self.closed = False
+
+
+class _Stream:
+    """Requests served in order: a connection's plain ones, or one stream of a multiplexed
+    connection (``kvstore.MUXED``)."""
+
+    __slots__ = ("conn", "sid", "waiting", "queue")
+
+    def __init__(self, conn: _Conn, sid: int | None):
+        self.conn, self.sid = conn, sid
+        self.waiting: _Wait | None = None     # a get/wait blocked on keys not yet there
+        self.queue: collections.deque | None = None   # requests that came behind it
 
 
 class _Wait:
@@ -52,8 +66,10 @@ class KVServer:
         self._listener = sock
         self._listener.setblocking(False)
         self._data: dict[bytes, bytes] = {}
-        self._waiters: dict[bytes, set[_Conn]] = collections.defaultdict(set)
-        self._deadlines: list[tuple[float, int, _Conn, object]] = []
+        self._waiters: dict[bytes, set[_Stream]] = collections.defaultdict(set)
+        # (when, tie-break, a connection's handshake or a stream's wait, "handshake" or the
+        # _Wait)
+        self._deadlines: list[tuple[float, int, object, object]] = []
         self._seq = 0
         self._pending: collections.OrderedDict[_Conn, float] = collections.OrderedDict()
         self._sel = selectors.DefaultSelector()
@@ -64,6 +80,7 @@ class KVServer:
         self._stopping = False
         self.requests = 0          # requests served (the agent reports the count)
         self.refused = 0           # connections closed before or at the handshake
+        self._setup()
         self._thread = threading.Thread(target=self._serve, name="kvstore", daemon=True)
         self._thread.start()
 
@@ -76,6 +93,12 @@ class KVServer:
     def port(self) -> int:
         return self._listener.getsockname()[1]
 
+    def connections(self) -> int:
+        """Connections open now that proved the key (read from another thread: a count
+        that may be a moment old)."""
+        return sum(1 for key in list(self._sel.get_map().values())
+                   if isinstance(key.data, _Conn) and key.data.authed)
+
     def close(self) -> None:
         self._stopping = True
         try:
@@ -83,6 +106,12 @@ class KVServer:
         except OSError:
             pass
         self._thread.join(timeout=5)
+
+    def _setup(self) -> None:
+        """Before the loop starts (a subclass registers its own sockets)."""
+
+    def _ready_other(self, what: str, events: int) -> None:
+        """A socket a subclass registered (as ``what``) is ready."""
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -97,6 +126,8 @@ class KVServer:
                         self._accept()
                     elif sk.data == "wake":
                         self._wake_r.recv(64)
+                    elif isinstance(sk.data, str):
+                        self._ready_other(sk.data, events)
                     else:
                         conn = sk.data
                         if events & selectors.EVENT_WRITE and not conn.closed:
@@ -136,22 +167,20 @@ class KVServer:
                 self._close(next(iter(self._pending)))
             self._send(conn, MAGIC + conn.nonce)
 
-    def _at(self, deadline: float, conn: _Conn, what) -> None:
+    def _at(self, deadline: float, whose, what) -> None:
         self._seq += 1
-        heapq.heappush(self._deadlines, (deadline, self._seq, conn, what))
+        heapq.heappush(self._deadlines, (deadline, self._seq, whose, what))
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, conn, what = heapq.heappop(self._deadlines)
-            if conn.closed:
-                continue
+            _, _, whose, what = heapq.heappop(self._deadlines)
             if what == "handshake":
-                if not conn.authed:
-                    self._close(conn)
-            elif conn.waiting is what:
-                self._unwait(conn)
-                self._send(conn, encode_answer(Status.TIMEOUT))
-                self._process(conn)
+                if not whose.closed and not whose.authed:
+                    self._close(whose)
+            elif not whose.conn.closed and whose.waiting is what:
+                self._unwait(whose)
+                self._answer(whose, encode_answer(Status.TIMEOUT))
+                self._drain(whose)
 
     def _close(self, conn: _Conn) -> None:
         if conn.closed:
@@ -160,8 +189,9 @@ class KVServer:
         if not conn.authed:
             self.refused += 1
         self._pending.pop(conn, None)
-        if conn.waiting is not None:
-            self._unwait(conn)
+        for stream in conn.streams.values():
+            if stream.waiting is not None:
+                self._unwait(stream)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -195,6 +225,7 @@ class KVServer:
             return
         del conn.inbuf[:need]
         conn.authed = True
+        conn.streams[None] = _Stream(conn, None)
         self._pending.pop(conn, None)
         self._send(conn, handshake_mac(self._key, b"server", conn.nonce, client_nonce))
 
@@ -228,37 +259,86 @@ class KVServer:
             self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
 
     def _process(self, conn: _Conn) -> None:
-        """Answer the whole requests in ``conn``'s buffer, in order; a blocked one (a get or
-        wait on missing keys) holds the rest until it is answered."""
+        """Take the whole requests in ``conn``'s buffer, each to its stream."""
         buf = conn.inbuf
-        while conn.waiting is None and not conn.closed and len(buf) >= 4:
+        while not conn.closed and len(buf) >= 4:
             (size,) = FRAME.unpack_from(buf, 0)
             if size > self._limits.max_frame_bytes or size < REQUEST.size:
                 self._close(conn)
                 return
             if len(buf) < 4 + size:
                 return
-            body = memoryview(bytes(buf[4:4 + size]))
+            body = bytes(buf[4:4 + size])
             del buf[:4 + size]
-            quiet = False
-            try:
-                op, timeout_ms, number, count = REQUEST.unpack_from(body, 0)
-                quiet = bool(op & NO_REPLY)
-                op = Op(op & ~NO_REPLY)
-                if quiet and op not in NO_REPLY_OPS:
-                    raise ValueError(f"{op.name} always answers")
-                fields = parse_fields(body, REQUEST.size, count)
-                answer = self._handle(conn, op, timeout_ms, number, fields)
-            except (ValueError, struct.error) as exc:
-                if quiet:          # nobody to tell: the writer learns at its next request
+            sid = None
+            if body[0] & MUXED:
+                if size < REQUEST.size + STREAM.size:
                     self._close(conn)
                     return
-                answer = encode_answer(Status.ERROR, 0, [str(exc).encode()])
-            self.requests += 1
-            if answer is not None and not quiet:
-                self._send(conn, answer)
+                (sid,) = STREAM.unpack_from(body, REQUEST.size)
+                body = bytes([body[0] & ~MUXED]) + body[1:REQUEST.size] + \
+                    body[REQUEST.size + STREAM.size:]
+            stream = conn.streams.get(sid)
+            if stream is None:
+                if len(conn.streams) > self._limits.max_streams:
+                    self._send(conn, tag_answer(encode_answer(Status.STREAM_CLOSED), sid))
+                    continue
+                stream = conn.streams[sid] = _Stream(conn, sid)
+            if sid is not None and body[0] & ~NO_REPLY == Op.END_STREAM:
+                self._end(stream)
+            elif stream.waiting is not None or stream.queue:
+                if stream.queue is None:
+                    stream.queue = collections.deque()
+                stream.queue.append(body)
+            else:
+                self._run(stream, body)
 
-    def _handle(self, conn: _Conn, op: Op, timeout_ms: int, number: int,
+    def _drain(self, stream: _Stream) -> None:
+        """Serve what came on ``stream`` behind a request just answered, up to the next one
+        that blocks."""
+        queue = stream.queue
+        while queue and stream.waiting is None and not stream.conn.closed:
+            self._run(stream, queue.popleft())
+
+    def _end(self, stream: _Stream) -> None:
+        """A stream's client is gone (the agent's forwarded connection closed)."""
+        if stream.waiting is not None:
+            self._unwait(stream)
+        stream.queue = None
+        stream.conn.streams.pop(stream.sid, None)
+
+    def _answer(self, stream: _Stream, answer: bytes) -> None:
+        self._send(stream.conn, answer if stream.sid is None else
+                   tag_answer(answer, stream.sid))
+
+    def _run(self, stream: _Stream, raw: bytes) -> None:
+        """Serve one request of ``stream``."""
+        body = memoryview(raw)
+        quiet = False
+        try:
+            op, timeout_ms, number, count = REQUEST.unpack_from(body, 0)
+            quiet = bool(op & NO_REPLY)
+            op = Op(op & ~NO_REPLY)
+            if quiet and op not in NO_REPLY_OPS:
+                raise ValueError(f"{op.name} always answers")
+            if op == Op.END_STREAM:
+                raise ValueError("END_STREAM ends a stream of a multiplexed connection")
+            fields = parse_fields(body, REQUEST.size, count)
+            answer = self._handle(stream, op, timeout_ms, number, fields)
+        except (ValueError, struct.error) as exc:
+            if quiet:          # nobody to tell: the writer learns at its next request
+                if stream.sid is None:
+                    self._close(stream.conn)
+                else:          # the other streams of the connection are not its
+                    self._end(stream)
+                    self._answer(stream, encode_answer(Status.STREAM_CLOSED))
+                return
+            answer = encode_answer(Status.ERROR, 0, [str(exc).encode()])
+        self.requests += 1
+        if answer is not None and not quiet:
+            self._answer(stream, answer)
+
+    def _handle(self, stream: _Stream, op: Op, timeout_ms: int, number: int,
                 fields: list[bytes]) -> bytes | None:
         data = self._data
         for_keys = fields if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.DELETE, Op.GET,
@@ -275,10 +355,10 @@ class KVServer:
             missing = [k for k in keys if k not in data]
             if missing:
                 wait = _Wait(op, keys, time.monotonic() + timeout_ms / 1000)
-                conn.waiting = wait
+                stream.waiting = wait
                 for k in missing:
-                    self._waiters[k].add(conn)
-                self._at(wait.deadline, conn, wait)
+                    self._waiters[k].add(stream)
+                self._at(wait.deadline, stream, wait)
                 return None
             return self._ready(op, keys)
         elif op == Op.ADD:
@@ -343,28 +423,28 @@ class KVServer:
     def _changed(self, key: bytes) -> None:
         """A key was written: answer the requests that waited for it (and now have all of
         theirs), then what their connections sent meanwhile."""
-        conns = self._waiters.pop(key, None)
-        if not conns:
+        streams = self._waiters.pop(key, None)
+        if not streams:
             return
-        for conn in conns:
-            wait = conn.waiting
-            if wait is None or conn.closed:
+        for stream in streams:
+            wait = stream.waiting
+            if wait is None or stream.conn.closed:
                 continue
             missing = [k for k in wait.keys if k not in self._data]
             if missing:       # still waiting (for a key deleted since, too)
                 for k in missing:
-                    self._waiters[k].add(conn)
+                    self._waiters[k].add(stream)
                 continue
-            self._unwait(conn)
-            self._send(conn, self._ready(wait.op, wait.keys))
-            self._process(conn)
+            self._unwait(stream)
+            self._answer(stream, self._ready(wait.op, wait.keys))
+            self._drain(stream)
 
-    def _unwait(self, conn: _Conn) -> None:
-        wait, conn.waiting = conn.waiting, None
+    def _unwait(self, stream: _Stream) -> None:
+        wait, stream.waiting = stream.waiting, None
         for k in wait.keys:
             waiters = self._waiters.get(k)
             if waiters is not None:
-                waiters.discard(conn)
+                waiters.discard(stream)
                 if not waiters:
                     del self._waiters[k]
 

@@ -85,6 +85,7 @@ class Op(IntEnum):
     PING = 13
     TRY_GET = 14         # the value, or that there is none: no wait
     TRY_MULTI_GET = 15   # TRY_GET of several keys in one request
+    END_STREAM = 16      # a stream of a multiplexed connection is done (``MUXED``)
 
 
 # A writing request with this bit set in its op gets no answer: the writer goes on at once,
@@ -92,7 +93,16 @@ class Op(IntEnum):
 # be served first, so only a write whose readers learn of it through the same writer's
 # later requests (a ballot, then the vote counter) may go without an answer.
 NO_REPLY = 0x80
-NO_REPLY_OPS = (Op.SET, Op.APPEND, Op.MULTI_SET)
+NO_REPLY_OPS = (Op.SET, Op.APPEND, Op.MULTI_SET, Op.END_STREAM)
+
+# A request with this bit set in its op carries a stream id (``STREAM``, after the request's
+# header) and its answer the same id (the bit set in its status, the id after the answer's
+# header). Each stream of a connection is served as a connection of its own: in order, a
+# blocked get or wait holding that stream's later requests only. A host's agent forwards
+# every local process's connection to the store as one stream of its one connection
+# (``core/kvproxy.py``): the store holds a connection a host, not a few a process.
+MUXED = 0x40
+STREAM = struct.Struct(">I")
 
 
 class Status(IntEnum):
@@ -100,6 +110,10 @@ class Status(IntEnum):
     TIMEOUT = 1
     ERROR = 2
     NOT_A_NUMBER = 3     # ``add`` on a value that is no integer
+    # a stream of a multiplexed connection was ended by the server (a write that answers
+    # nothing was refused, or the connection has too many streams): where a plain
+    # connection would be closed, its forwarder closes the connection it forwards
+    STREAM_CLOSED = 4
 
 
 class StoreError(RuntimeError):
@@ -140,6 +154,7 @@ class StoreLimits:
     max_pending: int = 64                  # unauthenticated connections kept (oldest closed)
     max_frame_bytes: int = 1 << 30         # a longer request closes its connection
     max_key_bytes: int = 4096
+    max_streams: int = 1 << 16             # streams of one multiplexed connection
 
     @staticmethod
     def of(comm) -> "StoreLimits":
@@ -164,6 +179,33 @@ def encode_answer(status: Status, number: int = 0, fields=()) -> bytes:
         body.append(f)
     payload = b"".join(body)
     return FRAME.pack(len(payload)) + payload
+
+
+def tag_request(body: bytes | memoryview, stream: int) -> bytes:
+    """A framed request of stream ``stream`` from a plain request's body (no frame)."""
+    if body[0] & MUXED:
+        raise ValueError("the request is already a stream's")
+    head = REQUEST.size
+    tagged = bytes([body[0] | MUXED]) + bytes(body[1:head]) + STREAM.pack(stream) + \
+        bytes(body[head:])
+    return FRAME.pack(len(tagged)) + tagged
+
+
+def untag_answer(body: bytes | memoryview) -> tuple[int, bytes]:
+    """``(stream, the plain framed answer)`` of a stream's answer body (no frame)."""
+    head = ANSWER.size
+    if not body[0] & MUXED or len(body) < head + STREAM.size:
+        raise ValueError("not a stream's answer")
+    (stream,) = STREAM.unpack_from(body, head)
+    plain = bytes([body[0] & ~MUXED]) + bytes(body[1:head]) + bytes(body[head + STREAM.size:])
+    return stream, FRAME.pack(len(plain)) + plain
+
+
+def tag_answer(answer: bytes, stream: int) -> bytes:
+    """A framed answer (``encode_answer``) as stream ``stream``'s."""
+    head = 4 + ANSWER.size
+    tagged = bytes([answer[4] | MUXED]) + answer[5:head] + STREAM.pack(stream) + answer[head:]
+    return FRAME.pack(len(tagged)) + tagged
 
 
 def parse_fields(body: memoryview, offset: int, count: int) -> list[bytes]:
@@ -213,52 +255,8 @@ class KVClient:
         self.host, self.port = host, port
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._sock = self._connect(key, timeout_s if connect_timeout_s is None
-                                   else connect_timeout_s)
-
-    def _connect(self, key: bytes, timeout_s: float) -> socket.socket:
-        """Connect and authenticate, retrying until ``timeout_s`` a connection refused (the
-        server may not listen yet: TCPStore's clients wait for it the same way) or dropped
-        before the handshake was answered (the server keeps ``max_pending`` unauthenticated
-        connections: in a burst of thousands, the oldest are closed). A store that answers
-        ``REFUSED``, or a proof of another key, is not retried."""
-        deadline = time.monotonic() + timeout_s
-        delay = 0.01
-        while True:
-            try:
-                return self._handshake(key, deadline)
-            except StoreRefused:
-                raise
-            except (StoreClosed, OSError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise StoreClosed(f"cannot connect to the store at {self.host}:{self.port}"
-                                      f" within {timeout_s} s: {exc}") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
-
-    def _handshake(self, key: bytes, deadline: float) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port),
-                                        timeout=max(0.1, deadline - time.monotonic()))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            hello = _recv_exactly(sock, len(MAGIC) + NONCE_BYTES)
-            if hello[:len(MAGIC)] != MAGIC:
-                raise StoreRefused(f"{self.host}:{self.port} is not a trainmover store")
-            server_nonce, client_nonce = hello[len(MAGIC):], os.urandom(NONCE_BYTES)
-            sock.sendall(client_nonce + handshake_mac(key, b"client", server_nonce, client_nonce))
-            proof = _recv_exactly(sock, MAC_BYTES)
-            if proof == REFUSED:
-                raise StoreRefused(f"the store at {self.host}:{self.port} refused this client "
-                                   f"(not this run's key)")
-            if not hmac.compare_digest(proof, handshake_mac(key, b"server", server_nonce,
-                                                   client_nonce)):
-                raise StoreRefused(f"the store at {self.host}:{self.port} does not hold this "
-                                   f"run's key")
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        self._sock = connect_socket(host, port, key, timeout_s if connect_timeout_s is None
+                                    else connect_timeout_s)
 
     @property
     def timeout(self) -> timedelta:
@@ -365,6 +363,50 @@ class KVClient:
         if timeout is None:
             return self.timeout_s
         return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+def connect_socket(host: str, port: int, key: bytes, timeout_s: float) -> socket.socket:
+    """A connection to the store that proved the key both ways, retrying until ``timeout_s``
+    a connection refused (the server may not listen yet: TCPStore's clients wait for it the
+    same way) or dropped before the handshake was answered (the server keeps
+    ``max_pending`` unauthenticated connections: in a burst of thousands, the oldest are
+    closed). A store that answers ``REFUSED``, or a proof of another key, is not retried."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        try:
+            return _handshake(host, port, key, deadline)
+        except StoreRefused:
+            raise
+        except (StoreClosed, OSError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise StoreClosed(f"cannot connect to the store at {host}:{port}"
+                                  f" within {timeout_s} s: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def _handshake(host: str, port: int, key: bytes, deadline: float) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        hello = _recv_exactly(sock, len(MAGIC) + NONCE_BYTES)
+        if hello[:len(MAGIC)] != MAGIC:
+            raise StoreRefused(f"{host}:{port} is not a trainmover store")
+        server_nonce, client_nonce = hello[len(MAGIC):], os.urandom(NONCE_BYTES)
+        sock.sendall(client_nonce + handshake_mac(key, b"client", server_nonce, client_nonce))
+        proof = _recv_exactly(sock, MAC_BYTES)
+        if proof == REFUSED:
+            raise StoreRefused(f"the store at {host}:{port} refused this client "
+                               f"(not this run's key)")
+        if not hmac.compare_digest(proof, handshake_mac(key, b"server", server_nonce,
+                                                        client_nonce)):
+            raise StoreRefused(f"the store at {host}:{port} does not hold this run's key")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _b(x: bytes | str) -> bytes:

@@ -1,0 +1,210 @@
+"""A host's door to the store (core/kvproxy.py): its processes' connections, whatever their
+number, reach the store as streams of one connection, each served as a connection of its
+own would be."""
+import socket
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from trainmover.core import kvproxy
+from trainmover.core.kvserver import KVServer
+from trainmover.core.kvstore import (MAGIC, NONCE_BYTES, REQUEST, STREAM, KVClient, Op,
+                                     StoreClosed, StoreLimits, StoreRefused, StoreTimeout,
+                                     connect_socket, encode_request, store_key, tag_request)
+
+import test_kvstore
+
+RUN_KEY = b"k" * 32
+KEY = store_key(RUN_KEY)
+
+
+@pytest.fixture
+def server():
+    srv = KVServer.listen(KEY)
+    yield srv
+    srv.close()
+
+
+def door_of(srv, limits=StoreLimits()):
+    return kvproxy.serve(RUN_KEY, "127.0.0.1", srv.port, 5.0, limits=limits)
+
+
+def client(srv_or_door, key=KEY, timeout_s=5.0):
+    return KVClient("127.0.0.1", srv_or_door.port, key, timeout_s)
+
+
+@pytest.mark.timeout(60)
+def test_many_connections_through_the_door_are_one_at_the_store_and_do_not_block_each_other(
+        server):
+    """Eight processes' connections are one at the store. One blocked in a get holds none of
+    the others; a set answers it; its requests stay in order (appends, then an add)."""
+    door = door_of(server)
+    try:
+        clients = [client(door) for _ in range(8)]
+        for i, c in enumerate(clients):
+            c.set(f"k{i}", str(i))
+        assert server.connections() == 1 and door.connections() == 8
+        got = {}
+        blocked = threading.Thread(target=lambda: got.update(v=clients[0].get("late", 10)))
+        blocked.start()
+        time.sleep(0.2)
+        assert blocked.is_alive()
+        for i in range(1, 8):          # answered while client 0 waits
+            assert clients[i].get(f"k{i}") == str(i).encode()
+            assert clients[i].add("count", 1) == i
+        for i in range(100):
+            clients[1].append("log", f"{i},")
+        assert clients[1].add("count", 1) == 8      # after its appends
+        assert clients[2].get("log").endswith(b"98,99,")
+        clients[3].set("late", "here")
+        blocked.join(5)
+        assert got == {"v": b"here"}
+        with pytest.raises(StoreTimeout):
+            clients[4].wait(["never"], timeout=0.3)
+        assert clients[4].add("count", 0) == 8     # served on after a timeout
+    finally:
+        door.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_connection_ends_its_stream_and_its_wait_in_the_store(server):
+    door = door_of(server)
+    try:
+        c = client(door)
+        t = threading.Thread(target=lambda: pytest.raises(StoreClosed, c.get, "never", 30))
+        t.start()
+        time.sleep(0.2)
+        assert server._waiters              # the wait, in the store
+        c._sock.shutdown(socket.SHUT_RDWR)  # as the process's death would
+        t.join(5)
+        deadline = time.monotonic() + 5
+        while server._waiters and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server._waiters
+        assert client(door).add("n", 1) == 1
+    finally:
+        door.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_door_answers_only_the_runs_key_and_forwards_no_stream_of_a_stream(server):
+    door = door_of(server)
+    try:
+        with pytest.raises(StoreRefused):
+            client(door, key=store_key(b"another run"))
+        # a door that does not hold the client's key is refused by the client
+        with pytest.raises(StoreRefused):
+            kvproxy.serve(b"another run", "127.0.0.1", server.port, 5.0)
+        # a request already a stream's, past the handshake: that connection is closed
+        sock = connect_socket("127.0.0.1", door.port, KEY, 5.0)
+        sock.sendall(tag_request(encode_request(Op.SET, [b"x", b"1"])[4:], 7))
+        sock.settimeout(5)
+        assert sock.recv(64) == b""
+        c = client(door)
+        assert not c.check(["x"]) and door.refused == 1
+        # raw bytes without the handshake reach nothing
+        raw = socket.create_connection(("127.0.0.1", door.port), timeout=5)
+        assert raw.recv(len(MAGIC) + NONCE_BYTES).startswith(MAGIC)
+        raw.sendall(encode_request(Op.SET, [b"y", b"1"]))
+        time.sleep(0.2)
+        assert not c.check(["y"])
+    finally:
+        door.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_write_that_answers_nothing_closes_only_its_own_connection():
+    """At the store it would close the connection: through the door it ends that stream,
+    and the door closes the one connection it forwards."""
+    srv = KVServer.listen(KEY, limits=StoreLimits(max_key_bytes=64))
+    door = door_of(srv)
+    try:
+        a, b = client(door), client(door)
+        a.append("n", "1,")
+        a.append("k" * 65, "too long a key")
+        with pytest.raises(StoreClosed):
+            a.get("n")
+        assert b.get("n") == b"1," and srv.connections() == 1
+    finally:
+        door.close()
+        srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_streams_past_the_limit_are_refused_one_by_one():
+    srv = KVServer.listen(KEY, limits=StoreLimits(max_streams=3))
+    door = door_of(srv)
+    try:
+        kept = [client(door) for _ in range(3)]
+        for c in kept:
+            c.ping()
+        extra = client(door)
+        with pytest.raises(StoreClosed):
+            extra.ping()
+        kept[0].close()                      # its stream ends: room for one more
+        time.sleep(0.2)
+        client(door).ping()
+        assert kept[1].add("n", 1) == 1
+    finally:
+        door.close()
+        srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_when_the_store_is_gone_so_is_every_connection_through_the_door():
+    srv = KVServer.listen(KEY)
+    door = door_of(srv)
+    try:
+        c = client(door)
+        c.set("a", "1")
+        srv.close()
+        with pytest.raises(StoreClosed):
+            for _ in range(50):
+                c.get("a")
+                time.sleep(0.05)
+        assert door.upstream_error is not None
+        with pytest.raises(StoreClosed):
+            KVClient("127.0.0.1", door.port, KEY, 1.0, connect_timeout_s=1.0).get("a")
+    finally:
+        door.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_stream_request_at_the_store_is_an_error_of_that_stream_only(server):
+    """A multiplexed connection sends a stream request too short to carry its id: the store
+    closes that connection (as any malformed frame); a well-formed one is answered with
+    its stream's id."""
+    sock = connect_socket("127.0.0.1", server.port, KEY, 5.0)
+    sock.settimeout(5)
+    sock.sendall(tag_request(encode_request(Op.ADD, [b"n"], 5)[4:], 42))
+    answer = sock.recv(64)
+    assert answer[4] & 0x40 and STREAM.unpack_from(answer, 4 + 13)[0] == 42
+    bad = bytes([Op.PING | 0x40]) + bytes(REQUEST.size - 1)
+    sock.sendall(len(bad).to_bytes(4, "big") + bad)
+    assert sock.recv(64) == b""
+    assert client(server).add("n", 0) == 5
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=40, deadline=None)
+@given(st.lists(test_kvstore._ops, max_size=25))
+def test_through_the_door_the_store_answers_as_torchs_own_store_does(ops):
+    import torch.distributed as dist
+
+    srv = KVServer.listen(KEY)
+    door = door_of(srv)
+    try:
+        mine, theirs = client(door), dist.HashStore()
+        for op in ops:
+            if op[0] == "add" and theirs.check([op[1]]) and \
+                    not test_kvstore._strict_int(theirs.get(op[1])):
+                continue
+            a, b = test_kvstore._apply(mine, op), test_kvstore._apply(theirs, op)
+            if isinstance(a, str) and isinstance(b, str) and a != "missing":
+                continue
+            assert a == b, (op, a, b)
+    finally:
+        door.close()
+        srv.close()

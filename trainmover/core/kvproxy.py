@@ -1,0 +1,182 @@
+"""A host's door to the job's store: the agent serves its processes the store's protocol on a
+loopback port, and forwards every connection made to it as one stream of its own single
+connection to the store (``kvstore.MUXED``).
+
+Why: every worker held a connection of its own to the job's one store, and each of its
+threads that blocks on the store one more, beside the agent's own: about two hundred
+thousand connections at 100K GPUs, each a descriptor and buffers in the store's process
+and a handshake in the start-up burst. Through the door the store holds one connection a
+host for the workers, whatever their number and threads.
+
+What it keeps: a process's requests are answered in order and a blocked get or wait holds
+only that process's connection (the store serves each stream as a connection of its own);
+a process proves the run's key to the door as it would to the store (the door's port is in
+``ps`` too, and answers no one else); the door proves it back, holding the same key. It
+reads only the frames' lengths and the op byte: values pass through untouched and are
+checked where they are read (``core/auth.py``). When the door's connection to the store is
+lost, every connection made to the door is closed, as the store's own would be.
+"""
+from __future__ import annotations
+
+import socket
+import selectors
+
+from trainmover.core.kvserver import KVServer, _Conn
+from trainmover.core.kvstore import (FRAME, MUXED, NO_REPLY, REQUEST, Op, Status,
+                                     StoreLimits, connect_socket, encode_request, store_key, tag_request,
+                                     untag_answer)
+
+
+class KVProxy(KVServer):
+    """Serves the store's protocol on ``sock`` from one thread, forwarding to ``upstream`` (a
+    connection to the store that completed the handshake)."""
+
+    def __init__(self, key: bytes, sock: socket.socket, upstream: socket.socket,
+                 limits: StoreLimits = StoreLimits()):
+        self._up = upstream
+        self._up_in = bytearray()
+        self._up_out = bytearray()
+        self._conn_of: dict[int, _Conn] = {}      # stream id -> the connection it forwards
+        self._sid_of: dict[_Conn, int] = {}
+        self._next_sid = 0
+        self.upstream_error: str | None = None     # why the store's connection was lost
+        self.forwarded = 0                         # requests forwarded
+        super().__init__(key, sock, limits)
+
+    def _setup(self) -> None:
+        self._up.setblocking(False)
+        self._sel.register(self._up, selectors.EVENT_READ, "up")
+
+    # -- downstream: the host's processes -------------------------------------------------
+
+    def _process(self, conn: _Conn) -> None:
+        """Forward the whole requests in ``conn``'s buffer as its stream's."""
+        if self.upstream_error is not None:
+            self._close(conn)
+            return
+        buf = conn.inbuf
+        while not conn.closed and len(buf) >= 4:
+            (size,) = FRAME.unpack_from(buf, 0)
+            if size > self._limits.max_frame_bytes or size < REQUEST.size or \
+                    buf[4] & MUXED:
+                self._close(conn)        # a stream of a stream is nothing the job sends
+                return
+            if len(buf) < 4 + size:
+                return
+            sid = self._sid_of.get(conn)
+            if sid is None:
+                sid = self._new_stream(conn)
+            with memoryview(buf) as view:      # released before the buffer shrinks
+                self._up_send(tag_request(view[4:4 + size], sid))
+            del buf[:4 + size]
+            self.forwarded += 1
+
+    def _new_stream(self, conn: _Conn) -> int:
+        self._next_sid = (self._next_sid + 1) & 0xFFFFFFFF
+        while self._next_sid in self._conn_of:      # after 2^32 connections
+            self._next_sid = (self._next_sid + 1) & 0xFFFFFFFF
+        self._conn_of[self._next_sid] = conn
+        self._sid_of[conn] = self._next_sid
+        return self._next_sid
+
+    def _close(self, conn: _Conn) -> None:
+        sid = self._sid_of.pop(conn, None)
+        if sid is not None:
+            self._conn_of.pop(sid, None)
+            if self.upstream_error is None:
+                # its waits in the store end with it
+                self._up_send(tag_request(memoryview(
+                    encode_request(Op.END_STREAM | NO_REPLY))[4:], sid))
+        super()._close(conn)
+
+    # -- upstream: the store ----------------------------------------------------------------
+
+    def _ready_other(self, what: str, events: int) -> None:
+        if what != "up" or self.upstream_error is not None:
+            return
+        if events & selectors.EVENT_WRITE:
+            self._up_flush()
+        if events & selectors.EVENT_READ and self.upstream_error is None:
+            self._up_read()
+
+    def _up_read(self) -> None:
+        try:
+            data = self._up.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            return self._lost(f"{exc}")
+        if not data:
+            return self._lost("the store closed the connection")
+        buf = self._up_in
+        buf += data
+        while len(buf) >= 4:
+            (size,) = FRAME.unpack_from(buf, 0)
+            if len(buf) < 4 + size:
+                return
+            try:
+                with memoryview(buf) as view:
+                    sid, answer = untag_answer(view[4:4 + size])
+            except ValueError as exc:
+                return self._lost(f"an answer that is no stream's: {exc}")
+            del buf[:4 + size]
+            conn = self._conn_of.get(sid)
+            if conn is None:              # its connection closed meanwhile
+                continue
+            if answer[4] == Status.STREAM_CLOSED:
+                # the store ended the stream where it would have closed a connection
+                self._sid_of.pop(conn, None)
+                self._conn_of.pop(sid, None)
+                self._close(conn)
+            else:
+                self._send(conn, answer)
+
+    def _up_send(self, data: bytes) -> None:
+        if self.upstream_error is not None:
+            return
+        if not self._up_out:
+            try:
+                sent = self._up.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                return self._lost(f"{exc}")
+            if sent == len(data):
+                return
+            data = data[sent:]
+            self._sel.modify(self._up, selectors.EVENT_READ | selectors.EVENT_WRITE, "up")
+        self._up_out += data
+
+    def _up_flush(self) -> None:
+        try:
+            sent = self._up.send(self._up_out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            return self._lost(f"{exc}")
+        del self._up_out[:sent]
+        if not self._up_out:
+            self._sel.modify(self._up, selectors.EVENT_READ, "up")
+
+    def _lost(self, why: str) -> None:
+        """The store's connection is gone: so is every connection made here."""
+        self.upstream_error = why
+        try:
+            self._sel.unregister(self._up)
+        except (KeyError, ValueError):
+            pass
+        self._up.close()
+        for conn in list(self._sid_of):
+            self._close(conn)
+        for key in list(self._sel.get_map().values()):
+            if isinstance(key.data, _Conn):
+                self._close(key.data)
+
+
+def serve(run_key: bytes, store_host: str, store_port: int, connect_timeout_s: float,
+          host: str = "127.0.0.1", limits: StoreLimits = StoreLimits()) -> KVProxy:
+    """A door to the store at ``store_host:store_port`` of the run ``run_key`` belongs to,
+    served from a thread of this process on a free port of ``host``."""
+    key = store_key(run_key)
+    upstream = connect_socket(store_host, store_port, key, connect_timeout_s)
+    return KVProxy(key, socket.create_server((host, 0), backlog=1024), upstream, limits)
