@@ -211,6 +211,13 @@ def test_forged_unsigned_and_malformed_values_neither_stop_stall_nor_alter_the_j
         dist.TCPStore(raw.host, raw.port, is_master=False, timeout=timedelta(seconds=1))
     with pytest.raises(kvstore.StoreRefused):
         kvstore.connect(raw.host, raw.port, b"a guess" * 8, 5.0)
+    # and at the host's door to it (its port: any local user can scan for it)
+    (door,) = [e["door"] for e in events(run_dir, "agent_started")]
+    host, _, port = door.rpartition(":")
+    with pytest.raises(dist.DistNetworkError):
+        dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=1))
+    with pytest.raises(kvstore.StoreRefused):
+        kvstore.connect(host, int(port), b"a guess" * 8, 5.0)
     wait_for(lambda: events(run_dir, "store_connections_refused"), 60, "the refusals reported")
 
     # 1. forged and malformed requests

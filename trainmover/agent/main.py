@@ -463,7 +463,8 @@ class Agent:
         self.store.set(P.agent_key(self.node, "info"),
                        P.write_message(P.AgentInfo(os.getpid(), self.node, self.address)))
         self.events.emit("agent_started", node=self.node, address=self.address, pid=os.getpid(),
-                         snapshots=self.snapshots.address if self.snapshots else None)
+                         snapshots=self.snapshots.address if self.snapshots else None,
+                         door=self.process_store if self.door is not None else None)
         try:
             return self._loop()
         except Exception as exc:  # noqa: BLE001 - a lost store ends every host but host 0
@@ -509,15 +510,15 @@ class Agent:
             self._wait(self.cfg.agent.poll_s)
 
     def _report_refusals(self, now: float) -> None:
-        """An event when the store hung up on connections that did not prove the run's key
-        (someone at the port), rate-limited: a flood of them costs one line per interval."""
-        if self.store_server is None or self.store_server.refused == self._refused_reported \
-                or now < self._refusal_report_at:
+        """An event when the store or the host's door hung up on connections that did not
+        prove the run's key (someone at the port), rate-limited: a flood of them costs one
+        line per interval."""
+        refused = sum(s.refused for s in (self.store_server, self.door) if s is not None)
+        if refused == self._refused_reported or now < self._refusal_report_at:
             return
-        self._refused_reported = self.store_server.refused
+        self._refused_reported = refused
         self._refusal_report_at = now + self.cfg.agent.refusal_report_s
-        self.events.emit("store_connections_refused", count=self._refused_reported,
-                         level="warning")
+        self.events.emit("store_connections_refused", count=refused, level="warning")
 
     def _own_pids(self) -> set[int]:
         """The processes whose exit codes this agent reads (the rest are orphans to reap)."""
