@@ -72,6 +72,10 @@ class ControllerWatch:
             return False
         return True
 
+    def next_check_in(self, now: float) -> float:
+        """Seconds until ``alive`` reads the controller's record again."""
+        return self._read_at + self._check_s() - now
+
     def _check_s(self) -> float:
         """How often the controller's record is read: often on its host and the hosts that
         would take over from it, seldom elsewhere (thousands of agents reading it every

@@ -107,6 +107,10 @@ class Child:
             except OSError:
                 pass   # an older kernel: exits are seen at the next poll instead
 
+    def exit_wakes(self) -> bool:
+        """Whether its exit wakes the agent's loop (its pidfd does), or must be polled."""
+        return self.pidfd is not None
+
 
 class Agent:
     """One host's agent. Host 0's hosts the store (``listen_fd``: the socket the controller
@@ -507,7 +511,31 @@ class Agent:
                 return 0
             if why is not None:
                 return self._shutdown(self.cfg.controller.stop_grace_s, why)
-            self._wait(self.cfg.agent.poll_s)
+            self._wait(self._idle_for(time.monotonic()))
+
+    def _idle_for(self, now: float) -> float:
+        """How long the loop may sleep: until the nearest timer it keeps (a TERM's KILL
+        deadline, the orphans' reaping, the controller's check), ``agent.idle_wake_s`` at
+        most, ``agent.poll_s`` at least (and while a process's exit cannot wake it)."""
+        cfg = self.cfg.agent
+        wait = cfg.idle_wake_s
+        for c in self.children.values():
+            if c.reported:
+                continue
+            if c.kill_at is not None:
+                wait = min(wait, c.kill_at - now)
+            if not c.exit_wakes():
+                wait = min(wait, cfg.poll_s)
+        if self._subreaper:
+            wait = min(wait, self._reap_at - now)
+        if self._watches_controller():
+            wait = min(wait, self.controller.next_check_in(time.time()))
+        return max(cfg.poll_s, wait)
+
+    def _watches_controller(self) -> bool:
+        """Whether ``_watch`` asks the controller's watch (host 0's agent, or any with the
+        store on etcd)."""
+        return self.etcd or self.node == 0
 
     def _report_refusals(self, now: float) -> None:
         """An event when the store or the host's door hung up on connections that did not

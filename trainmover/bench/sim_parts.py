@@ -102,6 +102,7 @@ class SimProcess:
             self.worker.stores.close()
             if self.worker.channel is not None:
                 self.worker.channel.close()
+            self.worker.agent._wake()      # as a process's pidfd wakes its agent
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -117,7 +118,10 @@ class SimProcess:
 
 class SimChild(Child):
     def __post_init__(self) -> None:
-        self.pidfd = None            # no process to watch: exits are seen at the next poll
+        self.pidfd = None            # no process to watch: its exit wakes the agent itself
+
+    def exit_wakes(self) -> bool:
+        return True
 
 
 class Samples:
