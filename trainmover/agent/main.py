@@ -58,6 +58,13 @@ from trainmover.core.proc import PR_SET_PDEATHSIG, prctl, raise_open_files
 # How often the agent reaps exited orphans re-parented to it (a dead worker's data loader
 # processes): a zombie costs only a process-table entry until then.
 ORPHAN_REAP_S = 1.0
+# The agent's threads hand the interpreter over this often (Python's default: 5 ms). Its
+# threads wait on I/O and relay small messages: the host's door to the store, the vote
+# relay, the channels' reader, the commands. With the default, a request through the door
+# waited up to 5 ms for the interpreter at each hop while another thread ran, which added
+# ~25 ms to a planned migration's switch at 4 workers (benchmarks/results/
+# door-4w-planned-switch.md); the agent's threads are never CPU-bound for long.
+SWITCH_INTERVAL_S = 0.0005
 
 
 def _die_with_parent() -> None:
@@ -362,6 +369,7 @@ class Agent:
 
     # --- the loop ----------------------------------------------------------------------------
     def serve(self, initial: list[P.AgentSpawn]) -> int:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         if not self.etcd and self.cfg.comm.store_proxy:
             # listening before any process starts (their connections wait in the backlog
             # until the door opens, once the store is up)
