@@ -1,7 +1,7 @@
 """The controller's driver for the store's size: keys nobody can read again are deleted, so a
 job of 10^6 steps holds as many keys as one of 10^3.
 
-The rule, per key family (``core/protocol.py``):
+The rule, per key family (``core/protocol/keys.py``):
 - ``commit/<epoch>/<step>/*`` (votes, decision, metrics): once step ``s + margin`` of the
   same epoch is committed, no worker is at step ``s`` any more (a worker cannot start a step
   before the previous one is decided) and the controller has read ``s``'s decision; the keys
