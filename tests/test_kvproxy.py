@@ -115,6 +115,24 @@ def test_the_door_answers_only_the_runs_key_and_forwards_no_stream_of_a_stream(s
 
 
 @pytest.mark.timeout(60)
+def test_a_request_that_comes_a_byte_at_a_time_is_forwarded_whole(server):
+    """TCP may cut a frame anywhere: after its length, before its op (the door once read
+    the op byte before it came, and its thread died with every host's connection)."""
+    door = door_of(server)
+    try:
+        sock = connect_socket("127.0.0.1", door.port, KEY, 5.0)
+        sock.settimeout(5)
+        for b in encode_request(Op.ADD, [b"n"], 3):
+            sock.sendall(bytes([b]))
+            time.sleep(0.002)
+        answer = sock.recv(64)
+        assert answer[4] == 0 and int.from_bytes(answer[5:13], "big") == 3
+        assert client(door).add("n", 1) == 4
+    finally:
+        door.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_refused_write_that_answers_nothing_closes_only_its_own_connection():
     """At the store it would close the connection: through the door it ends that stream,
     and the door closes the one connection it forwards."""

@@ -353,9 +353,10 @@ class Agent:
                      self._reports):
             if part.error is not None:
                 raise part.error
-        if self.door is not None and self.door.upstream_error is not None:
-            raise kvstore.StoreClosed(f"the host's door to the store lost its connection: "
-                                      f"{self.door.upstream_error}")
+        if self.door is not None and (self.door.upstream_error is not None or
+                                      not self.door.serving()):
+            raise kvstore.StoreClosed(f"the host's door to the store is closed: "
+                                      f"{self.door.upstream_error or 'its thread failed'}")
         if self.node == 0 and not self.etcd:
             return None if self.controller.alive(now) else "no controller"
         # the controller's signed word, not the key's mere existence (agent/feeds.py)

@@ -57,11 +57,13 @@ class KVProxy(KVServer):
         buf = conn.inbuf
         while not conn.closed and len(buf) >= 4:
             (size,) = FRAME.unpack_from(buf, 0)
-            if size > self._limits.max_frame_bytes or size < REQUEST.size or \
-                    buf[4] & MUXED:
-                self._close(conn)        # a stream of a stream is nothing the job sends
+            if size > self._limits.max_frame_bytes or size < REQUEST.size:
+                self._close(conn)
                 return
             if len(buf) < 4 + size:
+                return
+            if buf[4] & MUXED:
+                self._close(conn)        # a stream of a stream is nothing the job sends
                 return
             sid = self._sid_of.get(conn)
             if sid is None:

@@ -93,6 +93,10 @@ class KVServer:
     def port(self) -> int:
         return self._listener.getsockname()[1]
 
+    def serving(self) -> bool:
+        """Whether its thread still serves (an error in it closes every connection)."""
+        return self._thread.is_alive()
+
     def connections(self) -> int:
         """Connections open now that proved the key (read from another thread: a count
         that may be a moment old)."""
