@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from trainmover.core import kvproxy
 from trainmover.core.kvserver import KVServer
@@ -225,4 +225,45 @@ def test_through_the_door_the_store_answers_as_torchs_own_store_does(ops):
             assert a == b, (op, a, b)
     finally:
         door.close()
+        srv.close()
+
+
+_frames = st.lists(st.one_of(
+    st.binary(max_size=40),                                   # anything at all
+    st.builds(lambda op, sid, body: bytes([op]) + body[:REQUEST.size - 1] +
+              sid.to_bytes(4, "big") + body[REQUEST.size - 1:],
+              st.integers(0, 255), st.integers(0, 2**32 - 1), st.binary(max_size=40)),
+).map(lambda body: len(body).to_bytes(4, "big") + body), max_size=6)
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=100, deadline=None)
+@given(_frames, st.integers(0, 64), st.booleans())
+@example([], 4, True)     # a frame's length alone: it once killed the door's thread
+def test_no_bytes_from_a_client_with_the_key_stop_the_store_or_a_door(frames, cut,
+                                                                      through_door):
+    """Whatever frames a client past the handshake sends (plain or a stream's, malformed),
+    and a frame cut anywhere (its length included) on another connection, the store and
+    the door serve on: a third client is answered."""
+    srv = KVServer.listen(KEY, limits=StoreLimits(max_streams=4))
+    door = door_of(srv) if through_door else None
+    target = door or srv
+    try:
+        sock = connect_socket("127.0.0.1", target.port, KEY, 5.0)
+        for frame in frames:
+            try:
+                sock.sendall(frame)
+            except OSError:
+                break                 # hung up on: fine
+        cut_sock = connect_socket("127.0.0.1", target.port, KEY, 5.0)
+        whole = encode_request(Op.ADD, [b"m"], 1)
+        cut_sock.sendall(whole[:cut % len(whole)])
+        other = client(target)
+        assert other.add("n", 1) == 1
+        assert srv.serving() and (door is None or door.serving())
+        sock.close()
+        cut_sock.close()
+    finally:
+        if door is not None:
+            door.close()
         srv.close()
