@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -23,7 +22,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.store_process import cpu_s, store_process  # noqa: E402
-from trainmover.bench.report import git_commit, machine_description, write_result  # noqa: E402
+from trainmover.bench.report import (fmt_spread, git_commit, machine_description,  # noqa: E402
+                                     spread, write_result)
 from trainmover.core import kvstore  # noqa: E402
 
 KEY = b"d" * 32
@@ -102,9 +102,7 @@ def main() -> None:
             door.wait()
 
     def cell(runs, key, digits=0):
-        vals = [r[key] for r in runs]
-        return (f"{statistics.median(vals):.{digits}f} ({min(vals):.{digits}f}-"
-                f"{max(vals):.{digits}f})")
+        return fmt_spread(spread([r[key] for r in runs]), digits)
     lines = ["# A host's door to the store: a request's cost straight and through it", "",
              f"`python benchmarks/door_cost.py --requests {args.requests} --clients "
              f"{args.clients} --repeats {args.repeats}`; commit {git_commit()}; "

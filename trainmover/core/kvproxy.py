@@ -22,8 +22,8 @@ import socket
 import selectors
 
 from trainmover.core.kvserver import KVServer, _Conn
-from trainmover.core.kvstore import (FRAME, MUXED, NO_REPLY, REQUEST, Op, Status,
-                                     StoreLimits, connect_socket, encode_request, store_key, tag_request,
+from trainmover.core.kvstore import (FRAME, MUXED, NO_REPLY, Op, Status, StoreLimits,
+                                     connect_socket, encode_request, store_key, tag_request,
                                      untag_answer)
 
 
@@ -54,23 +54,14 @@ class KVProxy(KVServer):
         if self.upstream_error is not None:
             self._close(conn)
             return
-        buf = conn.inbuf
-        while not conn.closed and len(buf) >= 4:
-            (size,) = FRAME.unpack_from(buf, 0)
-            if size > self._limits.max_frame_bytes or size < REQUEST.size:
-                self._close(conn)
-                return
-            if len(buf) < 4 + size:
-                return
-            if buf[4] & MUXED:
+        for body in self._frames(conn):
+            if body[0] & MUXED:
                 self._close(conn)        # a stream of a stream is nothing the job sends
                 return
             sid = self._sid_of.get(conn)
             if sid is None:
                 sid = self._new_stream(conn)
-            with memoryview(buf) as view:      # released before the buffer shrinks
-                self._up_send(tag_request(view[4:4 + size], sid))
-            del buf[:4 + size]
+            self._up_send(tag_request(body, sid))
             self.forwarded += 1
 
     def _new_stream(self, conn: _Conn) -> int:

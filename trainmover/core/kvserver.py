@@ -262,8 +262,9 @@ class KVServer:
         if not conn.outbuf:
             self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
 
-    def _process(self, conn: _Conn) -> None:
-        """Take the whole requests in ``conn``'s buffer, each to its stream."""
+    def _frames(self, conn: _Conn):
+        """The whole requests in ``conn``'s buffer, taken out of it one by one (while the
+        connection stays open); a frame past the limits closes it."""
         buf = conn.inbuf
         while not conn.closed and len(buf) >= 4:
             (size,) = FRAME.unpack_from(buf, 0)
@@ -274,9 +275,14 @@ class KVServer:
                 return
             body = bytes(buf[4:4 + size])
             del buf[:4 + size]
+            yield body
+
+    def _process(self, conn: _Conn) -> None:
+        """Take the whole requests in ``conn``'s buffer, each to its stream."""
+        for body in self._frames(conn):
             sid = None
             if body[0] & MUXED:
-                if size < REQUEST.size + STREAM.size:
+                if len(body) < REQUEST.size + STREAM.size:
                     self._close(conn)
                     return
                 (sid,) = STREAM.unpack_from(body, REQUEST.size)
