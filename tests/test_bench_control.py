@@ -55,6 +55,57 @@ def test_the_simulated_jobs_settings_take_overrides_named_before_anything_starts
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_job_past_this_machines_descriptor_limit_is_refused_before_anything_starts(
+        tmp_path, capsys, monkeypatch):
+    # 8K workers in two simulator processes with the hosts' doors: ~22K descriptors each,
+    # over the 20K a process this machine allows (it ran on, every step waiting on hosts
+    # that never connected, and failed minutes later as a recovery with no replica)
+    from trainmover.bench import control
+    from trainmover.cli import main
+
+    monkeypatch.setattr(control, "raise_open_files", lambda at_least=0: 20000)
+    assert main(["bench", "control", "--workers", "8192", "--sim-procs", "2",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--sim-procs 2" in err and "use --sim-procs 3 or more" in err
+    # without the doors the store holds the connections: 16K workers are past it
+    assert main(["bench", "control", "--workers", "16384", "--sim-procs", "8",
+                 "--comm.store_proxy=false", "--out", str(tmp_path)]) == 2
+    assert "--comm.store_proxy=false" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    cfg = control.sim_config(8192, 2, [])
+    control.check_descriptors(8192, cfg, 3, 20000)      # enough processes
+    control.check_descriptors(8192, control.sim_config(8192, 2, [("comm.store_proxy",
+                                                                  "false")]), 2, 20000)
+
+
+@pytest.mark.timeout(200)
+def test_a_simulator_out_of_descriptors_ends_the_run_at_once_saying_so(tmp_path):
+    # the check above is an estimate: past it at run time, the simulator process ends and
+    # the run fails with its reason, instead of running on with hosts that never connected
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import resource, time
+        resource.setrlimit(resource.RLIMIT_NOFILE, (500, 500))   # ~700 needed a process
+        from trainmover.bench.control import run_once
+        t = time.monotonic()
+        try:
+            run_once(256, compute_s=0.1, warmup=3, steady=6, after=3, standbys=2,
+                     timeout_s=150, work_dir={str(tmp_path)!r}, full_hosts=4, sim_procs=2)
+        except RuntimeError as exc:
+            print("FAILED after", round(time.monotonic() - t), "s:", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=190)
+    assert "FAILED after" in out.stdout, out.stdout + out.stderr
+    line = out.stdout.split("FAILED after", 1)[1]
+    assert "simulator process" in line and "descriptors" in line, line
+    assert int(line.split()[0]) < 30      # not the store client's connect timeout (120 s)
+
+
 def test_a_counters_rate_is_read_over_a_window_with_fewer_than_two_samples_inside():
     # a short steady window on a loaded machine held one store reading (CI saw None)
     from trainmover.bench.control import rate

@@ -43,6 +43,7 @@ from trainmover.core.auth import create_secret
 from trainmover.core.config import JobConfig
 from trainmover.core.config_file import apply_overrides
 from trainmover.core.events import EventLog, read_jsonl
+from trainmover.core.proc import raise_open_files
 from trainmover.core.topology import Layout, reporter_role
 from trainmover.control.context import worker_names
 
@@ -112,6 +113,7 @@ class SimCoordinator(Coordinator):
         self.sims: list[subprocess.Popen] = []
         self.rounds: list[list[float]] = []     # [start (epoch s), wall_s, cpu_s]
         self.store_proc: subprocess.Popen | None = None
+        self._sim_failed = False
         self.store_stats = os.path.join(run_dir + ".store", "stats.txt")
 
     def _prepare(self) -> None:
@@ -140,7 +142,7 @@ class SimCoordinator(Coordinator):
             [sys.executable, "-m", "trainmover.bench.control_sim", "--run-dir", self.run_dir,
              "--store", ctx.store_addr, "--spec", json.dumps(self.spec),
              "--part", f"{i}/{self.sim_procs}"],
-            stdout=open(os.path.join(self.run_dir, "logs", f"sim{i}.log"), "ab"),
+            stdout=open(self._sim_log(i), "ab"),
             stderr=subprocess.STDOUT) for i in range(self.sim_procs)]
         self._agent_proc = self.sims[0]     # the controller waits for it at the end
         self._connect()
@@ -148,11 +150,25 @@ class SimCoordinator(Coordinator):
             ctx.put(P.membership_key(name), role.name)
 
     def _poll(self) -> bool:
+        self._check_sims()
         at, t, cpu = time.time(), time.perf_counter(), time.thread_time()
         try:
             return super()._poll()
         finally:
             self.rounds.append([at, time.perf_counter() - t, time.thread_time() - cpu])
+
+    def _check_sims(self) -> None:
+        """A simulator process ends only after every agent it runs stopped: one that ended
+        while the job runs failed (its log's last line says why, ``control_sim._serve``)."""
+        for i, sim in enumerate(self.sims):
+            code = sim.poll()
+            if code is not None:
+                self._sim_failed = True
+                raise SimulatorFailed(f"simulator process {i} exited with code {code} "
+                                      f"while the job ran: {last_line(self._sim_log(i))}")
+
+    def _sim_log(self, i: int) -> str:
+        return os.path.join(self.run_dir, "logs", f"sim{i}.log")
 
     def _flush(self, force: bool = False) -> None:
         t, cpu = time.perf_counter(), time.thread_time()
@@ -163,6 +179,11 @@ class SimCoordinator(Coordinator):
 
     def _stop_all(self) -> None:
         try:
+            if self._sim_failed:    # the run is over: no agent to wait for
+                for sim in self.sims:
+                    sim.kill()
+                    sim.wait()
+                return
             super()._stop_all()     # every agent shut down; then the simulator exits
             for sim in self.sims[1:]:
                 try:
@@ -176,15 +197,30 @@ class SimCoordinator(Coordinator):
                 self.store_proc.wait()
 
 
+class SimulatorFailed(RuntimeError):
+    """A simulator process failed (not the control plane under test)."""
+
+
+def last_line(path: str, tail_bytes: int = 4096) -> str:
+    """The last line of a log that is not empty ("" when there is none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
 class CpuSampler:
     """(time, CPU seconds) of some processes every ``interval_s``, from /proc; and the most
-    sockets the ``count_sockets`` one held (the store's: its connections)."""
+    descriptors each held (the store's: its connections; a simulator process's: its hosts'
+    connections, both ends of those to their doors), counted every ``DESCRIPTORS_EVERY_S``."""
 
-    def __init__(self, pids: dict[str, int], interval_s: float = 0.25,
-                 count_sockets: str | None = None):
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.25):
         self.pids, self.interval_s = pids, interval_s
         self.samples: dict[str, list[tuple[float, float]]] = {k: [] for k in pids}
-        self.count_sockets, self.most_sockets = count_sockets, 0
+        self.most_descriptors: dict[str, int] = {k: 0 for k in pids}
         self._count_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -193,6 +229,11 @@ class CpuSampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             now = time.time()
+            count = now >= self._count_at
+            if count:
+                # seldom, and one listing a process: at 8K workers without the door the
+                # store holds ~18K descriptors, read from the controller's process
+                self._count_at = now + DESCRIPTORS_EVERY_S
             for name, pid in self.pids.items():
                 try:
                     with open(f"/proc/{pid}/stat") as f:
@@ -201,12 +242,9 @@ class CpuSampler:
                                                / CLOCK_TICKS))
                 except (OSError, IndexError, ValueError):
                     pass
-            if self.count_sockets is not None and now >= self._count_at:
-                # seldom, and one listing: at 8K workers without the door the store holds
-                # ~18K descriptors, read from the controller's process
-                self._count_at = now + SOCKETS_EVERY_S
-                self.most_sockets = max(self.most_sockets,
-                                        open_descriptors(self.pids[self.count_sockets]))
+                if count:
+                    self.most_descriptors[name] = max(self.most_descriptors[name],
+                                                      open_descriptors(pid))
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -214,7 +252,7 @@ class CpuSampler:
         self._thread.join()
 
 
-SOCKETS_EVERY_S = 2.0
+DESCRIPTORS_EVERY_S = 2.0
 
 
 def open_descriptors(pid: int) -> int:
@@ -314,8 +352,7 @@ def run_once(workers: int, compute_s: float, warmup: int, steady: int, after: in
     while thread.is_alive() and time.monotonic() < deadline:
         if sampler is None and coord.store_proc is not None and coord.sims:
             sampler = CpuSampler({"store": coord.store_proc.pid,
-                                  **{f"sim{i}": p.pid for i, p in enumerate(coord.sims)}},
-                                 count_sockets="store")
+                                  **{f"sim{i}": p.pid for i, p in enumerate(coord.sims)}})
         recovered = coord.progress.last_step >= target and not coord.recovery.active and \
             not coord.recovery.awaiting
         if recovered and migration is None:
@@ -384,7 +421,10 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
         "store_cpu_share": rate(sampler.samples["store"], t0, t1),
         # the most descriptors it held in the run (hosts' doors, the vote relays', the
         # controller's connections, and a few of its own), sampled every 2 s
-        "store_connections": sampler.most_sockets,
+        "store_connections": sampler.most_descriptors["store"],
+        # the busiest simulator process's (against its limit: open_files_limit())
+        "sim_descriptors": max(sampler.most_descriptors[f"sim{i}"]
+                               for i in range(coord.sim_procs)),
         # the busiest simulator process's (each is one core's worth at most)
         "sim_cpu_share": max(rate(sampler.samples[f"sim{i}"], t0, t1) or 0.0
                              for i in range(coord.sim_procs)),
@@ -414,6 +454,38 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
     }
 
 
+# The descriptors a simulated job holds a worker, with the default light hosts (measured by
+# the ``store_connections`` and ``sim_descriptors`` columns at 1K and 2K workers, one
+# simulator process: the store 0.38 and 2.25, a simulator process 5.42 and 2.92 with the
+# door and without), rounded up. Through the door a worker's connections are in the
+# simulator twice (its end and its door's); without it the store holds them all.
+STORE_FDS_PER_WORKER = {True: 0.4, False: 2.3}
+SIM_FDS_PER_WORKER = {True: 5.5, False: 3.0}
+
+
+def check_descriptors(workers: int, cfg: JobConfig, sim_procs: int, limit: int) -> None:
+    """A clear error, before anything starts, when the simulated job would need more
+    descriptors in the store's process or in a simulator process than ``limit`` (this
+    machine's, a process: raising the hard limit needs CAP_SYS_RESOURCE). Past it the
+    store refuses connections or an agent fails to open one: hosts that never connect,
+    and a run that fails minutes later on another cause."""
+    door = bool(cfg.comm.store_proxy)
+    store = int(workers * STORE_FDS_PER_WORKER[door])
+    if store > limit:
+        raise ValueError(
+            f"--workers {workers}" + ("" if door else " with --comm.store_proxy=false") +
+            f": the store would hold ~{store:,} descriptors, over this machine's limit of "
+            f"{limit:,} a process" + ("" if door else " (with the hosts' doors, the default: ~"
+                                       f"{int(workers * STORE_FDS_PER_WORKER[True]):,})"))
+    per_proc = int(-(-workers // sim_procs) * SIM_FDS_PER_WORKER[door])
+    if per_proc > limit:
+        need = -(-int(workers * SIM_FDS_PER_WORKER[door]) // limit)
+        raise ValueError(
+            f"--sim-procs {sim_procs}: {workers} workers would hold ~{per_proc:,} "
+            f"descriptors in each simulator process, over this machine's limit of "
+            f"{limit:,} a process: use --sim-procs {need} or more")
+
+
 def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int, steady: int,
                   after: int, standbys: int, timeout_s: float, out_dir: str,
                   name: str = "control", keep: bool = False,
@@ -422,7 +494,8 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
     if sim_procs < 1:
         raise ValueError(f"--sim-procs {sim_procs}: at least one simulator process")
     for n in sizes:      # a bad setting is named before anything starts
-        sim_config(n, standbys, overrides)
+        check_descriptors(n, sim_config(n, standbys, overrides), sim_procs,
+                          raise_open_files(1 << 20))
     work_dir = tempfile.mkdtemp(prefix="tm-control-")
     rows = []
     try:

@@ -30,12 +30,15 @@ from gevent import monkey
 monkey.patch_all()   # before anything imports socket, threading or time's sleep
 
 import argparse  # noqa: E402
+import errno  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import resource  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 
 import gevent  # noqa: E402
 import gevent.event  # noqa: E402
@@ -357,6 +360,49 @@ class LightAgent(SimAgent):
             epoch, step = workers[0].epoch, workers[0].step
 
 
+def _out_of_descriptors(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or what caused it is a descriptor refused (a store client's connect
+    retries one until its timeout, then says it could not connect)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _fatal_on_no_descriptors() -> None:
+    """Any greenlet that fails for want of a descriptor ends the simulator, as an agent's
+    failure does (``_serve``): a simulated worker that could not open its store client
+    would stall the job on the simulator's limit, not the control plane's."""
+    hub = gevent.get_hub()
+    report = hub.handle_error
+
+    def handle_error(context, kind, value, tb):
+        report(context, kind, value, tb)
+        if _out_of_descriptors(value):
+            sys.stderr.flush()
+            print(f"simulator: out of descriptors (this process's limit: "
+                  f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): {value!r}", flush=True)
+            os._exit(3)
+
+    hub.handle_error = handle_error
+
+
+def _serve(agent: SimAgent) -> None:
+    """An agent's loop; an error out of it ends the simulator. The benchmark crashes a
+    worker, never an agent: an agent that fails is the simulator's own limit (its
+    descriptors, at 8K workers in two processes with the hosts' doors), and a host that
+    never connects would only show later as a recovery before any step, on the wrong
+    cause. The benchmark sees the process end and reports its log's last line."""
+    try:
+        agent.serve([])
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+        traceback.print_exc()
+        sys.stderr.flush()
+        print(f"simulator: host {agent.node}'s agent failed: {exc!r}", flush=True)
+        os._exit(3)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="trainmover.bench.control_sim")
     p.add_argument("--run-dir", required=True)
@@ -377,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     agents = [(SimAgent if node in full else LightAgent)(args.run_dir, host, int(port), cfg,
                                                          node, spec, samples, run_key)
               for node in range(cfg.hosts.nnodes) if node % int(parts) == int(part)]
-    jobs = [gevent.spawn(a.serve, []) for a in agents]
+    _fatal_on_no_descriptors()
+    jobs = [gevent.spawn(_serve, a) for a in agents]
     gevent.joinall(jobs)
     with open(f"{spec.samples_path}.{part}", "w") as f:
         json.dump({"rows": samples.rows,

@@ -43,6 +43,7 @@ This module holds the protocol and the client. Pure Python, no torch: ``comm/sto
 adapts the client to ``torch.distributed.Store`` for the backends' own rendezvous."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -370,7 +371,9 @@ def connect_socket(host: str, port: int, key: bytes, timeout_s: float) -> socket
     a connection refused (the server may not listen yet: TCPStore's clients wait for it the
     same way) or dropped before the handshake was answered (the server keeps
     ``max_pending`` unauthenticated connections: in a burst of thousands, the oldest are
-    closed). A store that answers ``REFUSED``, or a proof of another key, is not retried."""
+    closed). A store that answers ``REFUSED``, or a proof of another key, is not retried;
+    nor is this process out of descriptors (it is no store's to end: said at once, not
+    after the timeout as a store that cannot be reached)."""
     deadline = time.monotonic() + timeout_s
     delay = 0.01
     while True:
@@ -379,6 +382,9 @@ def connect_socket(host: str, port: int, key: bytes, timeout_s: float) -> socket
         except StoreRefused:
             raise
         except (StoreClosed, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise StoreClosed(f"cannot connect to the store at {host}:{port}: this "
+                                  f"process is out of descriptors ({exc})") from exc
             if time.monotonic() + delay > deadline:
                 raise StoreClosed(f"cannot connect to the store at {host}:{port}"
                                   f" within {timeout_s} s: {exc}") from exc
