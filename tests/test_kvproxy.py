@@ -267,3 +267,97 @@ def test_no_bytes_from_a_client_with_the_key_stop_the_store_or_a_door(frames, cu
         if door is not None:
             door.close()
         srv.close()
+
+
+def _answers(sock, n, timeout_s=30.0):
+    """Read ``n`` framed answers off ``sock``: their sizes, in order."""
+    sock.settimeout(timeout_s)
+    buf, sizes = bytearray(), []
+    while len(sizes) < n:
+        chunk = sock.recv(1 << 20)
+        assert chunk, "closed before every answer came"
+        buf += chunk
+        while len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "big"):
+            size = int.from_bytes(buf[:4], "big")
+            sizes.append(size)
+            del buf[:4 + size]
+    return sizes
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_that_takes_no_answers_is_not_read_past_the_bound_and_loses_nothing():
+    """A process with the key sends gets of a large value and reads none of the answers:
+    the store stops reading it once more than ``max_unsent_bytes`` wait for it (its memory
+    bounded, not the 50 MB asked for), serves the others meanwhile, and once the answers
+    are taken it reads again: every one comes, in order."""
+    limits = StoreLimits(max_unsent_bytes=1 << 20)
+    srv = KVServer.listen(KEY, limits=limits)
+    try:
+        client(srv).set("big", b"v" * (256 << 10))
+        greedy = connect_socket("127.0.0.1", srv.port, KEY, 5.0)
+        n = 200
+        ask = encode_request(Op.GET, [b"big"], timeout_ms=1000)
+        greedy.setblocking(False)
+        sent, data = 0, ask * n
+        deadline = time.monotonic() + 10
+        while sent < len(data) and time.monotonic() < deadline:
+            try:
+                sent += greedy.send(data[sent:])
+            except BlockingIOError:
+                time.sleep(0.01)
+        time.sleep(0.5)
+        held = [c for c in list(srv._conns) if c.held]
+        assert len(held) == 1
+        assert len(held[0].outbuf) <= (1 << 20) + (256 << 10) + 64
+        other = client(srv)
+        assert other.add("n", 1) == 1            # the store serves on
+        greedy.setblocking(True)
+        greedy.sendall(data[sent:])
+        sizes = _answers(greedy, n)
+        assert all(s == sizes[0] for s in sizes) and sizes[0] > (256 << 10)
+        assert not held[0].held                  # read again
+        greedy.sendall(encode_request(Op.ADD, [b"n"], number=1))
+        _answers(greedy, 1)
+        assert other.add("n", 0) == 2
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_door_stops_reading_its_processes_while_the_store_takes_nothing():
+    """The store's connection does not take what the door forwards (a store stalled): the
+    door stops reading its processes once more than ``max_unsent_bytes`` wait for the store,
+    and forwards everything once the store reads again."""
+    limits = StoreLimits(max_unsent_bytes=1 << 20)
+    store_end, door_end = socket.socketpair()
+    door = kvproxy.KVProxy(KEY, socket.create_server(("127.0.0.1", 0)), door_end, limits)
+    try:
+        proc = connect_socket("127.0.0.1", door.port, KEY, 5.0)
+        one = encode_request(Op.SET | 0x80, [b"k", b"x" * (64 << 10)])   # NO_REPLY
+        n = 300                                         # ~19 MB
+        proc.setblocking(False)
+        data, sent = one * n, 0
+        deadline = time.monotonic() + 5
+        while sent < len(data) and time.monotonic() < deadline:
+            try:
+                sent += proc.send(data[sent:])
+            except BlockingIOError:
+                time.sleep(0.01)
+        time.sleep(0.5)
+        assert sent < len(data)                         # the door stopped taking them
+        held = [c for c in list(door._conns) if c.held]
+        assert len(held) == 1
+        assert len(door._up.outbuf) <= (1 << 20) + len(one) + 4 + 4   # one frame past it
+        got = bytearray()
+        proc.setblocking(True)
+        sender = threading.Thread(target=proc.sendall, args=(data[sent:],))
+        sender.start()
+        store_end.settimeout(10)
+        want = n * (len(one) + 4)                       # each tagged with its stream
+        while len(got) < want:
+            got += store_end.recv(1 << 20)
+        sender.join(10)
+        assert len(got) == want and not held[0].held
+    finally:
+        door.close()
+        store_end.close()

@@ -19,7 +19,6 @@ lost, every connection made to the door is closed, as the store's own would be.
 from __future__ import annotations
 
 import socket
-import selectors
 
 from trainmover.core.kvserver import KVServer, _Conn
 from trainmover.core.kvstore import (FRAME, MUXED, NO_REPLY, Op, Status, StoreLimits,
@@ -33,9 +32,9 @@ class KVProxy(KVServer):
 
     def __init__(self, key: bytes, sock: socket.socket, upstream: socket.socket,
                  limits: StoreLimits = StoreLimits()):
-        self._up = upstream
-        self._up_in = bytearray()
-        self._up_out = bytearray()
+        # the store's connection, sent to and watched as a process's is (``_send``,
+        # ``_watch``); read by ``_up_read``
+        self._up = _Conn(upstream)
         self._conn_of: dict[int, _Conn] = {}      # stream id -> the connection it forwards
         self._sid_of: dict[_Conn, int] = {}
         self._next_sid = 0
@@ -44,8 +43,8 @@ class KVProxy(KVServer):
         super().__init__(key, sock, limits)
 
     def _setup(self) -> None:
-        self._up.setblocking(False)
-        self._sel.register(self._up, selectors.EVENT_READ, "up")
+        self._up.sock.setblocking(False)
+        self._watch(self._up)
 
     # -- downstream: the host's processes -------------------------------------------------
 
@@ -61,8 +60,10 @@ class KVProxy(KVServer):
             sid = self._sid_of.get(conn)
             if sid is None:
                 sid = self._new_stream(conn)
-            self._up_send(tag_request(body, sid))
+            self._send(self._up, tag_request(body, sid))
             self.forwarded += 1
+            if len(self._up.outbuf) > self._limits.max_unsent_bytes:
+                self._watch(conn)            # held: the rest waits in its buffer
 
     def _new_stream(self, conn: _Conn) -> int:
         self._next_sid = (self._next_sid + 1) & 0xFFFFFFFF
@@ -72,36 +73,57 @@ class KVProxy(KVServer):
         self._sid_of[conn] = self._next_sid
         return self._next_sid
 
+    def _hold(self, conn: _Conn) -> bool:
+        """A process's connection is not read while the store does not take what was
+        forwarded (more than ``max_unsent_bytes`` waiting): the door's memory stays bounded
+        whatever its processes send. The store's connection itself is always read."""
+        if conn is self._up:
+            return False
+        return len(self._up.outbuf) > self._limits.max_unsent_bytes or super()._hold(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        held = conn is self._up and len(conn.outbuf) > self._limits.max_unsent_bytes
+        super()._flush(conn)
+        if held and len(conn.outbuf) <= self._limits.max_unsent_bytes:
+            for other in list(self._conns):      # the store takes again: read them again
+                if other.held:
+                    self._watch(other)
+                    if not other.held and other.inbuf:
+                        self._process(other)
+
+    def _read(self, conn: _Conn) -> None:
+        if conn is self._up:
+            self._up_read()
+        elif self._hold(conn):
+            self._watch(conn)                # the store takes nothing now: not read
+        else:
+            super()._read(conn)
+
     def _close(self, conn: _Conn) -> None:
+        if conn is self._up:
+            self._lost("sending to the store failed")
+            return
         sid = self._sid_of.pop(conn, None)
         if sid is not None:
             self._conn_of.pop(sid, None)
             if self.upstream_error is None:
                 # its waits in the store end with it
-                self._up_send(tag_request(memoryview(
+                self._send(self._up, tag_request(memoryview(
                     encode_request(Op.END_STREAM | NO_REPLY))[4:], sid))
         super()._close(conn)
 
     # -- upstream: the store ----------------------------------------------------------------
 
-    def _ready_other(self, what: str, events: int) -> None:
-        if what != "up" or self.upstream_error is not None:
-            return
-        if events & selectors.EVENT_WRITE:
-            self._up_flush()
-        if events & selectors.EVENT_READ and self.upstream_error is None:
-            self._up_read()
-
     def _up_read(self) -> None:
         try:
-            data = self._up.recv(1 << 20)
+            data = self._up.sock.recv(1 << 20)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             return self._lost(f"{exc}")
         if not data:
             return self._lost("the store closed the connection")
-        buf = self._up_in
+        buf = self._up.inbuf
         buf += data
         while len(buf) >= 4:
             (size,) = FRAME.unpack_from(buf, 0)
@@ -124,46 +146,19 @@ class KVProxy(KVServer):
             else:
                 self._send(conn, answer)
 
-    def _up_send(self, data: bytes) -> None:
-        if self.upstream_error is not None:
-            return
-        if not self._up_out:
-            try:
-                sent = self._up.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                return self._lost(f"{exc}")
-            if sent == len(data):
-                return
-            data = data[sent:]
-            self._sel.modify(self._up, selectors.EVENT_READ | selectors.EVENT_WRITE, "up")
-        self._up_out += data
-
-    def _up_flush(self) -> None:
-        try:
-            sent = self._up.send(self._up_out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            return self._lost(f"{exc}")
-        del self._up_out[:sent]
-        if not self._up_out:
-            self._sel.modify(self._up, selectors.EVENT_READ, "up")
-
     def _lost(self, why: str) -> None:
         """The store's connection is gone: so is every connection made here."""
+        if self.upstream_error is not None:
+            return
         self.upstream_error = why
-        try:
-            self._sel.unregister(self._up)
-        except (KeyError, ValueError):
-            pass
-        self._up.close()
-        for conn in list(self._sid_of):
+        up = self._up
+        up.closed = True
+        if up.events:
+            up.events = 0
+            self._sel.unregister(up.sock)
+        up.sock.close()
+        for conn in list(self._conns):
             self._close(conn)
-        for key in list(self._sel.get_map().values()):
-            if isinstance(key.data, _Conn):
-                self._close(key.data)
 
 
 def serve(run_key: bytes, store_host: str, store_port: int, connect_timeout_s: float,

@@ -24,12 +24,17 @@ ACCEPT_BACKOFF_S = 0.01
 
 
 class _Conn:
-    __slots__ = ("sock", "inbuf", "outbuf", "authed", "nonce", "streams", "closed")
+    __slots__ = ("sock", "inbuf", "outbuf", "authed", "nonce", "streams", "closed", "held",
+                 "events")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.inbuf = bytearray()
         self.outbuf = bytearray()
+        # not read while set: its answers are not taken (``StoreLimits.max_unsent_bytes``),
+        # or (a door's) the store does not take what it forwards
+        self.held = False
+        self.events = 0        # what the selector watches it for (``KVServer._watch``)
         self.authed = False
         self.nonce = os.urandom(NONCE_BYTES)
         # its plain requests' stream (None), and each of its ``MUXED`` streams by id
@@ -72,6 +77,7 @@ class KVServer:
         self._deadlines: list[tuple[float, int, object, object]] = []
         self._seq = 0
         self._pending: collections.OrderedDict[_Conn, float] = collections.OrderedDict()
+        self._conns: set[_Conn] = set()       # accepted, open (a held one is not watched)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -100,8 +106,7 @@ class KVServer:
     def connections(self) -> int:
         """Connections open now that proved the key (read from another thread: a count
         that may be a moment old)."""
-        return sum(1 for key in list(self._sel.get_map().values())
-                   if isinstance(key.data, _Conn) and key.data.authed)
+        return sum(1 for conn in list(self._conns) if conn.authed)
 
     def close(self) -> None:
         self._stopping = True
@@ -113,9 +118,6 @@ class KVServer:
 
     def _setup(self) -> None:
         """Before the loop starts (a subclass registers its own sockets)."""
-
-    def _ready_other(self, what: str, events: int) -> None:
-        """A socket a subclass registered (as ``what``) is ready."""
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -130,8 +132,6 @@ class KVServer:
                         self._accept()
                     elif sk.data == "wake":
                         self._wake_r.recv(64)
-                    elif isinstance(sk.data, str):
-                        self._ready_other(sk.data, events)
                     else:
                         conn = sk.data
                         if events & selectors.EVENT_WRITE and not conn.closed:
@@ -140,9 +140,11 @@ class KVServer:
                             self._read(conn)
                 self._expire(time.monotonic())
         finally:
-            for key in list(self._sel.get_map().values()):
+            socks = [conn.sock for conn in self._conns] + \
+                [key.fileobj for key in self._sel.get_map().values()]
+            for sock in socks:
                 try:
-                    key.fileobj.close()
+                    sock.close()
                 except OSError:
                     pass
             self._sel.close()
@@ -163,7 +165,8 @@ class KVServer:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock)
-            self._sel.register(sock, selectors.EVENT_READ, conn)
+            self._conns.add(conn)
+            self._watch(conn)
             deadline = time.monotonic() + self._limits.handshake_timeout_s
             self._pending[conn] = deadline
             self._at(deadline, conn, "handshake")
@@ -196,10 +199,10 @@ class KVServer:
         for stream in conn.streams.values():
             if stream.waiting is not None:
                 self._unwait(stream)
-        try:
+        self._conns.discard(conn)
+        if conn.events:
+            conn.events = 0
             self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
         conn.sock.close()
 
     def _read(self, conn: _Conn) -> None:
@@ -247,8 +250,8 @@ class KVServer:
             if sent == len(data):
                 return
             data = data[sent:]
-            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
         conn.outbuf += data
+        self._watch(conn)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -259,14 +262,44 @@ class KVServer:
             self._close(conn)
             return
         del conn.outbuf[:sent]
-        if not conn.outbuf:
-            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        held = conn.held
+        self._watch(conn)
+        if held and not conn.held and conn.inbuf:
+            self._process(conn)        # what it sent while held
+
+    def _watch(self, conn: _Conn) -> None:
+        """The selector watches ``conn`` for what it needs: written to while answers wait,
+        read unless held. A connection that does not take its answers is held once more
+        than ``max_unsent_bytes`` wait, until they are taken: its requests already read
+        wait in its buffer (``_frames`` takes none while it is held), what it sends
+        meanwhile stays in the kernel's buffers and then its own, not in this process's
+        memory."""
+        if conn.closed:
+            return
+        conn.held = self._hold(conn)
+        events = (0 if conn.held else selectors.EVENT_READ) | \
+            (selectors.EVENT_WRITE if conn.outbuf else 0)
+        if events == conn.events:
+            return
+        if not conn.events:
+            self._sel.register(conn.sock, events, conn)
+        elif not events:
+            self._sel.unregister(conn.sock)
+        else:
+            self._sel.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _hold(self, conn: _Conn) -> bool:
+        """Whether ``conn`` is not to be read now: past the bound, until its answers are
+        all taken."""
+        return len(conn.outbuf) > self._limits.max_unsent_bytes or \
+            (conn.held and bool(conn.outbuf))
 
     def _frames(self, conn: _Conn):
         """The whole requests in ``conn``'s buffer, taken out of it one by one (while the
         connection stays open); a frame past the limits closes it."""
         buf = conn.inbuf
-        while not conn.closed and len(buf) >= 4:
+        while not conn.closed and not conn.held and len(buf) >= 4:
             (size,) = FRAME.unpack_from(buf, 0)
             if size > self._limits.max_frame_bytes or size < REQUEST.size:
                 self._close(conn)

@@ -156,6 +156,9 @@ class StoreLimits:
     max_frame_bytes: int = 1 << 30         # a longer request closes its connection
     max_key_bytes: int = 4096
     max_streams: int = 1 << 16             # streams of one multiplexed connection
+    # a connection that does not take its answers is not read while more than this waits
+    # to be sent to it (its requests stay in its own buffers, not the server's memory)
+    max_unsent_bytes: int = 64 << 20
 
     @staticmethod
     def of(comm) -> "StoreLimits":
