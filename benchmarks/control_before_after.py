@@ -5,7 +5,7 @@ the order given (e.g. before, after, before, after: runs alternated on one machi
         --labels before,after,before,after --name control_relays --out benchmarks/results \
         --what "aborts and commands relayed by the agents"
 
-Each cell: the median (min-max) over the run's repeats of that size."""
+Each cell: the median (min-max) over the repeats of that size of every run of that label."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,7 @@ from trainmover.bench.report import write_result  # noqa: E402
 COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (ms)", 1),
            ("root_store_rps", "root store req/s", 0),
            ("store_connections", "store sockets", 0),
+           ("sim_descriptors", "simulator descriptors", 0),
            ("controller_round_ms", "controller round p50 (ms)", 1),
            ("controller_round_p99_ms", "round p99 (ms)", 1),
            ("controller_round_max_ms", "round max (ms)", 1),
@@ -60,16 +61,22 @@ def main() -> None:
     lines += ["", "| workers | run | " + " | ".join(c[1] for c in COLUMNS) + " |",
               "|---|---|" + "---|" * len(COLUMNS)]
     rows = []
+    # the runs of one label (alternated with the others') are one row: medians over all
+    # their repeats
+    groups: dict[str, list[dict]] = {}
+    for label, run in runs:
+        groups.setdefault(label, []).append(run)
     for n in sizes:
-        for label, run in runs:
-            reps = [r for r in run["results"] if r["workers"] == n]
+        for label, group in groups.items():
+            reps = [r for run in group for r in run["results"] if r["workers"] == n]
             if not reps:
                 continue
+            commits = ",".join(dict.fromkeys(run["commit"] for run in group))
             cells = {key: [r[key] for r in reps if r.get(key) is not None]
                      for key, _, _ in COLUMNS}
-            lines.append(f"| {n} | {label} ({run['commit']}) | " + " | ".join(
+            lines.append(f"| {n} | {label} ({commits}, {len(reps)} runs) | " + " | ".join(
                 _cell(cells[key], d) if cells[key] else "-" for key, _, d in COLUMNS) + " |")
-            rows.append({"workers": n, "label": label, "commit": run["commit"],
+            rows.append({"workers": n, "label": label, "commit": commits, "runs": len(reps),
                          **{key: statistics.median(v) for key, v in cells.items() if v}})
     result = {"benchmark": "control_before_after", "what": args.what,
               "runs": [{"label": label, "commit": run["commit"], "command": run["command"]}

@@ -533,6 +533,7 @@ COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (m
            ("vote_mean_ms", "mean (ms)", 1),
            ("root_store_rps", "root store req/s", 0), ("store_cpu_share", "store CPU", 2),
            ("store_connections", "store sockets", 0),
+           ("sim_descriptors", "simulator descriptors", 0),
            ("controller_round_ms", "controller round p50 (ms)", 1),
            ("controller_round_p99_ms", "p99 (ms)", 1),
            ("controller_cpu_share", "controller CPU", 2),
