@@ -269,6 +269,20 @@ def test_no_bytes_from_a_client_with_the_key_stop_the_store_or_a_door(frames, cu
         srv.close()
 
 
+def _send_what_is_taken(sock, data, seconds):
+    """Send ``data`` without blocking for ``seconds`` at most (or until all of it is sent),
+    then let the other side settle: the bytes taken."""
+    sock.setblocking(False)
+    sent, deadline = 0, time.monotonic() + seconds
+    while sent < len(data) and time.monotonic() < deadline:
+        try:
+            sent += sock.send(data[sent:])
+        except BlockingIOError:
+            time.sleep(0.01)
+    time.sleep(0.5)
+    return sent
+
+
 def _answers(sock, n, timeout_s=30.0):
     """Read ``n`` framed answers off ``sock``: their sizes, in order."""
     sock.settimeout(timeout_s)
@@ -297,15 +311,8 @@ def test_a_connection_that_takes_no_answers_is_not_read_past_the_bound_and_loses
         greedy = connect_socket("127.0.0.1", srv.port, KEY, 5.0)
         n = 200
         ask = encode_request(Op.GET, [b"big"], timeout_ms=1000)
-        greedy.setblocking(False)
-        sent, data = 0, ask * n
-        deadline = time.monotonic() + 10
-        while sent < len(data) and time.monotonic() < deadline:
-            try:
-                sent += greedy.send(data[sent:])
-            except BlockingIOError:
-                time.sleep(0.01)
-        time.sleep(0.5)
+        data = ask * n
+        sent = _send_what_is_taken(greedy, data, 10)
         held = [c for c in list(srv._conns) if c.held]
         assert len(held) == 1
         assert len(held[0].outbuf) <= (1 << 20) + (256 << 10) + 64
@@ -335,15 +342,8 @@ def test_the_door_stops_reading_its_processes_while_the_store_takes_nothing():
         proc = connect_socket("127.0.0.1", door.port, KEY, 5.0)
         one = encode_request(Op.SET | 0x80, [b"k", b"x" * (64 << 10)])   # NO_REPLY
         n = 300                                         # ~19 MB
-        proc.setblocking(False)
-        data, sent = one * n, 0
-        deadline = time.monotonic() + 5
-        while sent < len(data) and time.monotonic() < deadline:
-            try:
-                sent += proc.send(data[sent:])
-            except BlockingIOError:
-                time.sleep(0.01)
-        time.sleep(0.5)
+        data = one * n
+        sent = _send_what_is_taken(proc, data, 5)
         assert sent < len(data)                         # the door stopped taking them
         held = [c for c in list(door._conns) if c.held]
         assert len(held) == 1
