@@ -422,7 +422,7 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
         # the most descriptors it held in the run (hosts' doors, the vote relays', the
         # controller's connections, and a few of its own), sampled every 2 s
         "store_connections": sampler.most_descriptors["store"],
-        # the busiest simulator process's (against its limit: open_files_limit())
+        # the busiest simulator process's (against the limit a process: check_descriptors)
         "sim_descriptors": max(sampler.most_descriptors[f"sim{i}"]
                                for i in range(coord.sim_procs)),
         # the busiest simulator process's (each is one core's worth at most)
