@@ -155,15 +155,16 @@ def test_streams_past_the_limit_are_refused_one_by_one():
     srv = KVServer.listen(KEY, limits=StoreLimits(max_streams=3))
     door = door_of(srv)
     try:
+        # (a request the store answers: an idle connection's ping is the door's)
         kept = [client(door) for _ in range(3)]
         for c in kept:
-            c.ping()
+            c.check(["x"])
         extra = client(door)
         with pytest.raises(StoreClosed):
-            extra.ping()
+            extra.check(["x"])
         kept[0].close()                      # its stream ends: room for one more
         time.sleep(0.2)
-        client(door).ping()
+        client(door).check(["x"])
         assert kept[1].add("n", 1) == 1
     finally:
         door.close()
@@ -175,16 +176,47 @@ def test_when_the_store_is_gone_so_is_every_connection_through_the_door():
     srv = KVServer.listen(KEY)
     door = door_of(srv)
     try:
-        c = client(door)
+        c, idle = client(door), client(door)
         c.set("a", "1")
+        idle.ping()                       # answered by the door
         srv.close()
         with pytest.raises(StoreClosed):
             for _ in range(50):
                 c.get("a")
                 time.sleep(0.05)
+        with pytest.raises(StoreClosed):  # nor is a ping answered once the store is lost
+            idle.ping()
         assert door.upstream_error is not None
         with pytest.raises(StoreClosed):
             KVClient("127.0.0.1", door.port, KEY, 1.0, connect_timeout_s=1.0).get("a")
+    finally:
+        door.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_door_answers_an_idle_connections_ping_and_forwards_one_behind_a_request(server):
+    """A process waiting for a command checks its store every second: at the job's size
+    that is as many requests a second at the store. The door answers an idle connection's
+    ping itself; a ping behind a request still unanswered goes to the store, so the answers
+    keep their order."""
+    door = door_of(server)
+    try:
+        c = client(door)
+        c.set("x", "1")
+        served = server.requests
+        for _ in range(20):
+            c.ping()
+        assert door.pinged == 20 and server.requests == served
+        # pipelined: a get that waits in the store, then a ping
+        sock = connect_socket("127.0.0.1", door.port, KEY, 5.0)
+        sock.sendall(encode_request(Op.GET, [b"late"], timeout_ms=10000) +
+                     encode_request(Op.PING))
+        time.sleep(0.3)
+        assert door.pinged == 20
+        c.set("late", "v")
+        sizes = _answers(sock, 2, timeout_s=10)
+        assert sizes[0] > sizes[1]        # the get's value first, then the ping's bare OK
+        assert server.requests == served + 3      # the get, the set, the ping
     finally:
         door.close()
 
@@ -361,3 +393,29 @@ def test_the_door_stops_reading_its_processes_while_the_store_takes_nothing():
     finally:
         door.close()
         store_end.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_waiting_for_a_command_checks_its_store_at_its_door(server, monkeypatch):
+    """A worker blocked in ``CommandChannel.next`` (a recovery's survivors wait for the
+    plan there) checks every ``STORE_CHECK_S`` that its store is there: through its host's
+    door, a ping the door answers, none of them a request at the job's store. Once the door
+    loses the store the check fails and the worker says its job is gone."""
+    from trainmover.comm.groups import StoreAddress, StoreClients
+    from trainmover.worker import migration
+
+    monkeypatch.setattr(migration, "STORE_CHECK_S", 0.05)
+    door = door_of(server)
+    try:
+        stores = StoreClients(StoreAddress("127.0.0.1", door.port, RUN_KEY), timeout_s=5)
+        stores.get().set("warm", "1")            # its connection open (a stream at the store)
+        channel = migration.CommandChannel(stores, None, "w0")
+        served = server.requests
+        threading.Timer(1.0, channel.queue.put, args=({"command": 1},)).start()
+        assert channel.next() == {"command": 1}
+        assert door.pinged >= 10 and server.requests == served
+        server.close()
+        with pytest.raises(RuntimeError, match="store is gone"):
+            channel.next()
+    finally:
+        door.close()

@@ -88,6 +88,11 @@ class KVStore(dist.Store):
     def list_keys(self) -> list[str]:
         return self._do(self._client.list_keys)
 
+    def ping(self) -> None:
+        """Not torch's: one round trip that reads nothing (a host's door answers it itself
+        while the connection is idle: ``core/kvproxy.py``)."""
+        self._do(self._client.ping)
+
     def has_extended_api(self) -> bool:
         return True
 

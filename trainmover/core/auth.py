@@ -269,11 +269,25 @@ class AuthStore:
     def check(self, keys: list[str]) -> bool:
         return self.raw.check(keys)
 
+    def ping(self) -> None:
+        ping_store(self.raw)
+
     def wait(self, keys: list[str], *timeout) -> None:
         self.raw.wait(keys, *timeout)
 
     def delete_key(self, key: str) -> bool:
         return self.raw.delete_key(key)
+
+
+def ping_store(store) -> None:
+    """Raises if ``store`` cannot be reached (through a host's door: if the door lost the
+    store; the door answers an idle connection's ping itself, ``core/kvproxy.py``). A store
+    without a ping (torch's own) is asked whether a key exists."""
+    ping = getattr(store, "ping", None)
+    if ping is not None:
+        ping()
+    else:
+        store.check(["_"])
 
 
 class PlainStore:
@@ -285,6 +299,9 @@ class PlainStore:
 
     def __getattr__(self, name):
         return getattr(self.raw, name)
+
+    def ping(self) -> None:
+        ping_store(self.raw)
 
     def valid(self, key: str) -> bytes | None:
         return self.raw.get(key) if self.raw.check([key]) else None

@@ -22,8 +22,10 @@ import socket
 
 from trainmover.core.kvserver import KVServer, _Conn
 from trainmover.core.kvstore import (FRAME, MUXED, NO_REPLY, Op, Status, StoreLimits,
-                                     connect_socket, encode_request, store_key, tag_request,
-                                     untag_answer)
+                                     connect_socket, encode_answer, encode_request, store_key,
+                                     tag_request, untag_answer)
+
+PONG = encode_answer(Status.OK)
 
 
 class KVProxy(KVServer):
@@ -37,9 +39,12 @@ class KVProxy(KVServer):
         self._up = _Conn(upstream)
         self._conn_of: dict[int, _Conn] = {}      # stream id -> the connection it forwards
         self._sid_of: dict[_Conn, int] = {}
+        # a connection's requests forwarded and not yet answered (those that answer)
+        self._unanswered: dict[_Conn, int] = {}
         self._next_sid = 0
         self.upstream_error: str | None = None     # why the store's connection was lost
         self.forwarded = 0                         # requests forwarded
+        self.pinged = 0                            # pings answered here
         super().__init__(key, sock, limits)
 
     def _setup(self) -> None:
@@ -54,14 +59,25 @@ class KVProxy(KVServer):
             self._close(conn)
             return
         for body in self._frames(conn):
-            if body[0] & MUXED:
+            op = body[0]
+            if op & MUXED:
                 self._close(conn)        # a stream of a stream is nothing the job sends
                 return
+            if op == Op.PING and not self._unanswered.get(conn):
+                # answered here: the door closes every connection once it loses the store,
+                # so an open one is as much of an answer, and a process that waits (for a
+                # recovery's plan, a command) checks its store every second: that is the
+                # job's size in requests a second at the store, which stay on the host
+                self._send(conn, PONG)
+                self.pinged += 1
+                continue
             sid = self._sid_of.get(conn)
             if sid is None:
                 sid = self._new_stream(conn)
             self._send(self._up, tag_request(body, sid))
             self.forwarded += 1
+            if not op & NO_REPLY:
+                self._unanswered[conn] = self._unanswered.get(conn, 0) + 1
             if len(self._up.outbuf) > self._limits.max_unsent_bytes:
                 self._watch(conn)            # held: the rest waits in its buffer
 
@@ -103,6 +119,7 @@ class KVProxy(KVServer):
         if conn is self._up:
             self._lost("sending to the store failed")
             return
+        self._unanswered.pop(conn, None)
         sid = self._sid_of.pop(conn, None)
         if sid is not None:
             self._conn_of.pop(sid, None)
@@ -144,6 +161,11 @@ class KVProxy(KVServer):
                 self._conn_of.pop(sid, None)
                 self._close(conn)
             else:
+                left = self._unanswered.get(conn, 0) - 1
+                if left > 0:
+                    self._unanswered[conn] = left
+                else:
+                    self._unanswered.pop(conn, None)
                 self._send(conn, answer)
 
     def _lost(self, why: str) -> None:

@@ -27,7 +27,9 @@ from trainmover.train import precopy as PC
 from trainmover.train.transfer import post_layout, recv_layout, recv_state, send_state
 
 # How often ``CommandChannel.next``, while it blocks, checks that the job's store is still
-# there (one store round trip): a waiting worker notices within this that its job is gone.
+# there (a ping: answered by its host's door, which closes every connection once it loses
+# the store, so every waiting worker of a recovery costs the job's store nothing): a
+# waiting worker notices within this that its job is gone.
 STORE_CHECK_S = 1.0
 
 
@@ -46,7 +48,7 @@ class CommandChannel:
     @staticmethod
     def _store_alive(store) -> bool:
         try:
-            store.check(["_"])
+            store.ping()
             return True
         except Exception:  # noqa: BLE001
             return False
