@@ -20,6 +20,7 @@ from trainmover.bench.report import write_result  # noqa: E402
 
 COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (ms)", 1),
            ("root_store_rps", "root store req/s", 0),
+           ("recovery_store_rps", "req/s in recovery", 0),
            ("store_connections", "store sockets", 0),
            ("sim_descriptors", "simulator descriptors", 0),
            ("controller_round_ms", "controller round p50 (ms)", 1),

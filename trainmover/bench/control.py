@@ -418,6 +418,9 @@ def _figures(coord: SimCoordinator, run_dir: str, spec: dict, sampler: CpuSample
         "vote_mean_ms": 1000 * sum(overhead) / len(overhead),
         "vote_call_p50_ms": 1000 * quantile(vote, 0.5),
         "root_store_rps": rate(served, t0, t1),
+        # from the crash to the recovery done: the survivors wait for the plan, rebuild
+        # and say they are done (what their waits cost the store)
+        "recovery_store_rps": rate(served, fault, done["time"]),
         "store_cpu_share": rate(sampler.samples["store"], t0, t1),
         # the most descriptors it held in the run (hosts' doors, the vote relays', the
         # controller's connections, and a few of its own), sampled every 2 s
@@ -532,6 +535,7 @@ def bench_control(sizes: list[int], repeats: int, compute_s: float, warmup: int,
 COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (ms)", 1),
            ("vote_mean_ms", "mean (ms)", 1),
            ("root_store_rps", "root store req/s", 0), ("store_cpu_share", "store CPU", 2),
+           ("recovery_store_rps", "req/s in recovery", 0),
            ("store_connections", "store sockets", 0),
            ("sim_descriptors", "simulator descriptors", 0),
            ("controller_round_ms", "controller round p50 (ms)", 1),
