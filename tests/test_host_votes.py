@@ -148,3 +148,51 @@ def test_the_channels_count_beats_and_hand_on_votes():
     while mine.fileno() != -1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert mine.fileno() == -1                 # closed by the reader, not under its select
+
+
+@pytest.mark.timeout(60)
+def test_at_scale_a_relay_waiting_on_a_slow_step_reads_the_count_not_every_ballot(monkeypatch):
+    """A step not decided within ``RECHECK_ALL_S``: with every host reading every host's
+    ballot line at each re-check, a slow step cost O(hosts^2) through the store (at 2,048
+    simulated hosts the first step never committed). In a job of many hosts a relay that
+    is not the last to add reads the count; the ballots only as one of the step's deputies,
+    or once the count is complete with no decision (an erased ballot may be its own)."""
+    from trainmover.agent import votes as V
+    from trainmover.core import storeaddr
+
+    monkeypatch.setattr(V, "RECHECK_ALL_S", 0.1)
+
+    class Counting(AuthStore):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.reads = 0
+
+        def ballot_voters(self, key):
+            self.reads += 1
+            return super().ballot_voters(key)
+
+    server = start_store_server(timeout_s=20, run_key=SECRET)
+    try:
+        def agents_client():        # as the agent's (a torch store's timeout is no StoreTimeout)
+            return storeaddr.connect(str(server.address), SECRET, 20)
+
+        def relay_at(node, step, voter):
+            wait_store = Counting(agents_client(), SECRET)
+            relay = VoteRelay(AuthStore(agents_client(), SECRET), wait_store, node,
+                              num_voters=4, coalesce_s=0.01, hosts=100_000)
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            relay.vote(SimpleNamespace(name=voter, channel=a), 0, step, voter)
+            return wait_store, b
+
+        plain, _ = relay_at(5, 7, "w0")     # no deputy of step 7: (5 - 7) mod hosts >= 2
+        deputy, _ = relay_at(8, 8, "w1")    # one of step 8's: (8 - 8) mod hosts < 2
+        time.sleep(1.0)                     # ~10 re-checks; one voter of four each
+        assert plain.reads == 0 and deputy.reads >= 5
+        # step 7's count complete, its ballots not (as if they were erased): host 5's
+        # relay now reads them at each re-check (its own line is there: nothing to cast)
+        server.client().add(P.commit_key(0, 7, "votes"), 3)
+        time.sleep(0.6)
+        assert plain.reads >= 3
+        assert not server.client().check([P.commit_key(0, 7, "decision")])
+    finally:
+        server.close()

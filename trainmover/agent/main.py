@@ -432,7 +432,7 @@ class Agent:
         # reader of their channels (beats and votes)
         self._relay = VoteRelay(client(direct=True), client(direct=True), self.node,
                                 self.cfg.layout.num_roles,
-                                self.cfg.agent.vote_coalesce_s)
+                                self.cfg.agent.vote_coalesce_s, hosts=self.cfg.hosts.nnodes)
         # its processes' watches of the controller's aborts, one a host (agent/aborts.py)
         self._aborts = AbortRelay(client)
         # the controller's commands to its processes, relayed on their channels

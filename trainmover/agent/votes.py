@@ -43,6 +43,15 @@ from trainmover.core.kvstore import StoreTimeout
 # second of a slow step would be O(hosts^2) through the store). As ``worker/liveness``.
 RECHECK_S = 1.0
 RECHECK_ALL_S = 10.0
+# Even the others' rare look was O(hosts^2) through the store on every step longer than
+# RECHECK_ALL_S (at 2,048 simulated hosts it kept the first step from ever committing):
+# a relay that is not the last to add reads only the count at its re-check, and the
+# ballots when the count is complete with no decision (ballots erased: its own line may
+# be gone), when it is one of the step's RECHECK_DEPUTIES (a count pushed down: they
+# decide from the ballots), or once every RECHECK_ALL_S x hosts / RECHECK_FULL_HOSTS
+# (both at once). Up to RECHECK_FULL_HOSTS hosts every relay reads them as before.
+RECHECK_DEPUTIES = 2
+RECHECK_FULL_HOSTS = 100
 FORGED_POLL_S = 0.05
 DECISIONS_KEPT = 64          # decided steps remembered for a vote that comes late
 
@@ -160,9 +169,10 @@ class _Step:
 
 class VoteRelay:
     def __init__(self, forward_store, wait_store, node: int, num_voters: int,
-                 coalesce_s: float):
+                 coalesce_s: float, hosts: int = 1):
         self.forward_store, self.wait_store = forward_store, wait_store
         self.node, self.num_voters, self.coalesce_s = node, num_voters, coalesce_s
+        self.hosts = max(1, hosts)
         self.error: BaseException | None = None     # the store is gone
         self._cv = threading.Condition()
         self._steps: dict[tuple[int, int], _Step] = {}
@@ -274,19 +284,30 @@ class VoteRelay:
         store = self.wait_store
         decision = P.commit_key(*key, "decision")
         st = self._steps[key]
+        full_every = RECHECK_ALL_S * max(1.0, self.hosts / RECHECK_FULL_HOSTS)
+        read_at = time.monotonic()
         while True:
             often = st.count >= self.num_voters - len(st.sent)
             try:
                 store.raw.wait([decision], timedelta(seconds=RECHECK_S if often
                                                      else RECHECK_ALL_S))
             except StoreTimeout:
-                self._decide(store, key, st)
+                now = time.monotonic()
+                if often or self._deputy(key) or now - read_at >= full_every or \
+                        store.add(P.commit_key(*key, "votes"), 0) >= self.num_voters:
+                    read_at = now
+                    self._decide(store, key, st)
                 continue
             value = store.valid(decision)
             if value is not None:
                 return value
             time.sleep(FORGED_POLL_S)          # forged: the genuine one overwrites it
             self._decide(store, key, st)
+
+    def _deputy(self, key: tuple[int, int]) -> bool:
+        """Whether this host reads step ``key``'s ballots at every re-check (``RECHECK_DEPUTIES``
+        hosts a step, a different few each step)."""
+        return (self.node - key[1]) % self.hosts < RECHECK_DEPUTIES
 
     def _run(self, loop) -> None:
         try:
