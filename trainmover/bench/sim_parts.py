@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+import traceback
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -106,6 +108,13 @@ class SimProcess:
 
     def kill(self) -> None:
         if self.returncode is None:
+            # a fenced worker (the end of a run signals its processes): where it was, in the
+            # simulator's log, to tell a simulator too slow from a control path that stalls
+            frame = self.worker.greenlet.gr_frame
+            if frame is not None:
+                stack = "".join(traceback.format_stack(frame)[-8:])
+                print(f"simulator: {self.worker.name} killed at:\n{stack}", file=sys.stderr,
+                      flush=True)
             self.worker.greenlet.kill(block=False)
             self.exit(-signal.SIGKILL)
 
