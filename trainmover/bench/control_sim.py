@@ -56,6 +56,43 @@ from trainmover.core.topology import Role, reporter_role  # noqa: E402
 from trainmover.worker.liveness import AbortWatcher, Heartbeat, HostVote, Inbox  # noqa: E402
 from trainmover.worker.migration import CommandChannel  # noqa: E402
 
+# How far apart a light worker waiting for a command checks its store (``LightWorker``).
+LIGHT_CHECK_S = 30.0
+
+
+def _trace(line: str) -> None:
+    """A whole host's part in a recovery, in the simulator's log (kept with ``--keep``): a
+    survivor fenced for a report its host did not relay is told apart from one never sent."""
+    print(f"simulator: {time.time():.3f} {line}", file=sys.stderr, flush=True)
+
+
+class _TracedReports:
+    """A whole host's report relay (``agent/reports.py``), each report it hears and each
+    value it writes traced (``_trace``)."""
+
+    def __init__(self, reports):
+        self._inner = reports
+        reports.store = _TracedStore(reports.store, reports.node)
+
+    def received(self, name: str, epoch: int, payload: bytes) -> None:
+        _trace(f"agent{self._inner.node} heard {name}'s report of epoch {epoch}")
+        self._inner.received(name, epoch, payload)
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+
+class _TracedStore:
+    def __init__(self, store, node: int):
+        self._inner, self._node = store, node
+
+    def set(self, key: str, value) -> None:
+        self._inner.set(key, value)
+        _trace(f"agent{self._node} wrote {key} ({len(value)} bytes)")
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
 
 class SimWorker(_Recovers):
     """One worker or standby: its control code as in a job, its compute and tensors
@@ -163,6 +200,7 @@ class SimWorker(_Recovers):
         self.inbox.send(message)
 
     def _send_report(self, epoch: int, report: P.FailureReport) -> None:
+        _trace(f"{self.name} reports epoch {epoch} step {report.step}")
         self.inbox.send(P.report_message(epoch, report))
 
     def _send_recovered(self, recovery_id: int) -> None:
@@ -201,6 +239,8 @@ class SimAgent(Agent):
             return
         if old is not None and old.proc.poll() is None:
             self._kill(old)
+        if not isinstance(self._reports, _TracedReports):
+            self._reports = _TracedReports(self._reports)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mine.setblocking(False)
         worker = SimWorker(self, req, theirs)
@@ -246,7 +286,12 @@ class LightWorker(_Recovers):
     def _start(self) -> None:
         store = self.stores.get()        # kept for the worker's life (shared)
         self.role = Role.parse(store.get(P.membership_key(self.name)).decode())
-        self.commands = CommandChannel(self.stores, None, self.name)   # filled by its agent
+        # filled by its agent; its waits check the store (a ping its door answers: host-local
+        # traffic, left out as its channel is) LIGHT_CHECK_S apart, not every second: at
+        # 16K workers the survivors' once-a-second wake-ups and pings were 2/3 of the
+        # simulator's CPU while a recovery was planned (py-spy), time taken from the hosts
+        # whose traffic the root store and the controller do see
+        self.commands = CommandChannel(self.stores, None, self.name, check_s=LIGHT_CHECK_S)
         self.migrations = SM.SimMigrations(self)
         self.ready.set()
 
@@ -257,7 +302,8 @@ class LightAgent(SimAgent):
     it hands the relay a vote for each of them and waits for the decision, as their
     channels would; their beats move every heartbeat interval; one watch of each epoch's
     abort for all of them, as the agent's relay keeps (``agent/aborts.py``). What it
-    leaves out: the host's local traffic (channels)."""
+    leaves out: the host's local traffic (channels; its waiting workers' pings of its door,
+    thinned to one in ``LIGHT_CHECK_S``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

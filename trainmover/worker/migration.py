@@ -39,11 +39,13 @@ class CommandChannel:
     (a process no agent started gets none). The training loop polls them; a process with
     nothing to do blocks in ``next``."""
 
-    def __init__(self, stores: StoreClients, inbox, worker: str, on_wait=None):
+    def __init__(self, stores: StoreClients, inbox, worker: str, on_wait=None,
+                 check_s: float = STORE_CHECK_S):
         self.worker = worker
         self.queue: queue.Queue = inbox.commands if inbox is not None else queue.Queue()
         self._stores = stores
         self.on_wait = on_wait   # called as ``next`` waits (a sign its thread is alive)
+        self.check_s = check_s
 
     @staticmethod
     def _store_alive(store) -> bool:
@@ -62,7 +64,7 @@ class CommandChannel:
             if self.on_wait is not None:
                 self.on_wait()
             try:
-                return self.queue.get(timeout=STORE_CHECK_S)
+                return self.queue.get(timeout=self.check_s)
             except queue.Empty:
                 if not self._store_alive(self._stores.get()):
                     raise RuntimeError(f"{self.worker}: the job's store is gone; exiting")
