@@ -29,6 +29,13 @@ def test_a_simulated_job_of_256_workers_trains_recovers_and_is_measured(tmp_path
     assert row["migration_stayers"] == 3 + 7 + 7
     assert row["migration_control_s"] is not None and row["migration_control_s"] < 60
     assert 0 < row["migration_to_go_s"] < row["migration_total_s"] < 120
+    # the whole hosts' report relays, traced in the simulators' logs: each survivor of the
+    # crashed worker's host was heard, and the host's reports written (last) after
+    logs = "".join(p.read_text() for p in tmp_path.glob("control-256-*/logs/sim*.log"))
+    heard = [f"agent2 heard w{w}'s report of epoch 0" for w in range(16, 24) if w != 17]
+    assert all(line in logs for line in heard), logs
+    assert logs.rindex("agent2 wrote agent/2/reports/0") > max(logs.index(h) for h in heard)
+    assert "agent2 heard w17's" not in logs
 
 
 def test_sizes_are_checked_before_anything_starts():
