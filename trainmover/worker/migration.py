@@ -40,12 +40,12 @@ class CommandChannel:
     nothing to do blocks in ``next``."""
 
     def __init__(self, stores: StoreClients, inbox, worker: str, on_wait=None,
-                 check_s: float = STORE_CHECK_S):
+                 check_s: float | None = None):
         self.worker = worker
         self.queue: queue.Queue = inbox.commands if inbox is not None else queue.Queue()
         self._stores = stores
         self.on_wait = on_wait   # called as ``next`` waits (a sign its thread is alive)
-        self.check_s = check_s
+        self.check_s = check_s      # None: STORE_CHECK_S
 
     @staticmethod
     def _store_alive(store) -> bool:
@@ -64,7 +64,7 @@ class CommandChannel:
             if self.on_wait is not None:
                 self.on_wait()
             try:
-                return self.queue.get(timeout=self.check_s)
+                return self.queue.get(timeout=self.check_s or STORE_CHECK_S)
             except queue.Empty:
                 if not self._store_alive(self._stores.get()):
                     raise RuntimeError(f"{self.worker}: the job's store is gone; exiting")
