@@ -14,7 +14,7 @@ from trainmover.comm.groups import StoreClients, start_store_server
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore
 from trainmover.worker.liveness import Inbox
-from trainmover.worker.migration import CommandChannel
+from trainmover.worker.commands import CommandChannel
 
 SECRET = b"c" * 64
 

@@ -402,14 +402,14 @@ def test_a_worker_waiting_for_a_command_checks_its_store_at_its_door(server, mon
     door, a ping the door answers, none of them a request at the job's store. Once the door
     loses the store the check fails and the worker says its job is gone."""
     from trainmover.comm.groups import StoreAddress, StoreClients
-    from trainmover.worker import migration
+    from trainmover.worker import commands
 
-    monkeypatch.setattr(migration, "STORE_CHECK_S", 0.05)
+    monkeypatch.setattr(commands, "STORE_CHECK_S", 0.05)
     door = door_of(server)
     try:
         stores = StoreClients(StoreAddress("127.0.0.1", door.port, RUN_KEY), timeout_s=5)
         stores.get().set("warm", "1")            # its connection open (a stream at the store)
-        channel = migration.CommandChannel(stores, None, "w0")
+        channel = commands.CommandChannel(stores, None, "w0")
         served = server.requests
         threading.Timer(1.0, channel.queue.put, args=({"command": 1},)).start()
         assert channel.next() == {"command": 1}

@@ -9,7 +9,7 @@ in order); the agent reads it as it reads its requests (a numbered queue, ``Slot
 forged head is not consumed), deletes it, and hands each command to the named process on
 its channel (``c <command>``), which only the process and the agent hold.
 
-What it keeps from the worker's own reading (``worker/migration.CommandChannel``): only
+What it keeps from the worker's own reading (``worker/commands.CommandChannel``): only
 the controller's signed values are read; a command the protocol does not define is
 dropped, loudly, never half-obeyed (checked here and again by the process); a process
 gets its commands in the order they were sent. A command for a process the agent has not

@@ -7,7 +7,7 @@ What runs as in a job, and what stands in for it:
   heartbeat with its processes' beats, fencing watch, process and exit records), and each
   worker's control code: its heartbeat (``worker.liveness.Heartbeat``, on its channel to
   the agent), its watch of the controller's aborts, commit vote and commands (``Inbox``,
-  ``HostVote``, ``worker.migration.CommandChannel``: through the agent), a planned
+  ``HostVote``, ``worker.commands.CommandChannel``: through the agent), a planned
   migration's stayers and leaver (``worker.migration.Migrations``, ``bench/sim_migration.py``),
   its store traffic with its own authenticated store client, writing signed messages, as a
   worker does;
@@ -54,7 +54,7 @@ from trainmover.bench.sim_parts import (Crash, Samples, SimChild, SimProcess, Si
 from trainmover.core.proc import PR_SET_PDEATHSIG, prctl, raise_open_files  # noqa: E402
 from trainmover.core.topology import Role, reporter_role  # noqa: E402
 from trainmover.worker.liveness import AbortWatcher, Heartbeat, HostVote, Inbox  # noqa: E402
-from trainmover.worker.migration import CommandChannel  # noqa: E402
+from trainmover.worker.commands import CommandChannel  # noqa: E402
 
 # How far apart a light worker waiting for a command checks its store (``LightWorker``).
 LIGHT_CHECK_S = 30.0

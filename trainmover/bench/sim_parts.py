@@ -108,8 +108,9 @@ class SimProcess:
 
     def kill(self) -> None:
         if self.returncode is None:
-            # a fenced worker (the end of a run signals its processes): where it was, in the
-            # simulator's log, to tell a simulator too slow from a control path that stalls
+            # a fence (a run's end signals its processes instead: ``send_signal``): where
+            # the worker was, in the simulator's log, to tell one that was slow from one
+            # whose control path stalled
             frame = self.worker.greenlet.gr_frame
             if frame is not None:
                 stack = "".join(traceback.format_stack(frame)[-8:])

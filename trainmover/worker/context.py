@@ -22,7 +22,7 @@ from trainmover.core.events import EventLog
 from trainmover.core.topology import Role
 from trainmover.worker.liveness import (AbortWatcher, Heartbeat, Inbox, MainProgress,
                                         agent_channel)
-from trainmover.worker.migration import CommandChannel
+from trainmover.worker.commands import CommandChannel
 
 
 # --- what the next run of the script is ------------------------------------------------------

@@ -263,7 +263,7 @@ class Inbox:
     steps' decisions (for ``HostVote``), the aborts of the epochs it watches
     (``watch_abort``: the agent waits for them in the store, once for its host:
     ``agent/aborts.py``) and the controller's commands (``commands``, for
-    ``worker/migration.CommandChannel``: ``agent/commands.py``). The beats go the other way
+    ``worker/commands.CommandChannel``: ``agent/commands.py``). The beats go the other way
     (``Heartbeat``).
 
     If the agent goes (the channel closes), the epochs still watched are watched in the

@@ -11,7 +11,6 @@ state belongs to. Nothing here runs inside a step.
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,56 +18,12 @@ from datetime import timedelta
 
 from trainmover.core import protocol as P
 from trainmover.core.proc import rss_mb
-from trainmover.core.queues import drain
 from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
+from trainmover.worker.commands import CommandChannel
 from trainmover.core.topology import GroupSpec, Layout, Role
 from trainmover.train import precopy as PC
 from trainmover.train.transfer import post_layout, recv_layout, recv_state, send_state
-
-# How often ``CommandChannel.next``, while it blocks, checks that the job's store is still
-# there (a ping: answered by its host's door, which closes every connection once it loses
-# the store, so every waiting worker of a recovery costs the job's store nothing): a
-# waiting worker notices within this that its job is gone.
-STORE_CHECK_S = 1.0
-
-
-class CommandChannel:
-    """The controller's commands to this process, in the order they were sent: relayed by
-    its host's agent on its channel (``agent/commands.py``) and read there by its ``Inbox``
-    (a process no agent started gets none). The training loop polls them; a process with
-    nothing to do blocks in ``next``."""
-
-    def __init__(self, stores: StoreClients, inbox, worker: str, on_wait=None,
-                 check_s: float | None = None):
-        self.worker = worker
-        self.queue: queue.Queue = inbox.commands if inbox is not None else queue.Queue()
-        self._stores = stores
-        self.on_wait = on_wait   # called as ``next`` waits (a sign its thread is alive)
-        self.check_s = check_s      # None: STORE_CHECK_S
-
-    @staticmethod
-    def _store_alive(store) -> bool:
-        try:
-            store.ping()
-            return True
-        except Exception:  # noqa: BLE001
-            return False
-
-    def poll(self) -> list[dict]:
-        return drain(self.queue)
-
-    def next(self) -> dict:
-        """Block until a command arrives; raise if the job's store has gone away."""
-        while True:
-            if self.on_wait is not None:
-                self.on_wait()
-            try:
-                return self.queue.get(timeout=self.check_s or STORE_CHECK_S)
-            except queue.Empty:
-                if not self._store_alive(self._stores.get()):
-                    raise RuntimeError(f"{self.worker}: the job's store is gone; exiting")
-
 
 def transfer_spec(name: str, role: Role) -> GroupSpec:
     """The leaver/joiner channel: both hold the same role; the leaver is rank 0.
