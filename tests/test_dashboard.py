@@ -167,6 +167,19 @@ def _text(driver, title):
         "return e ? e.textContent : ''", title)
 
 
+def _click(driver, selector) -> bool:
+    """Clicks what ``selector`` names; False if the page redrew it between the find and the
+    click (the roles table is rebuilt every refresh, its ticks kept: a stale element
+    reference once failed this test), to be found again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        driver.find_element("css selector", selector).click()
+        return True
+    except StaleElementReferenceException:
+        return False
+
+
 def _phases(driver, title):
     """The phases of an interruption's bar, read in one script call: the page redraws its
     panels every refresh, so elements found in one call may be gone by the next (a stale
@@ -207,7 +220,7 @@ def test_dashboard_in_chromium_shows_a_crash_and_moves_a_worker(tmp_path):
             "css selector", '#standbys tr[data-standby] td:nth-child(2)')) >= 1 and any(
             td.text == "warm" for td in d.find_elements(
                 "css selector", "#standbys tr[data-standby] td:nth-child(2)")))
-        driver.find_element("css selector", '#roles input[value="w0"]').click()
+        wait.until(lambda d: _click(d, '#roles input[value="w0"]'))
         driver.find_element("id", "migrate-btn").click()
         wait.until(lambda d: all(w in _text(d, "migration 1") for w in ("planned", "done", "w0")))
         assert _phases(driver, "migration 1") == \
