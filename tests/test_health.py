@@ -108,6 +108,27 @@ def test_survivors_silent_after_an_abort_are_fenced_only_once_reports_stop_comin
                             max_wait_s=120.0) == []
 
 
+
+def test_a_survivor_with_an_agent_is_fenced_on_its_agents_word_or_after_twice_the_timeout():
+    """A survivor whose host's agent named it silent (timed on the host) is fenced however
+    recently a report came; one whose agent said nothing is given twice the timeout (its
+    host's writes may lag the others'); one without an agent keeps the plain timeout."""
+    from trainmover.core.decisions import silent_survivors
+
+    missing = ["w3", "w56", "w7"]
+    hosted = {"w3", "w56"}
+    # w3 named silent by its agent: fenced at once; w56 (agent, no word) and w7 (no
+    # agent) not yet, reports came 1 s ago
+    assert silent_survivors(missing, 8.0, 1.0, 6.0, 120.0, {"w3"}, hosted) == ["w3"]
+    # 7 s without a new report: w7 (no agent) is hung; w56's agent may still be writing
+    assert silent_survivors(missing, 20.0, 7.0, 6.0, 120.0, set(), hosted) == ["w7"]
+    # past twice the timeout without a word: w3 and w56 too
+    assert silent_survivors(missing, 20.0, 12.5, 6.0, 120.0, set(), hosted) == \
+        ["w3", "w7", "w56"]
+    assert silent_survivors(missing, 121.0, 0.0, 6.0, 120.0, set(), hosted) == \
+        ["w3", "w7", "w56"]
+
+
 def test_a_silence_wider_than_silence_max_hosts_waits_for_the_heartbeat_timeout(monkeypatch):
     """One agent silent while the others are heard is its host lost at the silence bound;
     three at once (more than ``silence_max_hosts``) are waited out to the heartbeat timeout,

@@ -194,6 +194,50 @@ def test_the_controller_reads_a_workers_report_only_from_its_own_hosts_value(ser
     assert read_failure_reports(ctx, 4, ["w1"])["w1"].error == "genuine"
 
 
+def test_a_process_silent_after_an_abort_is_named_by_its_agent_timed_on_the_host(server):
+    """An epoch's abort reaches the relay; w0 reports at once, w1 never: the host's value
+    goes with w0's report (w1 not named yet: within the timeout), then, the timeout after
+    the abort as the agent saw it, again naming w1 silent, without adding to the count. A
+    report w1 sends after that rewrites the value with it and names nobody."""
+    store = AuthStore(server.client(), SECRET)
+    relay = Reports(store, 2, 0.005, lambda: {"w0", "w1"}, silent_after_s=0.5)
+    key = P.host_reports_key(2, 7)
+    t0 = time.monotonic()
+    relay.aborted(7)
+    relay.received("w0", 7, P.write_message(report(12)).encode())
+    wait_for(lambda: store.valid(key), DEADLINE_S, "w0's report")
+    first = P.read_message(P.HostReports, store.valid(key))
+    assert set(first.reports) == {"w0"} and first.silent == []
+    wait_for(lambda: P.read_message(P.HostReports, store.valid(key)).silent, DEADLINE_S,
+             "w1 named silent")
+    assert time.monotonic() - t0 >= 0.5
+    named = P.read_message(P.HostReports, store.valid(key))
+    assert named.silent == ["w1"] and set(named.reports) == {"w0"}
+    assert store.add(P.failure_count_key(7), 0) == 1
+    relay.received("w1", 7, P.write_message(report(12)).encode())
+    wait_for(lambda: "w1" in P.read_message(P.HostReports, store.valid(key)).reports,
+             DEADLINE_S, "w1's late report")
+    assert P.read_message(P.HostReports, store.valid(key)).silent == []
+    # a host none of whose processes reports: its word still comes (its agent is there)
+    relay.aborted(8)
+    wait_for(lambda: store.valid(P.host_reports_key(2, 8)), DEADLINE_S, "epoch 8's word")
+    assert P.read_message(P.HostReports, store.valid(P.host_reports_key(2, 8))).silent == \
+        ["w0", "w1"]
+
+
+def test_the_controller_takes_a_workers_silence_only_from_its_own_hosts_value(server):
+    """Host 0's agent names w0 and, forged in, w1 (host 1's) silent: only w0 is taken; a
+    worker named silent that also reported is not silent."""
+    store = AuthStore(server.client(), SECRET)
+    ctx = SimpleNamespace(store=store, hosts={"w0": 0, "w1": 1, "w2": 0},
+                          events=SimpleNamespace(emit=lambda e, **kw: None))
+    store.set(P.host_reports_key(0, 4), P.write_message(P.HostReports(
+        4, {"w2": report(9)}, ["w0", "w1", "w2"])))
+    silent: set[str] = set()
+    got = read_failure_reports(ctx, 4, ["w0", "w1", "w2"], silent)
+    assert set(got) == {"w2"} and silent == {"w0"}
+
+
 def test_report_messages_round_trip_and_refuse_what_is_not_one():
     assert P.read_recovered_message(P.recovered_message(31)) == 31
     for bad in (b"r", b"r x", b"r -1", b"f 1", b"r 1 2", b"r " + b"9" * 19):

@@ -51,6 +51,9 @@ class AbortRelay:
         self._asked: dict[str, int] = {}                     # name -> the epoch it watches
         self._aborted: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.error: BaseException | None = None              # the store is gone
+        # called with each epoch whose abort fired (the host's report relay times its
+        # silent processes from it: ``agent/reports.py``)
+        self.on_fired: Callable[[int], None] | None = None
 
     def watch(self, child, epoch: int) -> None:
         with self._lock:
@@ -117,6 +120,8 @@ class AbortRelay:
             while len(self._aborted) > ABORTS_KEPT:
                 self._aborted.popitem(last=False)
             children = list(self._watchers.pop(epoch, {}).values())
+        if self.on_fired is not None:
+            self.on_fired(epoch)
         self._tell(children, P.abort_message(epoch, text))
 
     @staticmethod

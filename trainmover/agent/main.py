@@ -449,7 +449,9 @@ class Agent:
             lambda: {c.name for c in list(self.children.values())
                      if not c.standby and c.proc.returncode is None},
             on_reject=lambda name, why: self.events.emit(
-                "message_rejected", key=f"channel of {name}", error=why, level="error"))
+                "message_rejected", key=f"channel of {name}", error=why, level="error"),
+            silent_after_s=self.cfg.recovery.report_timeout_s)
+        self._aborts.on_fired = self._reports.aborted
         self._channels = Channels(self._relay.vote, self._aborts.watch,
                                   lambda child, raw: self._perfs.received(child.name, raw),
                                   lambda child, epoch, raw: self._reports.received(

@@ -19,7 +19,11 @@ standby has sent it (for an epoch's reports, a recovery's notes), else ``coalesc
 after the batch's first message here (a process that does not send one: one that failed,
 a standby; a joiner's note comes after its first step, in a second batch). A message that
 comes after its host's batch went makes the agent write again, with it; the count grows
-by the processes new in each write. The counts are hints of when to look: the controller
+by the processes new in each write. An epoch's batch also starts when the agent sees the
+epoch's abort (its abort watch): ``silent_after_s`` later it is written naming the
+running processes that have not reported (``P.HostReports.silent``), so the controller
+judges a silent process by its host's clock, not by when the host's value reached it.
+The counts are hints of when to look: the controller
 takes the signed values as the answer (``control/host_notes.py``). A process names only itself (its channel is its own):
 the same message twice counts once, and a report that does not decode is reported and
 dropped here.
@@ -39,21 +43,30 @@ BATCHES_KEPT = 8             # batches of each kind kept, to write again with a 
 class _Batch:
     """One epoch's reports or one recovery's notes on this host."""
 
-    __slots__ = ("first", "items", "written")
+    __slots__ = ("first", "items", "written", "aborted_at", "silent")
 
     def __init__(self):
         self.first = time.monotonic()
         self.items: dict = {}             # process -> its report (None for a note)
         self.written: set[str] = set()    # processes whose message went
+        self.aborted_at: float | None = None   # when the agent saw the epoch's abort
+        self.silent: set[str] = set()     # processes written as silent
+
+
+_NO_BATCH = _Batch()
 
 
 class Reports:
     def __init__(self, store, node: int, coalesce_s: float,
                  expected: Callable[[], set[str]],
-                 on_reject: Callable[[str, str], None] | None = None):
+                 on_reject: Callable[[str, str], None] | None = None,
+                 silent_after_s: float = 6.0):
         """``store``: a client of this relay's own; ``expected()``: the processes of the
-        host that report when a step fails and note a recovery (running, not standbys)."""
+        host that report when a step fails and note a recovery (running, not standbys);
+        ``silent_after_s``: how long after an epoch's abort a process that sent no report
+        is written as silent (``recovery.report_timeout_s``)."""
         self.store, self.node, self.coalesce_s = store, node, coalesce_s
+        self.silent_after_s = silent_after_s
         self.expected, self.on_reject = expected, on_reject
         self.error: BaseException | None = None      # the store is gone
         self._cv = threading.Condition()
@@ -76,16 +89,30 @@ class Reports:
         """Process ``name`` is done with its part of recovery ``recovery_id``."""
         self._add("r", recovery_id, name, None)
 
+    def aborted(self, epoch: int) -> None:
+        """The controller aborted ``epoch`` (the agent's abort watch): its running
+        processes that have not reported ``silent_after_s`` from now are written as
+        silent (``P.HostReports.silent``)."""
+        with self._cv:
+            batch = self._batch("f", epoch)
+            if batch.aborted_at is None:
+                batch.aborted_at = time.monotonic()
+                self._cv.notify()
+
+    def _batch(self, kind: str, key: int) -> _Batch:
+        table = self._batches[kind]
+        batch = table.get(key)
+        if batch is None:
+            batch = table[key] = _Batch()
+            while len(table) > BATCHES_KEPT:
+                table.popitem(last=False)
+        return batch
+
     def _add(self, kind: str, key: int, name: str, item) -> None:
         with self._cv:
-            table = self._batches[kind]
-            batch = table.get(key)
-            if batch is None:
-                batch = table[key] = _Batch()
-                while len(table) > BATCHES_KEPT:
-                    table.popitem(last=False)
-            elif kind == "r" and name in batch.items:
+            if kind == "r" and name in self._batches[kind].get(key, _NO_BATCH).items:
                 return                       # counted already
+            batch = self._batch(kind, key)
             batch.items[name] = item
             batch.written.discard(name)      # a second report of a process: written again
             self._cv.notify()
@@ -94,8 +121,23 @@ class Reports:
         """The batches to write now, and how long until the next one may be due."""
         due, wait = [], None
         expected = None
+
+        def later(at: float) -> None:
+            nonlocal wait
+            wait = at - now if wait is None else min(wait, at - now)
+
         for kind, table in self._batches.items():
             for key, batch in table.items():
+                if batch.aborted_at is not None:
+                    if expected is None:
+                        expected = self.expected()
+                    quiet = expected - batch.items.keys() - batch.silent
+                    if quiet:
+                        at = batch.aborted_at + self.silent_after_s
+                        if now >= at:
+                            due.append((kind, key))
+                            continue
+                        later(at)
                 if len(batch.written) == len(batch.items):
                     continue
                 if expected is None:
@@ -103,8 +145,7 @@ class Reports:
                 if expected <= batch.items.keys() or now - batch.first >= self.coalesce_s:
                     due.append((kind, key))
                 else:
-                    left = batch.first + self.coalesce_s - now
-                    wait = left if wait is None else min(wait, left)
+                    later(batch.first + self.coalesce_s)
         return due, wait
 
     def _run(self) -> None:
@@ -117,16 +158,22 @@ class Reports:
                             break
                         self._cv.wait(wait)
                     work = []
+                    expected = self.expected()
                     for kind, key in due:
                         batch = self._batches[kind][key]
+                        if batch.aborted_at is not None and \
+                                time.monotonic() >= batch.aborted_at + self.silent_after_s:
+                            batch.silent = expected - batch.items.keys()
                         work.append((kind, key, dict(batch.items),
+                                     sorted(batch.silent - batch.items.keys()),
                                      len(batch.items.keys() - batch.written)))
                         batch.written.update(batch.items)
-                for kind, key, items, new in work:
+                for kind, key, items, silent, new in work:
                     if kind == "f":
                         self.store.set(P.host_reports_key(self.node, key),
-                                       P.write_message(P.HostReports(key, items)))
-                        self.store.add(P.failure_count_key(key), new)
+                                       P.write_message(P.HostReports(key, items, silent)))
+                        if new:
+                            self.store.add(P.failure_count_key(key), new)
                     else:
                         # the signed note first: the count only tells the controller when
                         # to read the notes (``control/host_notes.py``)

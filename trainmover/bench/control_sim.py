@@ -349,9 +349,16 @@ class LightAgent(SimAgent):
             self._abort_stores = SimStores(*self.endpoint(), self.run_key,
                                            self.cfg.comm.group_timeout_s)
         if epoch not in self._epoch_aborts:
-            self._epoch_aborts[epoch] = AbortSignal()
-            AbortWatcher(self._abort_stores, self._epoch_aborts[epoch], epoch)
+            self._epoch_aborts[epoch] = signal = AbortSignal()
+            AbortWatcher(self._abort_stores, signal, epoch)
+            gevent.spawn(self._tell_reports, epoch, signal)
         return self._epoch_aborts[epoch]
+
+    def _tell_reports(self, epoch: int, signal: AbortSignal) -> None:
+        """The abort to the host's report relay, as an agent's abort watch tells it."""
+        while not signal.wait(P.IDLE_WAIT_S):
+            pass
+        self._reports.aborted(epoch)
 
     def _beats(self) -> None:
         while True:

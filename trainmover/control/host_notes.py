@@ -31,11 +31,12 @@ def _by_host(ctx: JobContext, workers) -> tuple[dict[int, set[str]], list[str]]:
     return by_host, own
 
 
-def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
-                         ) -> dict[str, P.FailureReport]:
+def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str],
+                         silent: set[str] | None = None) -> dict[str, P.FailureReport]:
     """The failure reports in ``epoch`` of ``workers`` that came: a worker's only from its
     own host's value, or from its own key if its host is not known. ``KEYS_PER_READ`` keys
-    a request."""
+    a request. ``silent`` (if given) gets those of ``workers`` their own host's agent
+    named silent (``P.HostReports.silent``) and did not report."""
     out: dict[str, P.FailureReport] = {}
     by_host, own = _by_host(ctx, workers)
     nodes = sorted(by_host)
@@ -45,6 +46,9 @@ def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str]
             ctx.events.emit("message_rejected", key=key, error=f"epoch {host.epoch}")
         elif host is not None:
             out.update((w, r) for w, r in host.reports.items() if w in by_host[node])
+            if silent is not None:
+                silent.update(w for w in host.silent
+                              if w in by_host[node] and w not in host.reports)
     keys = [P.failure_key(epoch, w) for w in own]
     out.update((w, r) for w, (_, r) in zip(own, _read_messages(ctx, P.FailureReport, keys))
                if r is not None)

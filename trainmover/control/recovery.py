@@ -8,9 +8,10 @@ timeout; with it, a hang costs at most the heartbeat timeout. A worker whose own
 communicator failed is fenced and replaced too. Then the step in flight is aborted everywhere
 (``abort/<epoch>`` wakes every survivor out of any wait, and the step's commit decision is
 set to ``abort`` unless it was already ``commit``), so no survivor is ever stuck past the
-bound. A survivor that still beats but sends no report within
-``recovery.report_timeout_s`` of the last report read (or the abort) is fenced as hung,
-and one still silent ``recovery.report_wait_max_s`` after the abort, however many reports
+bound. A survivor that still beats but sends no report is fenced as hung once its host's
+agent names it silent (no report ``recovery.report_timeout_s`` after the abort reached the
+host), or, without that word, twice that after the last report read (or the abort), and
+one still silent ``recovery.report_wait_max_s`` after the abort, however many reports
 keep coming (``decisions.silent_survivors``).
 """
 from __future__ import annotations
@@ -156,7 +157,8 @@ class Recovery:
                 return self._after_the_last_step(list(rec.failures.values()))
             survivors = [w for w in ctx.membership.workers if w not in rec.failures]
             unread = [w for w in survivors if w not in rec.reports]
-            read = read_failure_reports(ctx, rec.epoch, unread)
+            said_silent: set[str] = set()
+            read = read_failure_reports(ctx, rec.epoch, unread, said_silent)
             now = time.time()
             if read:
                 rec.reports.update(read)
@@ -168,7 +170,9 @@ class Recovery:
                 # alive (beating) yet silent while the others' reports stopped coming: hung
                 silent = C.silent_survivors(missing, now - since,
                                             now - max(since, rec.t_report or since),
-                                            cfg.report_timeout_s, cfg.report_wait_max_s)
+                                            cfg.report_timeout_s, cfg.report_wait_max_s,
+                                            said_silent,
+                                            {w for w in missing if w in ctx.hosts})
                 why = C.fence_silent_later(
                     ctx.membership, set(rec.failures), silent, now - since,
                     cfg.report_wait_max_s, lambda: self._copy_available(rec)) \

@@ -543,12 +543,12 @@ class HealthConfig:
 class RecoveryConfig:
     """What the controller does once a failure is detected."""
 
-    # After aborting the step in flight, how long the controller waits for the survivors'
-    # reports: a survivor that beats but has not reported this long after the abort, or
-    # after the last report that came in, is fenced as hung. While reports keep coming (a
-    # large job's, queued at the store), or while fencing the silent would cost the job
-    # more than its free standbys or a role's last copy, it waits on, up to
-    # ``report_wait_max_s``.
+    # After aborting the step in flight, how long the survivors have to report: a survivor
+    # that beats but has not reported this long after the abort reached its host is named
+    # silent by its agent and fenced as hung (one whose agent said nothing: twice this after
+    # the abort or the last report that came in). While reports keep coming (a large job's,
+    # queued at the store), or while fencing the silent would cost the job more than its
+    # free standbys or a role's last copy, it waits on, up to ``report_wait_max_s``.
     report_timeout_s: float = 6.0
     report_wait_max_s: float = 120.0
     # A failure with no free standby: start a replacement process (a new standby, promoted

@@ -491,14 +491,29 @@ def dirty_groups(layout: Layout, reports: dict[str, dict[str, dict]],
 
 
 def silent_survivors(missing: list[str], waited_s: float, quiet_s: float, timeout_s: float,
-                     max_wait_s: float) -> list[str]:
-    """The survivors to fence as hung for sending no report after an abort: those
-    ``missing`` once ``timeout_s`` passed without any new report (``quiet_s``: since the
-    abort or the last report read), or ``max_wait_s`` after the abort however reports keep
-    coming. While reports keep arriving the control plane is slow, not these workers: a
-    fixed deadline once fenced thousands of healthy survivors of a large job whose reports
+                     max_wait_s: float, said_silent: frozenset[str] | set[str] = frozenset(),
+                     hosted: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """The survivors to fence as hung for sending no report after an abort, of those
+    ``missing``:
+
+    - one whose host's agent named it silent (``said_silent``: no report ``timeout_s``
+      after the abort reached its host, timed there);
+    - one whose host has an agent (``hosted``) but has said nothing of it, once twice
+      ``timeout_s`` passed without any new report (``quiet_s``: since the abort or the last
+      report read): the agent's word is due ``timeout_s`` after the abort, its write may
+      lag as much again (a host whose writes lagged every other's by 6 s on a saturated
+      machine had its healthy worker fenced; a host that is gone is the host-silence
+      rules' to judge);
+    - one with no agent, once ``timeout_s`` passed without any new report;
+    - all of them ``max_wait_s`` after the abort however reports keep coming.
+
+    While reports keep arriving the control plane is slow, not these workers: a fixed
+    deadline once fenced thousands of healthy survivors of a large job whose reports
     queued at the store, and the job failed for want of standbys (``fence_silent_later``
     then says whether the job can take their loss)."""
-    if missing and (quiet_s > timeout_s or waited_s > max_wait_s):
+    if not missing:
+        return []
+    if waited_s > max_wait_s:
         return sorted(missing, key=natural)
-    return []
+    return sorted((w for w in missing if w in said_silent or
+                   quiet_s > (2 * timeout_s if w in hosted else timeout_s)), key=natural)

@@ -185,10 +185,17 @@ class HostReports:
     only itself); the agent writes them as one value when every running process of the
     host reported, or shortly after the first (rewritten with any that come later), and
     adds their number to the epoch's report count. At 16K workers one report a worker was
-    32K requests to the job's one store in every recovery (1.6 s of its thread)."""
+    32K requests to the job's one store in every recovery (1.6 s of its thread).
+
+    ``silent``: the host's running processes that sent no report within
+    ``recovery.report_timeout_s`` of the epoch's abort as the agent saw it (written again
+    then): the controller fences those as hung on their agent's word, timed on the host,
+    not by when the value reached it (a host's writes that lag the others' are no sign of
+    a hung process)."""
 
     epoch: int
     reports: dict[str, FailureReport] = dataclasses.field(default_factory=dict)
+    silent: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
