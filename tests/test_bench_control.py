@@ -21,6 +21,7 @@ def test_a_simulated_job_of_256_workers_trains_recovers_and_is_measured(tmp_path
     assert 0 < row["vote_p50_ms"] <= row["vote_p99_ms"]
     assert row["root_store_rps"] > 256 * 4 * 0.5     # the beats alone: 4 a second each
     assert row["controller_round_ms"] > 0
+    assert 0 < row["controller_round_cpu_ms"] <= row["controller_round_cpu_p99_ms"]
     # the crash was detected, planned and recovered from, then steps were committed again
     assert 0 < row["crash_to_plan_s"] < row["recovery_downtime_s"] < 60
     # the planned migration completed (run_once raises otherwise) and was accounted from
