@@ -68,7 +68,7 @@ def main() -> int:
               "trees": {k: os.path.abspath(v) for k, v in trees.items()}, "cells": {}}
     lines = [f"# bench downtime before/after ({args.workers} workers, "
              f"compile={args.compile}, {args.repeats} interleaved repeats, strategy trainmover)",
-             "", f"Trees: " + ", ".join(f"{k} = {_describe(v)}" for k, v in trees.items()), "",
+             "", "Trees: " + ", ".join(f"{k} = {_describe(v)}" for k, v in trees.items()), "",
              "| scenario | tree | downtime median (s) | min | max | after / before |",
              "|---|---|---|---|---|---|"]
     for scenario, by_label in cells.items():

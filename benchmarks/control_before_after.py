@@ -26,6 +26,8 @@ COLUMNS = [("vote_p50_ms", "step overhead p50 (ms)", 1), ("vote_p99_ms", "p99 (m
            ("controller_round_ms", "controller round p50 (ms)", 1),
            ("controller_round_p99_ms", "round p99 (ms)", 1),
            ("controller_round_max_ms", "round max (ms)", 1),
+           ("controller_round_cpu_ms", "round CPU p50 (ms)", 1),
+           ("controller_round_cpu_p99_ms", "round CPU p99 (ms)", 1),
            ("controller_cpu_share", "controller CPU", 2),
            ("crash_to_plan_s", "crash to plan (s)", 2),
            ("crash_to_resumed_s", "crash to resumed (s)", 2),

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainmover.comm.groups import StoreClients, start_store_server
+from trainmover.comm.groups import start_store_server
 from trainmover.control import health as H
 from trainmover.control import snapshot_codec as S
 from trainmover.control.context import JobContext

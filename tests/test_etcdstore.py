@@ -63,6 +63,10 @@ def test_values_counters_and_waits_answer_as_the_default_store(cluster):
     c.multi_set(names, [str(i).encode() for i in range(300)])
     assert other.multi_get(names) == [str(i).encode() for i in range(300)]
     assert other.try_multi_get(["m1", "none", "m299"]) == [b"1", None, b"299"]
+    # deleted in transactions of 128 as well: those there counted, the others kept
+    assert c.delete_keys(names[:250] + ["none"]) == 250
+    assert other.try_multi_get(["m0", "m249", "m250"]) == [None, None, b"250"]
+    assert c.delete_keys(names[250:]) == 50 and c.delete_keys([]) == 0
 
     def later():
         time.sleep(0.5)

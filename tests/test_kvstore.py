@@ -253,3 +253,25 @@ def test_try_multi_get_reads_many_keys_or_their_absence_in_one_request(server):
     assert c.try_multi_get(["a", "missing", "empty", "a"]) == [b"1", None, b"", b"1"]
     assert server.requests == before + 1
     assert c.try_multi_get([]) == []
+
+
+@pytest.mark.timeout(60)
+def test_delete_keys_removes_many_keys_in_few_requests_and_counts_those_there(server):
+    """What the controller's key retention deletes with (a recovery's end dooms two keys a
+    worker): ``DELETE_BATCH`` keys a request, missing ones counted out, the rest kept."""
+    from trainmover.core.kvstore import DELETE_BATCH, Op
+
+    c = client(server)
+    n = 2 * DELETE_BATCH + 5
+    names = [f"k{i}" for i in range(n)]
+    c.multi_set(names, [b"v"] * n)
+    c.set("kept", "1")
+    before = server.requests
+    assert c.delete_keys(names[:-3] + ["missing"]) == n - 3
+    assert server.requests == before + 3
+    assert c.num_keys() == 4 and c.try_multi_get(names[-3:] + ["kept"]) == [b"v"] * 3 + [b"1"]
+    assert c.delete_keys([]) == 0 and c.delete_key("kept") and not c.delete_key("kept")
+    # a delete naming no key is an error for its request, not the end of the connection
+    with pytest.raises(StoreError, match="delete needs a key"):
+        c._call(Op.DELETE, [])
+    assert c.try_get(names[-1]) == b"v"

@@ -2,7 +2,6 @@
 with --verify-every, periodically; a replica that diverged is named, and the summary says
 ``replicas_agree``."""
 import json
-import sys
 import textwrap
 
 import pytest

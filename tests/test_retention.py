@@ -124,6 +124,10 @@ class DeletingStore:
         self.deleted.append(key)
         return True
 
+    def delete_keys(self, keys):
+        self.deleted.extend(keys)
+        return len(keys)
+
 
 def test_keys_go_only_once_the_snapshot_that_no_longer_needs_them_is_saved():
     """A controller that completes a recovery and dies before its next snapshot save is

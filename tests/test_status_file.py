@@ -79,3 +79,49 @@ def test_a_file_written_less_often_than_configured_stays_fresh_for_its_own_inter
     st.interval_s, st.as_of = 1e9, time.time() - 3 * STATUS_MAX_INTERVAL_S - 1
     write_status_file(run_dir, st)
     assert read_status_file(run_dir, 3.0) is None
+
+
+def test_the_status_is_written_off_the_round_newest_first_and_a_write_error_is_reported(
+        tmp_path):
+    """The controller's round hands its status to a writer thread (encoding it was 0.2 s of
+    a round at 16K workers): what it hands over last is what the file holds once drained,
+    a status handed over while another is written replaces the one waiting, and a write
+    that fails is reported, not raised into the job."""
+    import threading
+
+    from trainmover.control import saving
+    from trainmover.control.saving import StatusWriter
+
+    run_dir = str(tmp_path)
+    errors, gate, written = [], threading.Event(), []
+    real = saving.write_status_file
+
+    def slow_write(where, status):
+        gate.wait(10)                      # the first write holds until the test lets it
+        if status.committed_step == 99:
+            raise OSError(28, "no space left on device")
+        written.append(status.committed_step)
+        real(where, status)
+
+    saving.write_status_file = slow_write
+    try:
+        writer = StatusWriter(run_dir, errors.append)
+        for step in range(3):
+            st = status_from_state(_state({"w0": os.getpid()}), {}, os.getpid(),
+                                   recorded=True)
+            st.committed_step = step
+            writer.put(st)
+            time.sleep(0.1)
+        assert not writer.drain(0.2)       # the first write is still held
+        gate.set()
+        assert writer.drain(10)
+        # step 0 was being written when 1 and 2 came: 1 was replaced by 2 before its turn
+        assert written == [0, 2]
+        assert read_status_file(run_dir, 3.0).committed_step == 2
+        st.committed_step = 99             # (the test's write of it fails: a full disk)
+        writer.put(st)
+        assert writer.drain(10)
+        assert [type(e) for e in errors] == [OSError] and "no space" in str(errors[0])
+        assert read_status_file(run_dir, 3.0).committed_step == 2
+    finally:
+        saving.write_status_file = real

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
+from trainmover.core.auth import read_valid
 from trainmover.core.codec import Table
 from trainmover.core.config import JobConfig
 from trainmover.core.events import read_jsonl
@@ -297,6 +298,9 @@ class JobContext:
             self.events.emit("message_rejected", key=key, error=str(exc))
             return None
 
+    def read_many(self, cls, keys: list[str]) -> list:
+        return read_messages(self, cls, keys)
+
     def reached(self, point: str) -> None:
         self.points_reached.append(point)
 
@@ -317,3 +321,19 @@ def restore_into(obj, state: dict) -> None:
         raise ValueError(f"{type(obj).__name__}: unknown snapshot field(s) {sorted(unknown)}")
     for k, v in state.items():
         setattr(obj, k, v)
+
+
+def read_messages(ctx, cls, keys: list[str]) -> list:
+    """``JobContext.read`` of each of ``keys`` (``ctx``: its ``store`` and ``events``), in
+    order, ``KEYS_PER_READ`` keys a request (a migration's accounting read its stayers'
+    values one request each: 235 requests in one supervision round at 4K workers)."""
+    out = []
+    for key, raw in zip(keys, read_valid(ctx.store, keys)):
+        message = None
+        if raw is not None:
+            try:
+                message = P.read_message(cls, raw)
+            except P.MessageError as exc:
+                ctx.events.emit("message_rejected", key=key, error=str(exc))
+        out.append(message)
+    return out

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import time
 
-from trainmover.control.context import JobContext
+from trainmover.control.context import JobContext, read_messages
 from trainmover.core import protocol as P
-from trainmover.core.auth import read_valid
 
 
 def _by_host(ctx: JobContext, workers) -> tuple[dict[int, set[str]], list[str]]:
@@ -40,8 +39,8 @@ def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str],
     out: dict[str, P.FailureReport] = {}
     by_host, own = _by_host(ctx, workers)
     nodes = sorted(by_host)
-    hosts = _read_messages(ctx, P.HostReports, [P.host_reports_key(n, epoch) for n in nodes])
-    for node, (key, host) in zip(nodes, hosts):
+    keys = [P.host_reports_key(n, epoch) for n in nodes]
+    for node, key, host in zip(nodes, keys, read_messages(ctx, P.HostReports, keys)):
         if host is not None and host.epoch != epoch:
             ctx.events.emit("message_rejected", key=key, error=f"epoch {host.epoch}")
         elif host is not None:
@@ -50,7 +49,7 @@ def read_failure_reports(ctx: JobContext, epoch: int, workers: list[str],
                 silent.update(w for w in host.silent
                               if w in by_host[node] and w not in host.reports)
     keys = [P.failure_key(epoch, w) for w in own]
-    out.update((w, r) for w, (_, r) in zip(own, _read_messages(ctx, P.FailureReport, keys))
+    out.update((w, r) for w, r in zip(own, read_messages(ctx, P.FailureReport, keys))
                if r is not None)
     return out
 
@@ -65,7 +64,7 @@ def read_recovery_notes(ctx: JobContext, recovery_id: int, workers) -> set[str]:
     keys = [P.host_recovered_key(n, recovery_id) for n in nodes] + \
         [P.own_recovered_key(recovery_id, w) for w in own]
     names = [by_host[n] for n in nodes] + [{w} for w in own]
-    for (key, note), mine in zip(_read_messages(ctx, P.HostRecovered, keys), names):
+    for key, note, mine in zip(keys, read_messages(ctx, P.HostRecovered, keys), names):
         if note is not None and note.recovery_id != recovery_id:
             ctx.events.emit("message_rejected", key=key,
                             error=f"recovery {note.recovery_id}")
@@ -109,18 +108,3 @@ class RecoveredNotes:
                             noted=len(noted), participants=len(participants),
                             level="warning")
         return False
-
-
-def _read_messages(ctx: JobContext, cls, keys: list[str]) -> list[tuple[str, object]]:
-    """``(key, the cls message there or None)`` of each key, in a few requests; a genuine
-    value that does not decode is reported (``message_rejected``) and reads as None."""
-    out = []
-    for key, raw in zip(keys, read_valid(ctx.store, keys)):
-        message = None
-        if raw is not None:
-            try:
-                message = P.read_message(cls, raw)
-            except P.MessageError as exc:
-                ctx.events.emit("message_rejected", key=key, error=str(exc))
-        out.append((key, message))
-    return out

@@ -11,17 +11,16 @@ in ``pending``.
 from __future__ import annotations
 
 import queue
-import statistics
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from trainmover.control.context import JobContext
+from trainmover.control.migration_accounting import migration_result
 from trainmover.control.retention import Retention
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
-from trainmover.core.accounting import (downtime_from_metrics, downtime_phrase,
-                                         phase_one_extra, slowest_stayer, stayer_downtime)
+from trainmover.core.accounting import downtime_phrase
 
 
 @dataclass
@@ -397,88 +396,12 @@ class Migrations:
             self.awaiting_downtime.remove(mig)
             self._report(mig)
 
-    def _normal_train_step(self, before: int) -> float | None:
-        """The median of the reporter's own step times of the steps before ``before``."""
-        times = [r["step_time_s"] for r in self.ctx.progress.records
-                 if before - P.DOWNTIME_BASELINE_STEPS <= r["step"] < before
-                 and "step_time_s" in r]
-        return statistics.median(times) if times else None
-
-    def _stayer_accounts(self, mig: ActiveMigration
-                         ) -> tuple[dict[str, tuple[float, float, float]], int, float | None]:
-        """Each stayer's (downtime, normal gap, noise) from the step ends it posted; the
-        first step at whose boundary a stayer began phase 1 (the switch step if none
-        posted); and the most phase 1 cost a stayer's steps (``phase_one_extra``)."""
-        out, began, extra = {}, mig.switch_step, []
-        for w in mig.plan.stayers:
-            ends = self.ctx.read(P.StepEnds, P.mig_key(mig.plan.migration_id, "steps", w))
-            if ends is None or ends.switch_step != mig.switch_step:
-                continue
-            began = min(began, ends.prepare_step)
-            account = stayer_downtime(ends.first_step, ends.prepare_step, ends.switch_step,
-                                      ends.ends, P.DOWNTIME_STEPS_AFTER,
-                                      P.DOWNTIME_BASELINE_STEPS)
-            if account is not None:
-                out[w] = account
-                x = phase_one_extra(ends.first_step, ends.prepare_step, ends.switch_step,
-                                    ends.ends, account[1])
-                if x is not None:
-                    extra.append(x)
-        return out, began, max(extra) if extra else None
-
     def _report(self, mig: ActiveMigration) -> None:
         ctx = self.ctx
         plan, mid = mig.plan, mig.plan.migration_id
-        # a report that cannot be read (logged) counts as zeros: accounting, not control
-        reports = {w: ctx.read(P.SwitchReport, P.mig_key(mid, "switched", w)) or P.SwitchReport()
-                   for w in plan.participants}
-        ready = {w: r for w in plan.participants
-                 if (r := ctx.read(P.ReadyReport, P.mig_key(mid, "ready", w))) is not None}
-        # the job's downtime is its slowest stayer's (module doc of core/accounting.py); the
-        # reporter's commit gap is kept beside it, and stands in where no stayer posted
-        downtime = normal = noise = reporter = None
-        if ctx.progress.last_step >= mig.switch_step:
-            reporter, normal = downtime_from_metrics(ctx.progress.records, mig.switch_step)
-        accounts, began, phase_one = self._stayer_accounts(mig)
-        slowest = slowest_stayer(accounts)
-        if slowest is not None:
-            _, downtime, normal, noise = slowest
-        else:
-            downtime = reporter
-        leaver_r = [reports[p.leaver] for p in plan.pairs]
-        joiner_r = [reports[p.joiner] for p in plan.pairs]
-        stayer_r = [reports[w] for w in plan.stayers]
-        rss_growth = [r.rss_after["peak_rss_mb"] / r.rss_before["peak_rss_mb"] - 1.0
-                      for r in stayer_r if r.rss_before and r.rss_after]
-        phases = {
-            # training continued through these (not downtime)
-            "prepare_s": max([r.prepare_s if r.prepare_s is not None else r.build_s
-                              for r in ready.values()] or [0.0]),
-            # what that background work cost the stayers' steps beyond normal ones
-            "phase1_slowdown_s": phase_one,
-            "wait_boundary_s": max([r.wait_boundary_s for r in leaver_r] or [0.0]),
-            # the switch itself
-            "transfer_s": max(r.transfer_s for r in leaver_r),
-            "group_switch_s": max([r.build_s + r.install_s if plan.rebuild_all else r.install_s
-                                   for r in stayer_r] or [0.0]),
-            "joiner_recv_s": max(r.recv_s for r in joiner_r),
-            "first_step_s": max(r.first_step_s for r in joiner_r),
-            "normal_step_s": normal,
-            # the same quantity as first_step_s (a step's own time, from its start in the
-            # loop to its end), on the reporter before phase 1: their ratio is like for like
-            "normal_train_step_s": self._normal_train_step(began),
-        }
-        result = {"status": "done", **plan.describe(), "source": mig.request.source,
-                  "switch_step": mig.switch_step,
-                  "downtime_s": downtime, "phases": phases,
-                  "downtime_noise_s": noise, "downtime_reporter_s": reporter,
-                  "downtime_by": {"stayers": len(plan.stayers), "reported": len(accounts),
-                                  "slowest": slowest[0] if slowest else None},
-                  "transfer_bytes": sum(r.transfer_bytes for r in leaver_r),
-                  "stayer_peak_rss_growth": max(rss_growth) if rss_growth else None,
-                  "naive": mig.request.naive,
-                  "warmup_wait_s": round(mig.warmup_wait_s, 3),
-                  "requested_to_done_s": time.time() - mig.t_start}
+        result = migration_result(ctx, mig)
+        downtime, noise, phases = result["downtime_s"], result["downtime_noise_s"], \
+            result["phases"]
         self.finished.append(result)
         ctx.events.emit("migration_done", **result)
         self.retention.migration_accounted(mid, list(plan.participants),

@@ -98,10 +98,12 @@ class Retention:
         """A controller snapshot was saved, counting ``exits_seen`` exit records as read and
         holding the state in which the keys doomed so far are dead: they go now."""
         doomed, self._doomed = self._doomed, []
-        for key in doomed:
-            self.ctx.store.delete_key(key)
-        for index in range(self.exits_deleted + 1, exits_seen + 1):
-            self.ctx.store.delete_key(P.agent_exit_key(index))  # the save counted them
+        # the exit records the save counted as read go too
+        doomed += [P.agent_exit_key(i) for i in range(self.exits_deleted + 1, exits_seen + 1)]
+        if doomed:
+            # in batches: a recovery's end dooms two keys a worker (its report and note
+            # keys, written only by a process no agent started, but deleted either way)
+            self.ctx.store.delete_keys(doomed)
         self.exits_deleted = max(self.exits_deleted, exits_seen)
 
     def replaced_groups(self, channels: list[tuple[str, int]] = ()) -> None:

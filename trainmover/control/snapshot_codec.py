@@ -132,9 +132,8 @@ class StoreParts(_Copy):
             store.multi_set([part_key(self.owner, d) for d in batch], [parts[d] for d in batch])
 
     def delete(self, parts: list[tuple[str, str]]) -> None:
-        store = self.store()
-        for owner, d in parts:
-            store.delete_key(part_key(owner, d))
+        # one request (a save at 4K workers replaced up to ~70 parts, a request each)
+        self.store().delete_keys([part_key(owner, d) for owner, d in parts])
 
 
 class FileParts(_Copy):

@@ -278,6 +278,18 @@ class AuthStore:
     def delete_key(self, key: str) -> bool:
         return self.raw.delete_key(key)
 
+    def delete_keys(self, keys: list[str]) -> int:
+        return delete_keys(self.raw, keys)
+
+
+def delete_keys(store, keys: list[str]) -> int:
+    """Delete ``keys`` from ``store``: in batches where it takes them (ours, etcd), else one
+    by one (torch's own store). How many were there."""
+    many = getattr(store, "delete_keys", None)
+    if many is not None:
+        return many(keys)
+    return sum(bool(store.delete_key(k)) for k in keys)
+
 
 def ping_store(store) -> None:
     """Raises if ``store`` cannot be reached (through a host's door: if the door lost the
@@ -302,6 +314,9 @@ class PlainStore:
 
     def ping(self) -> None:
         ping_store(self.raw)
+
+    def delete_keys(self, keys: list[str]) -> int:
+        return delete_keys(self.raw, keys)
 
     def valid(self, key: str) -> bytes | None:
         return self.raw.get(key) if self.raw.check([key]) else None

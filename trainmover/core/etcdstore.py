@@ -395,6 +395,16 @@ class EtcdClient:
         answer = self._post("/v3/kv/deleterange", {"key": _b64(self._key(key))})
         return int(answer.get("deleted", 0)) > 0
 
+    def delete_keys(self, keys: list[str]) -> int:
+        """Delete ``keys`` (those there), ``TXN_OPS`` a transaction: how many were there."""
+        deleted = 0
+        for i in range(0, len(keys), TXN_OPS):
+            answer = self._txn([], [{"request_delete_range": {"key": _b64(self._key(k))}}
+                                    for k in keys[i:i + TXN_OPS]])
+            deleted += sum(int(r.get("response_delete_range", {}).get("deleted", 0))
+                           for r in answer.get("responses", []))
+        return deleted
+
     def num_keys(self) -> int:
         answer = self._post("/v3/kv/range", {"key": _b64(self._keys),
                                              "range_end": _b64(_range_end(self._keys)),

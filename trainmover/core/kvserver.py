@@ -429,8 +429,11 @@ class KVServer:
         elif op == Op.CHECK:
             return encode_answer(Status.OK, int(all(k in data for k in fields)))
         elif op == Op.DELETE:
-            (key,) = _exactly(fields, 1)
-            return encode_answer(Status.OK, int(data.pop(key, None) is not None))
+            # one key or several (``KVClient.delete_keys``): how many were there
+            if not fields:
+                raise ValueError("delete needs a key")
+            return encode_answer(Status.OK, sum(data.pop(k, None) is not None
+                                                for k in fields))
         elif op == Op.NUM_KEYS:
             return encode_answer(Status.OK, len(data))
         elif op == Op.APPEND:
