@@ -68,9 +68,6 @@ from trainmover.core.proc import pid_alive
 MAX_HOLES_FILLED = 1000   # per host, by a resumed controller (see resume)
 REGISTER_TRIES = 16       # compare-and-sets of the controller record (_register); each lost
                           # one means another controller wrote it meanwhile
-# How long the controller's end waits for its last status.json to be written (on the
-# status writer's thread: ``control/saving.py``; 0.33 s at 16K workers)
-STATUS_DRAIN_S = 10.0
 
 __all__ = ["Coordinator", "JobFailed", "Superseded", "run_job", "worker_names"]
 
@@ -535,7 +532,6 @@ class Coordinator:
         finally:
             self.started.set()
             ctx.progress.close()
-            self.saver.close(STATUS_DRAIN_S)
         self._stop_all()  # standbys still waiting
         wall = time.time() - ctx.t_started
         if self._stop_requested.is_set():

@@ -9,10 +9,8 @@ less often where it is large.
 """
 from __future__ import annotations
 
-import copy
 import os
 import secrets
-import threading
 import time
 from typing import Callable
 
@@ -20,8 +18,7 @@ from trainmover.control import snapshot_codec
 from trainmover.control.context import JobContext
 from trainmover.control.retention import Retention
 from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
-from trainmover.control.status import (STATUS_MAX_INTERVAL_S, JobStatus, status_from_state,
-                                       write_status_file)
+from trainmover.control.status import STATUS_MAX_INTERVAL_S, status_from_state, write_status_file
 from trainmover.core import protocol as P
 
 SET_BATCH = 1024          # keys of the outbox a request (flush)
@@ -53,59 +50,6 @@ ADOPTED_GRACE_CHECKS = 20
 STATUS_CPU_SHARE = 0.05
 
 
-class StatusWriter:
-    """Encodes and writes ``status.json`` on a thread of its own: at 16K workers that is
-    ~0.2 s of the 0.33 s a status took inside the supervision round, where it delayed
-    whatever the round was to notice (a crash) by as much. The round builds the status
-    (what it reads of the live state) and hands it here; a newer one handed over before
-    the last was written replaces it (only the newest is worth writing)."""
-
-    def __init__(self, run_dir: str, on_error: Callable[[OSError], None]):
-        self.run_dir, self.on_error = run_dir, on_error
-        self.cost_s = 0.0          # the last write's encode and write, on the thread
-        self._cv = threading.Condition()
-        self._pending: JobStatus | None = None
-        self._busy = False
-        self._thread: threading.Thread | None = None
-
-    def put(self, status: JobStatus) -> None:
-        with self._cv:
-            self._pending = status
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="status-writer",
-                                                daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until the status handed over last is written (the controller's end)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            while self._pending is not None or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while self._pending is None:
-                    self._cv.wait()
-                status, self._pending, self._busy = self._pending, None, True
-            t = time.monotonic()
-            try:
-                write_status_file(self.run_dir, status)
-            except OSError as exc:   # a full disk must not stop the job: status falls back
-                self.on_error(exc)
-            finally:
-                self.cost_s = time.monotonic() - t
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
-
 class Saver:
     def __init__(self, ctx: JobContext, run_dir: str, state: Callable[[], dict],
                  retention: Retention, perf: Callable[[], dict]):
@@ -128,8 +72,6 @@ class Saver:
         self._adopted_until = 0.0
         self._saved_at = self._status_at = float("-inf")
         self._status_every = ctx.cfg.controller.status_interval_s
-        self.status_writer = StatusWriter(run_dir, lambda exc: ctx.events.emit(
-            "status_not_written", level="warning", error=str(exc)))
 
     def flush(self, force: bool, busy: bool) -> None:
         """Save the snapshot (if anything changed), then send the outbox.
@@ -153,13 +95,12 @@ class Saver:
             if now - self._status_at >= self._status_every:
                 self._status_at = time.monotonic()
                 self._write_status(state)
-                # the file is O(N): where making it (here and on the writer's thread) takes
-                # more than STATUS_CPU_SHARE of the controller's time it is written less
-                # often (about 20 us a worker here: 0.2-0.3 s at 16K workers), and says so
-                # (the reader's freshness follows it)
-                cost = time.monotonic() - self._status_at + self.status_writer.cost_s
+                # the file is O(N): where writing it takes more than STATUS_CPU_SHARE of the
+                # controller's time it is written less often (about 20 us a worker here:
+                # 0.2-0.3 s at 16K workers), and says so (the reader's freshness follows it)
                 self._status_every = max(ctx.cfg.controller.status_interval_s, min(
-                    STATUS_MAX_INTERVAL_S, cost / STATUS_CPU_SHARE))
+                    STATUS_MAX_INTERVAL_S,
+                    (time.monotonic() - self._status_at) / STATUS_CPU_SHARE))
             if blob != self._saved:
                 self.saves += 1
                 payload = snapshot_codec.frame(self.saves, blob, self.parts_of if parts else "")
@@ -250,19 +191,14 @@ class Saver:
                                      error=str(exc))
 
     def _write_status(self, state: dict) -> None:
-        """``status.json`` for ``trainmover status`` (``control/status.py``): made here from
-        the live state, encoded and written by the ``StatusWriter``. What the round may
-        change later is copied: the event lists (small), not the workers' measurements
-        (each a dict replaced, never changed, by ``stragglers.py``)."""
+        """``status.json`` for ``trainmover status`` (``control/status.py``)."""
         store = self.ctx.store
         keys = store.raw.num_keys() if hasattr(store, "raw") else None
-        status = status_from_state(state, self.perf(), os.getpid(), keys,
-                                   source="controller", recorded=True)
-        status.interval_s = self._status_every
-        for name in ("migrations", "recoveries", "stragglers"):
-            setattr(status, name, copy.deepcopy(getattr(status, name)))
-        self.status_writer.put(status)
-
-    def close(self, timeout_s: float) -> None:
-        """The status handed over last, written (a controller's end)."""
-        self.status_writer.drain(timeout_s)
+        perf = self.perf()
+        try:
+            status = status_from_state(state, perf, os.getpid(), keys, source="controller",
+                                       recorded=True)
+            status.interval_s = self._status_every
+            write_status_file(self.run_dir, status)
+        except OSError as exc:   # a full disk must not stop the job: status falls back
+            self.ctx.events.emit("status_not_written", level="warning", error=str(exc))
