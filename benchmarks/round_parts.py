@@ -11,7 +11,11 @@ requests the round's thread makes, by kind, in every round of the whole run (the
 recovery's and the migration's included, which ``bench control``'s steady window leaves
 out). A part the tree does not have is left out. Per repeat: each part's mean, p99 and
 max over the rounds, and the round's; the table gives their medians (min-max) over the
-repeats. Writes ``NAME.{md,json}`` under ``--out``."""
+repeats. Writes ``NAME.{md,json}`` under ``--out``.
+
+    python benchmarks/round_parts.py --compare BEFORE.json AFTER.json --out DIR --name NAME
+
+puts two such results side by side (each part: mean, p99 and max, before -> after)."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +119,44 @@ def summary(rounds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _cell(runs: list[dict], name: str, what: str) -> str:
+    """The median (min-max) over ``runs`` of part ``name``'s ``what`` (ms, or a count)."""
+    values = [run["parts"].get(name, {}).get(what, 0.0) for run in runs]
+    scale, digits = (1.0, 0) if name.startswith("requests") and \
+        not name.endswith("_s") else (1e3, 1)
+    med = statistics.median(values) * scale
+    return f"{med:.{digits}f} ({min(values) * scale:.{digits}f}-{max(values) * scale:.{digits}f})"
+
+
+def _by_mean(results: list[dict]) -> list[str]:
+    """Every part of ``results``, the costliest on average (in the first) first."""
+    names = {k for res in results for run in res["runs"] for k in run["parts"]}
+    return sorted(names, key=lambda k: -statistics.median(
+        run["parts"].get(k, {}).get("mean", 0.0) for run in results[0]["runs"]))
+
+
+def compare(paths: list[str], out: str, name: str) -> None:
+    import json
+
+    before, after = (json.load(open(p)) for p in paths)
+    lines = [f"# The controller's round, part by part, before and after: {before['workers']} "
+             f"simulated workers", "",
+             f"- before: commit {before['commit']}: `{before['command']}`",
+             f"- after: commit {after['commit']}: `{after['command']}`", "",
+             f"Each run on {before['machine']['cores']} cores, {len(before['runs'])} and "
+             f"{len(after['runs'])} repeats: median (min-max) of each repeat's figure over "
+             f"all its rounds (steps, a crash's recovery, a planned migration). Times in ms, "
+             f"requests as counts (the controller thread's store requests in a round).", "",
+             "| part | mean before | after | p99 before | after | max before | after |",
+             "|---|---|---|---|---|---|---|"]
+    for n in _by_mean([before, after]):
+        lines.append(f"| {n} | " + " | ".join(
+            _cell(res["runs"], n, what) for what in ("mean", "p99", "max")
+            for res in (before, after)) + " |")
+    write_result(out, name, {"benchmark": "round_parts_compare", "before": before,
+                             "after": after}, "\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=4096)
@@ -124,9 +166,16 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=900.0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="round_parts")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                    help="two results of this script, side by side (nothing is run)")
     ap.add_argument("overrides", nargs="*", help="the simulated job's settings, as "
                     "bench control takes them (health.silence_floor_s=5)")
     args = ap.parse_args()
+    if args.compare:
+        if not args.out:
+            raise SystemExit("--compare writes its table under --out DIR")
+        compare(args.compare, args.out, args.name)
+        return
     if args.repeats < 3 or args.workers < 1:
         raise SystemExit(f"--repeats {args.repeats} (at least 3) / --workers {args.workers} "
                          f"(positive)")
@@ -155,17 +204,6 @@ def main() -> None:
     cmd = " ".join(["python benchmarks/round_parts.py"] + sys.argv[1:])
     result = {"benchmark": "round_parts", "command": cmd, "commit": commit,
               "machine": machine_description(), "workers": args.workers, "runs": runs}
-    names = sorted({k for run in runs for k in run["parts"]},
-                   key=lambda k: -statistics.median(
-                       run["parts"].get(k, {}).get("mean", 0.0) for run in runs))
-
-    def cell(name: str, what: str) -> str:
-        values = [run["parts"].get(name, {}).get(what, 0.0) for run in runs]
-        scale, digits = (1.0, 0) if name.startswith("requests") and \
-            not name.endswith("_s") else (1e3, 1)
-        med = statistics.median(values) * scale
-        return f"{med:.{digits}f} ({min(values) * scale:.{digits}f}-" \
-               f"{max(values) * scale:.{digits}f})"
     lines = [f"# The controller's round, part by part: {args.workers} simulated workers",
              "", f"command: `PYTHONPATH=<tree at {commit}> {cmd}`; commit {commit}; "
              f"{result['machine']['cores']} cores; {args.repeats} repeats, median (min-max) "
@@ -173,8 +211,8 @@ def main() -> None:
              f"planned migration). Times in ms, requests as counts (the controller "
              f"thread's store requests in a round).", "",
              "| part | mean | p99 | max |", "|---|---|---|---|"]
-    lines += [f"| {n} | {cell(n, 'mean')} | {cell(n, 'p99')} | {cell(n, 'max')} |"
-              for n in names]
+    lines += [f"| {n} | " + " | ".join(_cell(runs, n, w) for w in ("mean", "p99", "max")) + " |"
+              for n in _by_mean([result])]
     table = "\n".join(lines) + "\n"
     if args.out:
         write_result(args.out, args.name, result, table)
