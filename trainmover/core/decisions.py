@@ -468,24 +468,34 @@ def dirty_groups(layout: Layout, reports: dict[str, dict[str, dict]],
     same number of collectives, and in a pipeline pair each side received exactly what the
     other sent (a message sent but never received would be read by the next step's receive).
     Groups with a member that did not report (dead) are not judged here: they are rebuilt
-    as the failed role's groups. Only groups some survivor reported on can be judged, so
-    only those are looked at: the reports' size, not the layout's groups times their size."""
-    dirty = set()
+    as the failed role's groups. One pass over the survivors' reports, each looked at for
+    its own groups only (a name it reports that is not one of its groups counts for
+    nothing: its members' reports judge that group): O(survivors); parsing every reported
+    group's name and building its members was 0.33 s of a recovery's plan at 4K workers."""
     role_holder = {r: w for w, r in holders.items()}
-    for name in {name for acc in reports.values() for name in acc}:
-        spec = layout.group(name)
-        if spec is None or spec.trivial:
-            continue
-        members = [role_holder.get(r) for r in spec.members]
-        if any(w is None or w not in reports or name not in reports[w] for w in members):
-            continue
-        acc = [reports[w][name] for w in members]
+    found: dict[str, tuple[str, int, list[dict]]] = {}   # name -> kind, size, accounts
+    for w, accounts in reports.items():
+        role = holders.get(w)
+        if role is None or role_holder.get(role) != w:
+            continue                      # not the holder of a role: judges nothing
+        for name, kind, size in layout.group_names_of(role):
+            acc = accounts.get(name)
+            if acc is None:
+                continue
+            entry = found.get(name)
+            if entry is None:
+                entry = found[name] = (kind, size, [])
+            entry[2].append(acc)
+    dirty = set()
+    for name, (kind, size, acc) in found.items():
+        if len(acc) < size:
+            continue                      # a member did not report (dead): rebuilt anyway
         if any(a["pending"] for a in acc) or len({a["generation"] for a in acc}) > 1:
             dirty.add(name)
         elif len({a["coll"] for a in acc}) > 1:
             dirty.add(name)
-        elif spec.kind == "p2p" and (acc[0]["sent"] != acc[1]["recv"] or
-                                     acc[1]["sent"] != acc[0]["recv"]):
+        elif kind == "p2p" and (acc[0]["sent"] != acc[1]["recv"] or
+                                acc[1]["sent"] != acc[0]["recv"]):
             dirty.add(name)
     return dirty
 

@@ -187,6 +187,23 @@ class Layout:
             out["p2p_next"] = self.p2p_group(role.dp, role.tp, role.pp)
         return out
 
+    def group_names_of(self, role: Role) -> list[tuple[str, str, int]]:
+        """``(name, kind, size)`` of each non-trivial group ``role`` belongs to, as
+        ``groups_of`` has them, without building their members (a recovery's verdict on
+        every group looks at each survivor's: ``decisions.dirty_groups``)."""
+        out = []
+        if self.tp > 1:
+            out.append((_tp_name(role.dp, role.pp), "tp", self.tp))
+        if self.dp > 1:
+            out.append((_dp_name(role.pp, role.tp), "dp", self.dp))
+        if self.pp > 1:
+            out.append((_pp_name(role.dp, role.tp), "pp", self.pp))
+        if role.pp > 0:
+            out.append((_p2p_name(role.dp, role.tp, role.pp - 1), "p2p", 2))
+        if role.pp < self.pp - 1:
+            out.append((_p2p_name(role.dp, role.tp, role.pp), "p2p", 2))
+        return out
+
     def all_groups(self) -> dict[str, GroupSpec]:
         """Every group of the layout, trivial ones included, keyed by group name. O(N): each
         group is built once (``group`` builds one by name)."""
