@@ -23,10 +23,10 @@ by the processes new in each write. An epoch's batch also starts when the agent 
 epoch's abort (its abort watch): ``silent_after_s`` later it is written naming the
 running processes that have not reported (``P.HostReports.silent``), so the controller
 judges a silent process by its host's clock, not by when the host's value reached it.
-The counts are hints of when to look: the controller
-takes the signed values as the answer (``control/host_notes.py``). A process names only itself (its channel is its own):
-the same message twice counts once, and a report that does not decode is reported and
-dropped here.
+The counts are hints of when to look: the controller takes the signed values as the
+answer (``control/host_notes.py``). A process names only itself (its channel is its
+own): the same message twice counts once, and a report that does not decode is reported
+and dropped here.
 """
 from __future__ import annotations
 
@@ -51,9 +51,6 @@ class _Batch:
         self.written: set[str] = set()    # processes whose message went
         self.aborted_at: float | None = None   # when the agent saw the epoch's abort
         self.silent: set[str] = set()     # processes written as silent
-
-
-_NO_BATCH = _Batch()
 
 
 class Reports:
@@ -110,7 +107,8 @@ class Reports:
 
     def _add(self, kind: str, key: int, name: str, item) -> None:
         with self._cv:
-            if kind == "r" and name in self._batches[kind].get(key, _NO_BATCH).items:
+            known = self._batches[kind].get(key)
+            if kind == "r" and known is not None and name in known.items:
                 return                       # counted already
             batch = self._batch(kind, key)
             batch.items[name] = item

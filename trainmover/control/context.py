@@ -289,17 +289,7 @@ class JobContext:
         """The ``cls`` message at ``key``, or None if there is none. An unsigned or forged
         one reads as none (reported once per key, ``AuthStore.valid``); a malformed one is
         logged (``message_rejected``) and read as none too."""
-        raw = self.store.valid(key)
-        if raw is None:
-            return None
-        try:
-            return P.read_message(cls, raw)
-        except P.MessageError as exc:
-            self.events.emit("message_rejected", key=key, error=str(exc))
-            return None
-
-    def read_many(self, cls, keys: list[str]) -> list:
-        return read_messages(self, cls, keys)
+        return _decoded(self, cls, key, self.store.valid(key))
 
     def reached(self, point: str) -> None:
         self.points_reached.append(point)
@@ -327,13 +317,16 @@ def read_messages(ctx, cls, keys: list[str]) -> list:
     """``JobContext.read`` of each of ``keys`` (``ctx``: its ``store`` and ``events``), in
     order, ``KEYS_PER_READ`` keys a request (a migration's accounting read its stayers'
     values one request each: 235 requests in one supervision round at 4K workers)."""
-    out = []
-    for key, raw in zip(keys, read_valid(ctx.store, keys)):
-        message = None
-        if raw is not None:
-            try:
-                message = P.read_message(cls, raw)
-            except P.MessageError as exc:
-                ctx.events.emit("message_rejected", key=key, error=str(exc))
-        out.append(message)
-    return out
+    return [_decoded(ctx, cls, key, raw) for key, raw in zip(keys, read_valid(ctx.store, keys))]
+
+
+def _decoded(ctx, cls, key: str, raw: bytes | None):
+    """The ``cls`` message in ``raw`` (read at ``key``), or None: none there, or one that
+    does not decode (logged: ``message_rejected``)."""
+    if raw is None:
+        return None
+    try:
+        return P.read_message(cls, raw)
+    except P.MessageError as exc:
+        ctx.events.emit("message_rejected", key=key, error=str(exc))
+        return None

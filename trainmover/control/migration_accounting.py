@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from trainmover.control.context import JobContext
+from trainmover.control.context import JobContext, read_messages
 from trainmover.core import protocol as P
 from trainmover.core.accounting import (downtime_from_metrics, phase_one_extra,
                                          slowest_stayer, stayer_downtime)
@@ -27,8 +27,8 @@ def stayer_accounts(ctx: JobContext, mig
     most phase 1 cost a stayer's steps (``phase_one_extra``)."""
     out, began, extra = {}, mig.switch_step, []
     stayers = mig.plan.stayers
-    posted = ctx.read_many(
-        P.StepEnds, [P.mig_key(mig.plan.migration_id, "steps", w) for w in stayers])
+    posted = read_messages(
+        ctx, P.StepEnds, [P.mig_key(mig.plan.migration_id, "steps", w) for w in stayers])
     for w, ends in zip(stayers, posted):
         if ends is None or ends.switch_step != mig.switch_step:
             continue
@@ -50,10 +50,10 @@ def migration_result(ctx: JobContext, mig) -> dict:
     plan, mid = mig.plan, mig.plan.migration_id
     # a report that cannot be read (logged) counts as zeros: accounting, not control
     who = plan.participants
-    reports = {w: r or P.SwitchReport() for w, r in zip(who, ctx.read_many(
-        P.SwitchReport, [P.mig_key(mid, "switched", w) for w in who]))}
-    ready = {w: r for w, r in zip(who, ctx.read_many(
-        P.ReadyReport, [P.mig_key(mid, "ready", w) for w in who])) if r is not None}
+    reports = {w: r or P.SwitchReport() for w, r in zip(who, read_messages(
+        ctx, P.SwitchReport, [P.mig_key(mid, "switched", w) for w in who]))}
+    ready = {w: r for w, r in zip(who, read_messages(
+        ctx, P.ReadyReport, [P.mig_key(mid, "ready", w) for w in who])) if r is not None}
     # the job's downtime is its slowest stayer's (module doc of core/accounting.py); the
     # reporter's commit gap is kept beside it, and stands in where no stayer posted
     downtime = normal = noise = reporter = None

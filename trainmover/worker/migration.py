@@ -20,10 +20,10 @@ from trainmover.core import protocol as P
 from trainmover.core.proc import rss_mb
 from trainmover.comm.groups import CommGroups, Group, GroupBuilder, StoreClients
 from trainmover.core.events import EventLog
-from trainmover.worker.commands import CommandChannel
 from trainmover.core.topology import GroupSpec, Layout, Role
 from trainmover.train import precopy as PC
 from trainmover.train.transfer import post_layout, recv_layout, recv_state, send_state
+from trainmover.worker.commands import CommandChannel
 
 def transfer_spec(name: str, role: Role) -> GroupSpec:
     """The leaver/joiner channel: both hold the same role; the leaver is rank 0.
