@@ -67,15 +67,17 @@ class KVProxy(KVServer):
                 # answered here: the door closes every connection once it loses the store,
                 # so an open one is as much of an answer, and a process that waits (for a
                 # recovery's plan, a command) checks its store every second: that is the
-                # job's size in requests a second at the store, which stay on the host
-                self._send(conn, PONG)
+                # job's size in requests a second at the store, which stay on the host.
+                # Counted before the answer goes: a reader of the count who has the answer
+                # finds it counted (a test once read it in between)
                 self.pinged += 1
+                self._send(conn, PONG)
                 continue
             sid = self._sid_of.get(conn)
             if sid is None:
                 sid = self._new_stream(conn)
-            self._send(self._up, tag_request(body, sid))
             self.forwarded += 1
+            self._send(self._up, tag_request(body, sid))
             if not op & NO_REPLY:
                 self._unanswered[conn] = self._unanswered.get(conn, 0) + 1
             if len(self._up.outbuf) > self._limits.max_unsent_bytes:
