@@ -2,18 +2,21 @@
 
     python benchmarks/status_write.py --workers 2048,16384 --repeats 7 [--out DIR]
 
-The controller's own path (``Saver._write_status`` in control/saving.py: each worker's
-newest step measurements, ``status_from_state``, ``write_status_file``) on a state as its
-snapshot holds it, every worker with a full ``StepPerf`` (its history of windows included),
-written to a temporary run dir. It runs against whatever commit it sits in: at one from before the
-status was encoded by json's own encoder it takes that commit's path (``asdict`` of each
-worker's measurements, the PID probes), so the same script gives the before and after
-figures. Prints one line per size; with ``--out`` also writes ``NAME.{md,json}`` there."""
+The controller's own path (``Saver._write_status`` in control/saving.py) on a state as its
+snapshot holds it, every worker with its step measurements as the controller holds them
+between writes, written to a temporary run dir. It runs against whatever commit it sits in
+(``PYTHONPATH=<tree>``): the columns of ``control/status_file.py`` where the commit has
+them, else one object a worker (``status_from_state``; before the status was encoded by
+json's own encoder, ``asdict`` of each worker's measurements and the PID probes), so the
+same script gives the before and after figures (copied into the other tree: it runs the
+tree it sits in). Prints one line per size; with ``--out`` also writes ``NAME.{md,json}``
+there."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -27,43 +30,67 @@ from trainmover.control import status as S  # noqa: E402
 from trainmover.control.processes import ProcView  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 
-
-def _perf() -> P.StepPerf:
-    windows = [P.PerfWindow(i * 10 + 1, i * 10 + 10, 0.19) for i in range(P.PERF_HISTORY)]
-    return P.StepPerf(role="dp0.pp0.tp0", first_step=1, last_step=10, tenure_start=0,
-                      step_s=0.2, compute_s=0.19, wait_s={"dp": 0.01, "tp": 0.0, "pp_next": 0.0},
-                      load1=1.0, steal=0.0, recent=windows)
+try:                  # the status file's own module (columns), where the commit has it
+    from trainmover.control import status_file as F  # noqa: E402
+except ImportError:
+    F = None
 
 
-def _write(run_dir: str, state: dict, latest: dict) -> None:
-    """The controller's status write, as this commit does it."""
+def _perf(role: str, rng: random.Random) -> P.StepPerf:
+    """A worker's measurements as a job's would be: times with all their digits."""
+    windows = [P.PerfWindow(i * 10 + 1, i * 10 + 10, rng.uniform(0.15, 0.25))
+               for i in range(P.PERF_HISTORY)]
+    return P.StepPerf(role=role, first_step=1, last_step=10, tenure_start=0,
+                      step_s=rng.uniform(0.15, 0.25), compute_s=rng.uniform(0.15, 0.25),
+                      wait_s={"dp": rng.uniform(0, 0.01), "tp": rng.uniform(0, 0.01),
+                              "pp_next": 0.0}, load1=1.0, steal=0.0, recent=windows)
+
+
+def _held(latest: dict) -> dict:
+    """Each worker's measurements as the controller holds them between writes (since the
+    status showed only the newest window: ``status_perf``, made by the straggler feed as it
+    reads them, not by the write)."""
     if hasattr(S, "status_perf"):
-        perf = {w: S.status_perf(p) for w, p in latest.items()}
-        st = S.status_from_state(state, perf, os.getpid(), 100, source="controller",
+        return {w: S.status_perf(p) for w, p in latest.items()}
+    return latest
+
+
+def _write(run_dir: str, state: dict, held: dict) -> None:
+    """The controller's status write, as this commit does it (``Saver._write_status``)."""
+    if F is not None:
+        data = F.status_columns(state, held, os.getpid(), 100, source="controller",
+                                recorded=True)
+        F.write_status_file(run_dir, data)
+        return
+    if hasattr(S, "status_perf"):
+        st = S.status_from_state(state, held, os.getpid(), 100, source="controller",
                                  recorded=True)
     else:
-        perf = {w: dataclasses.asdict(p) for w, p in latest.items()}
+        perf = {w: dataclasses.asdict(p) for w, p in held.items()}
         st = S.status_from_state(state, perf, os.getpid(), 100, source="controller")
     S.write_status_file(run_dir, st)
 
 
 def measure(n: int, repeats: int) -> dict:
     pid = os.getpid()       # alive: the former path probes it for every worker
+    roles = {f"w{i}": f"dp{i}.pp0.tp0" for i in range(n)}
     state = {"ctx": {"procs": NS(procs={f"w{i}": ProcView(False, 1, i // 8, pid, None)
                                         for i in range(n)}),
-                     "membership": NS(workers={f"w{i}": NS(name=f"dp{i}.pp0.tp0")
-                                               for i in range(n)}, standbys={}),
+                     "membership": NS(workers={w: NS(name=r) for w, r in roles.items()},
+                                      standbys={}),
                      "committed": 5, "epoch": 1},
              "migrations": {"active": None, "finished": []},
              "recovery": {"active": None, "done": []}}
-    latest = {f"w{i}": _perf() for i in range(n)}
+    rng = random.Random(0)
+    held = _held({w: _perf(r, rng) for w, r in roles.items()})
     times = []
     with tempfile.TemporaryDirectory() as run_dir:
         for _ in range(repeats):
             t0 = time.perf_counter()
-            _write(run_dir, state, latest)
+            _write(run_dir, state, held)
             times.append(time.perf_counter() - t0)
-        size = os.path.getsize(os.path.join(run_dir, S.STATUS_FILE))
+        size = os.path.getsize(os.path.join(run_dir, S.STATUS_FILE if F is None
+                                            else F.STATUS_FILE))
     return {"workers": n, "median_s": statistics.median(times), "min_s": min(times),
             "max_s": max(times), "file_bytes": size}
 

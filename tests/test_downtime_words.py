@@ -51,7 +51,8 @@ MIGRATION = {"status": "done", "migration_id": 1, "switch_step": 9, "downtime_s"
 
 @pytest.mark.timeout(30)
 def test_a_running_jobs_status_words_its_newest_migration(tmp_path):
-    from trainmover.control.status import JobStatus, render
+    from trainmover.control.status import render
+    from trainmover.control.status_file import JobStatus
 
     st_ = JobStatus(committed_step=12, epoch=1, workers=[], standbys=[], controller_pid=None,
                     controller_alive=False, migration_in_flight=None, recovery_in_flight=None,

@@ -20,6 +20,7 @@ import pytest
 
 from trainmover.bench import netns
 from trainmover.bench.hosts import job_config, wait_for
+from trainmover.control.status_file import read_status_file
 from trainmover.core.events import read_jsonl
 
 from trainmover.bench.etcd_cluster import ETCD, EtcdCluster
@@ -64,13 +65,9 @@ def _steps(run_dir: str) -> int:
 
 
 def _all_warm(run_dir: str) -> bool:
-    try:
-        with open(os.path.join(run_dir, "status.json")) as f:
-            status = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return bool(status.get("standbys")) and all(s.get("state") == "warm"
-                                                for s in status["standbys"])
+    status = read_status_file(run_dir, 3600.0)      # its controller running, of any age
+    return status is not None and bool(status.standbys) and \
+        all(s.state == "warm" for s in status.standbys)
 
 
 @pytest.mark.timeout(600)

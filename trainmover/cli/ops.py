@@ -21,8 +21,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from trainmover.control.status import (ended, fresh_limit_s, read_status,
-                                           read_status_file, render, render_ended)
+    from trainmover.control.status import ended, read_status, render, render_ended
+    from trainmover.control.status_file import fresh_limit_s, read_status_file
 
     fresh_s = fresh_limit_s(args.run_dir)
     store = None

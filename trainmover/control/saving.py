@@ -18,7 +18,8 @@ from trainmover.control import snapshot_codec
 from trainmover.control.context import JobContext
 from trainmover.control.retention import Retention
 from trainmover.control.snapshot_codec import SNAPSHOT_CODEC
-from trainmover.control.status import STATUS_MAX_INTERVAL_S, status_from_state, write_status_file
+from trainmover.control.status_file import (STATUS_MAX_INTERVAL_S, status_columns,
+                                            write_status_file)
 from trainmover.core import protocol as P
 
 SET_BATCH = 1024          # keys of the outbox a request (flush)
@@ -96,8 +97,8 @@ class Saver:
                 self._status_at = time.monotonic()
                 self._write_status(state)
                 # the file is O(N): where writing it takes more than STATUS_CPU_SHARE of the
-                # controller's time it is written less often (about 20 us a worker here:
-                # 0.2-0.3 s at 16K workers), and says so (the reader's freshness follows it)
+                # controller's time it is written less often, and says so (the reader's
+                # freshness follows it)
                 self._status_every = max(ctx.cfg.controller.status_interval_s, min(
                     STATUS_MAX_INTERVAL_S,
                     (time.monotonic() - self._status_at) / STATUS_CPU_SHARE))
@@ -196,9 +197,9 @@ class Saver:
         keys = store.raw.num_keys() if hasattr(store, "raw") else None
         perf = self.perf()
         try:
-            status = status_from_state(state, perf, os.getpid(), keys, source="controller",
-                                       recorded=True)
-            status.interval_s = self._status_every
+            status = status_columns(state, perf, os.getpid(), keys, source="controller",
+                                    recorded=True)
+            status["interval_s"] = self._status_every
             write_status_file(self.run_dir, status)
         except OSError as exc:   # a full disk must not stop the job: status falls back
             self.ctx.events.emit("status_not_written", level="warning", error=str(exc))

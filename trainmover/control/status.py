@@ -2,9 +2,9 @@
 PIDs, the last committed step, what is in flight.
 
 Two sources, one shape (``JobStatus``): the controller writes ``<run dir>/status.json``
-(mode 0600) every ``controller.status_interval_s`` from its live state, which a reader
-takes without importing torch or touching the store (``trainmover status`` answers in tens
-of milliseconds); when that file is stale (the controller is down or being restarted),
+(mode 0600, ``status_file``) every ``controller.status_interval_s`` from its live state,
+which a reader takes without importing torch or touching the store (``trainmover status``
+answers in tens of milliseconds); when that file is stale (the controller is down or being restarted),
 ``read_status`` reads the controller's snapshot (the newest genuine copy of the store's and
 the run dir's, signed with the run's key: ``snapshot_codec``) and the agent's process
 records instead, so status works then too (the view is as of the last save)."""
@@ -13,136 +13,21 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 
+from trainmover.control.status_file import (JobStatus, read_status_file, status_columns,
+                                            status_from_columns)
 from trainmover.core import protocol as P
-from trainmover.core import rundir
 from trainmover.core.auth import read_valid
 from trainmover.core.proc import pid_alive
-
-STATUS_FILE = "status.json"
-# status.json older than this many of the controller's write intervals is stale (the
-# controller is down, or too busy to write it): the store is read instead
-STATUS_FRESH_INTERVALS = 3
-# The longest interval a controller writes status.json at, however many workers (a write of
-# 100K workers' status takes about 2 s here: every 40 s at its 5% share), and the longest a
-# reader honours whatever the file says
-STATUS_MAX_INTERVAL_S = 60.0
-
-
-@dataclass
-class ProcessStatus:
-    name: str
-    pid: int | None
-    node: int
-    alive: bool
-    role: str | None = None          # a worker's role
-    state: str | None = None         # a standby's state (starting, cold, warm, ...)
-    perf: dict | None = None         # a worker's newest step measurements (StepPerf)
-
-
-@dataclass
-class JobStatus:
-    committed_step: int
-    epoch: int
-    workers: list[ProcessStatus]
-    standbys: list[ProcessStatus]
-    controller_pid: int | None
-    controller_alive: bool
-    migration_in_flight: int | None          # its id
-    recovery_in_flight: int | None
-    migrations: list[dict] = field(default_factory=list)    # finished ones, as reported
-    recoveries: list[dict] = field(default_factory=list)
-    stragglers: list[dict] = field(default_factory=list)
-    store_keys: int | None = None
-    as_of: float | None = None               # when this view was taken (unix seconds)
-    source: str = "store"                    # "controller" (status.json) | "store"
-    interval_s: float | None = None          # how often the controller writes status.json
-
-    def free_standbys(self, state: str = "warm") -> list[str]:
-        return [s.name for s in self.standbys if s.state == state and s.alive]
 
 
 def status_from_state(state: dict, perf: dict[str, dict | None], controller_pid: int | None,
                       store_keys: int | None = None, source: str = "store",
                       recorded: bool = False) -> JobStatus:
-    """The status in a controller's state (``Coordinator._snapshot()``: live, or as read
-    back from the store); ``perf``: each worker's newest ``StepPerf`` as a dict.
-
-    ``recorded``: a process is alive while the agents' records say it runs (started, no
-    exit recorded): the controller's own view, kept current every round, on every host.
-    Otherwise (read back from the store while the controller is down) its PID is also
-    probed here: a process that died since the last save shows dead (on this host; another
-    host's PID means nothing here)."""
-    ctx, procs = state["ctx"], state["ctx"]["procs"]
-    m = ctx["membership"]
-
-    def proc(name: str, **extra) -> ProcessStatus:
-        view = procs.procs.get(name)
-        pid = view.pid if view is not None else None
-        alive = view is not None and view.code is None and pid is not None and \
-            (recorded or pid_alive(pid))
-        return ProcessStatus(name, pid, view.node if view is not None else 0, alive, **extra)
-
-    mig, rec = state["migrations"]["active"], state["recovery"]["active"]
-    return JobStatus(
-        committed_step=ctx["committed"], epoch=ctx["epoch"],
-        workers=[proc(w, role=r.name, perf=perf.get(w)) for w, r in sorted(m.workers.items())],
-        standbys=[proc(s, state=st.value) for s, st in sorted(m.standbys.items())],
-        controller_pid=controller_pid,
-        controller_alive=bool(controller_pid and pid_alive(controller_pid)),
-        migration_in_flight=None if mig is None else mig.plan.migration_id,
-        recovery_in_flight=None if rec is None else rec.recovery_id,
-        migrations=list(state["migrations"]["finished"]),
-        recoveries=list(state["recovery"]["done"]),
-        stragglers=list(state.get("stragglers", {}).get("found", [])),
-        store_keys=store_keys, as_of=time.time(), source=source)
-
-
-def write_status_file(run_dir: str, status: JobStatus) -> None:
-    """``status.json`` (mode 0600), replaced atomically (a reader never sees half of it),
-    not written through a symlink planted in its place. The dataclasses are encoded as
-    their fields by json's own encoder (``dataclasses.asdict`` copies every nested value
-    first: most of a 0.41 s write at 2,048 workers, ``benchmarks/status_write.py``)."""
-    rundir.write_atomic(os.path.join(run_dir, STATUS_FILE),
-                        json.dumps(status, default=P.json_fields).encode())
-
-
-def fresh_limit_s(run_dir: str) -> float:
-    """How old the job's status.json may be and still be read (its job.json's interval)."""
-    from trainmover.core import jobfile
-
-    path = os.path.join(run_dir, "job.json")
-    if not os.path.exists(path):
-        raise ValueError(f"{run_dir!r} holds no job (no job.json)")
-    cfg = jobfile.read_job(run_dir)
-    return STATUS_FRESH_INTERVALS * cfg.controller.status_interval_s
-
-
-def read_status_file(run_dir: str, max_age_s: float) -> JobStatus | None:
-    """The controller's ``status.json`` if it is at most ``max_age_s`` old and its writer
-    still runs; else None (read the store)."""
-    try:
-        with open(os.path.join(run_dir, STATUS_FILE)) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    # a controller of many workers writes the file less often than configured, and says so
-    every = data.get("interval_s")
-    if isinstance(every, (int, float)):
-        max_age_s = max(max_age_s, STATUS_FRESH_INTERVALS * min(every, STATUS_MAX_INTERVAL_S))
-    if time.time() - (data.get("as_of") or 0) > max_age_s:
-        return None
-    if not (data.get("controller_pid") and pid_alive(data["controller_pid"])):
-        return None
-    try:
-        data["workers"] = [ProcessStatus(**w) for w in data["workers"]]
-        data["standbys"] = [ProcessStatus(**s) for s in data["standbys"]]
-        return JobStatus(**data)
-    except TypeError:
-        return None     # written by another version: read the store
+    """The status in a controller's state, as the status file would hold it
+    (``status_file.status_columns``, whose arguments these are)."""
+    return status_from_columns(status_columns(state, perf, controller_pid, store_keys, source,
+                                              recorded))
 
 
 def read_status(run_dir: str, store=None) -> JobStatus:

@@ -35,8 +35,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from trainmover.control import client, maintenance
-from trainmover.control.status import (JobStatus, fresh_limit_s, read_status,
-                                       read_status_file)
+from trainmover.control.status import read_status
+from trainmover.control.status_file import JobStatus, fresh_limit_s, read_status_file
 from trainmover.core.accounting import downtime_phrase
 from trainmover.core.auth import load_secret
 from trainmover.core.config import DashboardConfig
