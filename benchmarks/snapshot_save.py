@@ -12,7 +12,12 @@ Timed, per size, the median (min-max) over REPEATS of ``SNAPSHOT_CODEC.dumps``:
 - first: the first save of that state;
 - unchanged: a save after only a number changed (the round's step);
 - one process changed: a save after one process's record was replaced (an exit seen);
-- one report came: a save after one more survivor's report was added.
+- one report came: a save after one more survivor's report was added;
+- 1/16 of the reports came: a save after 1/16 of the workers' reports were added (a round
+  of a recovery: in every part of the table);
+- 1/16 of the processes changed: a save after every 16th process record was replaced;
+- membership copied: a save after a migration's new membership (a copy of the old one,
+  one worker replaced) took the old one's place.
 """
 from __future__ import annotations
 
@@ -71,9 +76,23 @@ def measure(n: int) -> dict:
     proc = timed(lambda: SNAPSHOT_CODEC.dumps(state))
     state["recovery"].reports[f"w{n - 1}"] = P.FailureReport(6, "aborted", False, {})
     report = timed(lambda: SNAPSHOT_CODEC.dumps(state))
+    # a round of a recovery: 1/16 of the survivors' reports came, in every part of the table
+    for w in list(procs)[n // 2: n // 2 + n // 16]:
+        state["recovery"].reports[w] = P.FailureReport(6, "aborted", False, {})
+    reports = timed(lambda: SNAPSHOT_CODEC.dumps(state))
+    # 1/16 of the process records replaced (PIDs learnt, exits seen in one round)
+    for w in list(procs)[::16]:
+        procs[w] = dataclasses.replace(procs[w], pid=procs[w].pid + 1)
+    processes = timed(lambda: SNAPSHOT_CODEC.dumps(state))
+    # a migration's or recovery's new membership: a copy, one worker replaced
+    m = state["membership"].copy()
+    m.workers["s0"] = m.workers.pop("w0")
+    state["membership"] = m
+    copied = timed(lambda: SNAPSHOT_CODEC.dumps(state))
     size = len(SNAPSHOT_CODEC.dumps(state))
     return {"first_ms": first, "unchanged_ms": unchanged, "one_process_ms": proc,
-            "one_report_ms": report, "bytes": size}
+            "one_report_ms": report, "reports_ms": reports, "processes_ms": processes,
+            "membership_copy_ms": copied, "bytes": size}
 
 
 def cell(values: list[float]) -> str:
@@ -90,9 +109,11 @@ def main() -> None:
                             text=True, cwd=os.path.dirname(trainmover.__file__)).stdout.strip()
     print(f"commit {commit}")
     print("| workers | snapshot (MB) | first (ms) | unchanged (ms) | one process changed (ms) "
-          "| one report came (ms) |\n|---|---|---|---|---|---|")
+          "| one report came (ms) | 1/16 of the reports came (ms) | 1/16 of the processes "
+          "changed (ms) | membership copied (ms) |\n|---|---|---|---|---|---|---|---|---|")
     rows = []
-    keys = ("first_ms", "unchanged_ms", "one_process_ms", "one_report_ms")
+    keys = ("first_ms", "unchanged_ms", "one_process_ms", "one_report_ms", "reports_ms",
+            "processes_ms", "membership_copy_ms")
     for n in (int(s) for s in args.sizes.split(",")):
         runs = [measure(n) for _ in range(args.repeats)]
         row = {"workers": n, "bytes": runs[0]["bytes"],

@@ -24,11 +24,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import itertools
 import json
 import re
 import secrets
 import types
 import typing
+import weakref
 import zlib
 
 
@@ -61,19 +63,32 @@ def _shard(key) -> int:
     return zlib.crc32(str(key).encode()) % TABLE_SHARDS
 
 
+_STAMPS = itertools.count()     # every Table's change stamps (``Table.versions``)
+
+
 class Table(dict):
-    """A dict that counts its changes, by part of its keys (``versions``), so that
-    ``Codec.dumps`` encodes again only the parts that changed. Every change through its
+    """A dict that stamps its changes, by part of its keys (``versions``), so that
+    ``Codec.dumps`` encodes again only the parts that changed. A stamp is drawn from one
+    count for every table (``_STAMPS``): a part of a given stamp has one content, in the
+    table that stamped it and in its copies (which start at their origin's stamps), so a
+    copy changed one way and its origin another never share one. Every change through its
     methods counts; a value changed in place would not, so its values must be immutable
     (numbers, strings, enums, frozen dataclasses)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.versions = [0] * TABLE_SHARDS
+        self.versions = [next(_STAMPS)] * TABLE_SHARDS
+        # the table this one is a copy of, while it lives: a codec that wrote that one
+        # starts from its JSON (``Codec._encode_table``)
+        self.origin: weakref.ref | None = None
         if len(args) == 1 and not kwargs and isinstance(args[0], Table):
             # a copy (a membership's, at each migration and recovery): its parts as they
-            # are, not a checksum of every key again (15x slower at 64K workers)
-            self.shards: list[dict] = [dict(keys) for keys in args[0].shards]
+            # are, not a checksum of every key again (15x slower at 64K workers), and at
+            # the origin's stamps
+            source = args[0]
+            self.shards: list[dict] = [dict(keys) for keys in source.shards]
+            self.versions = list(source.versions)
+            self.origin = weakref.ref(source)
             return
         self.shards = [{} for _ in range(TABLE_SHARDS)]   # each part's keys
         for key in self:
@@ -85,7 +100,7 @@ class Table(dict):
             self.shards[i][key] = None
         else:
             self.shards[i].pop(key, None)
-        self.versions[i] += 1
+        self.versions[i] = next(_STAMPS)
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
@@ -113,7 +128,7 @@ class Table(dict):
         super().clear()
         for i in range(TABLE_SHARDS):
             self.shards[i].clear()
-            self.versions[i] += 1
+            self.versions[i] = next(_STAMPS)
 
     def update(self, *args, **kwargs):
         for key, value in dict(*args, **kwargs).items():
@@ -127,11 +142,16 @@ class Table(dict):
     def copy(self) -> "Table":
         return Table(self)
 
+    def __reduce__(self):
+        # pickled or deep-copied: a table of its own (new stamps, no origin to follow)
+        return (Table, (dict(self),))
 
-def _json(tree) -> str:
-    # encode() builds a fresh tree (no value appears twice in it): nothing to check for
-    # cycles
-    return json.dumps(tree, sort_keys=True, separators=(",", ":"), check_circular=False)
+
+# encode() builds a fresh tree (no value appears twice in it): nothing to check for cycles.
+# One encoder for every call: a table's entries are encoded one by one
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
+_json = _ENCODER.encode
+_key_json = json.encoder.encode_basestring_ascii    # a key's JSON, as _ENCODER writes it
 
 
 @dataclasses.dataclass(eq=False)
@@ -145,6 +165,21 @@ class _TableJSON:
         default_factory=lambda: [None] * TABLE_SHARDS)
     whole: str | None = None      # the table's JSON, inline
     refs: str | None = None       # the table as its parts' digests
+    # each part's entries as written: key -> value, key -> '"key":value' as JSON (two dicts,
+    # no pair objects: the second holds strings only, which the garbage collector skips).
+    # A part that changed is joined again from these, encoding only the entries whose value
+    # is another object (values are immutable): a recovery's reports or the process table
+    # change in most parts at once, a few entries in each
+    values: list[dict] = dataclasses.field(
+        default_factory=lambda: [{} for _ in range(TABLE_SHARDS)])
+    entries: list[dict] = dataclasses.field(
+        default_factory=lambda: [{} for _ in range(TABLE_SHARDS)])
+
+    def copy_for(self, table: Table) -> "_TableJSON":
+        """This JSON as that of ``table``, a copy of this one's table (``Table.origin``)."""
+        return _TableJSON(table, list(self.versions), list(self.texts), list(self.digests),
+                          self.whole, self.refs, [dict(v) for v in self.values],
+                          [dict(e) for e in self.entries])
 
 
 class Codec:
@@ -238,14 +273,16 @@ class Codec:
             return {"__table__": self._encode_dict(obj)}
         hit = self._tables.get(id(obj))
         if hit is None or hit.table is not obj:
-            hit = _TableJSON(obj)
+            hit = self._origin_json(obj) or _TableJSON(obj)
         versions, texts, digests = hit.versions, hit.texts, hit.digests
         parts, self._parts = self._parts, None     # a table inside one is written inline
         out, self._out = self._out, None
         try:
             for i, keys in enumerate(obj.shards):
                 if versions[i] != obj.versions[i]:
-                    texts[i] = _json(self._encode_dict({k: obj[k] for k in keys}))[1:-1]
+                    hit.values[i], hit.entries[i] = self._entries(
+                        obj, sorted(keys), hit.values[i], hit.entries[i])
+                    texts[i] = ",".join(hit.entries[i].values())
                     versions[i] = obj.versions[i]
                     digests[i] = hit.whole = hit.refs = None
         finally:
@@ -267,6 +304,45 @@ class Codec:
                 hit.whole = '{"__table__":{' + ",".join(t for t in texts if t) + "}}"
             self._parts.append(hit.whole)
         return f"table:{self._nonce}:{len(self._parts) - 1}"
+
+    def _origin_json(self, obj: Table) -> _TableJSON | None:
+        """The JSON the last ``dumps`` wrote of the table ``obj`` is a copy of, as
+        ``obj``'s (a new membership at each migration and recovery: its tables encoded
+        whole again were 30-70 ms a save at 4K workers)."""
+        source = obj.origin() if obj.origin is not None else None
+        hit = None if source is None else self._tables.get(id(source))
+        return hit.copy_for(obj) if hit is not None and hit.table is source else None
+
+    def _entries(self, table: Table, keys: list, before: dict,
+                 written: dict) -> tuple[dict, dict]:
+        """A part's values and entries (``_TableJSON``), in key order (as json's sort_keys
+        writes them), each entry kept from ``written`` while its value is the object
+        ``before`` holds."""
+        values = [table[key] for key in keys]
+        fresh = [i for i, (key, value) in enumerate(zip(keys, values, strict=True))
+                 if before.get(key) is not value or key not in written]
+        bad = [keys[i] for i in fresh
+               if not isinstance(keys[i], str) or keys[i].startswith("__")]
+        if bad:
+            raise SnapshotError(f"dict key {bad[0]!r}: keys must be strings not starting "
+                                f"with '__'")
+        texts = [written.get(key) for key in keys] if len(fresh) < len(keys) else \
+            [None] * len(keys)
+        for i, text in zip(fresh, self._values_json([values[i] for i in fresh]), strict=True):
+            texts[i] = f"{_key_json(keys[i])}:{text}"
+        return dict(zip(keys, values, strict=True)), dict(zip(keys, texts, strict=True))
+
+    def _values_json(self, values: list) -> list[str]:
+        """Each value's JSON, from one encoder call (one a value cost twice as much on a
+        table's first save): the values as an object under numbered keys that hold this
+        dump's nonce, which no value's text can hold, split at those keys."""
+        if len(values) < 2:
+            return [_json(self.encode(v)) for v in values]
+        mark = f"{self._nonce}:"
+        text = _json({f"{mark}{i:08d}": self.encode(v) for i, v in enumerate(values)})
+        pieces = text[1:-1].split(f'"{mark}')[1:]
+        # each piece: 8 digits, '":', the value's JSON, and a comma but after the last
+        return [piece[10:-1] for piece in pieces[:-1]] + [pieces[-1][10:]]
 
     def _check_registered(self, cls: type) -> None:
         if self.types.get(cls.__name__) is not cls:
