@@ -59,8 +59,10 @@ class Procs:
 
 
 def fake_ctx(clock):
-    cfg = SimpleNamespace(health=SimpleNamespace(check_interval_s=0.0, heartbeat_timeout_s=5.0,
-                                                 startup_timeout_s=30.0))
+    from trainmover.core.config import HealthConfig
+
+    cfg = SimpleNamespace(health=HealthConfig(check_interval_s=0.0, heartbeat_timeout_s=5.0,
+                                              startup_timeout_s=30.0))
     procs = Procs()
     return SimpleNamespace(cfg=cfg, store=Store(procs, clock), procs=procs, events=None,
                            membership=SimpleNamespace(standbys={"s0": C.StandbyState.RESERVED}))
@@ -136,9 +138,11 @@ def test_a_silence_wider_than_silence_max_hosts_waits_for_the_heartbeat_timeout(
     clock = Clock()
     monkeypatch.setattr(H, "time", clock)
     events = []
-    health_cfg = SimpleNamespace(heartbeat_timeout_s=3.0, startup_timeout_s=30.0,
-                                 heartbeat_interval_s=0.25, silence_max_hosts=2,
-                                 silence_s=lambda: 1.0)
+    from trainmover.core.config import HealthConfig
+
+    health_cfg = HealthConfig(heartbeat_timeout_s=3.0, startup_timeout_s=30.0,
+                              heartbeat_interval_s=0.25, silence_max_hosts=2)
+    assert health_cfg.silence_s(6) == 1.0 and health_cfg.timeout_s(6) == 3.0
     ctx = SimpleNamespace(
         cfg=SimpleNamespace(health=health_cfg, process=SimpleNamespace(etcd=False)),
         procs=SimpleNamespace(lost=set(), nnodes=6),
@@ -199,6 +203,61 @@ class Hosts:
 
     def delete_key(self, key):
         return self.beats.pop(key, None) is not None
+
+
+def test_hosts_beat_less_often_past_the_stores_budget_and_the_rules_wait_as_many_beats():
+    """Each agent writes its host's beat every heartbeat interval up to
+    ``host_beats_per_s`` beats a second for the job, every hosts / host_beats_per_s seconds
+    beyond; the silence and the timeout the controller applies count that many beats."""
+    from trainmover.core.config import HealthConfig
+
+    h = HealthConfig()
+    for hosts in (1, 8, 1000):                  # the defaults, as before, to 8,000 GPUs
+        assert (h.host_beat_interval_s(hosts), h.silence_s(hosts), h.timeout_s(hosts)) == \
+            (0.25, 1.0, 3.0)
+    assert (h.host_beat_interval_s(2048), h.silence_s(2048), h.timeout_s(2048)) == \
+        (0.512, 2.048, 4.096)
+    # 100K GPUs: 12,500 hosts' beats stay at 4,000 a second, every 3.1 s each
+    assert (h.host_beat_interval_s(12_500), h.silence_s(12_500), h.timeout_s(12_500)) == \
+        (3.125, 12.5, 25.0)
+    assert 12_500 / h.host_beat_interval_s(12_500) == h.host_beats_per_s
+    bad = HealthConfig(host_beats_per_s=0)
+    try:
+        bad.validate()
+    except ValueError as exc:
+        assert "host_beats_per_s" in str(exc)
+    else:
+        raise AssertionError("host_beats_per_s=0 accepted")
+
+
+def test_a_large_jobs_hosts_beating_seconds_apart_are_heard_and_a_silent_one_is_lost(
+        monkeypatch):
+    """With the hosts' beats 2 s apart (the store's budget for them reached), no host and no
+    worker is silent between two beats; a host that stops beating while the others are
+    heard is lost after its silence of four of those beats, not one second."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+    health, ctx, store = detector(clock, nodes=8)
+    ctx.cfg.health.host_beats_per_s = 4.0                  # 8 hosts: a beat every 2 s
+    assert ctx.cfg.health.silence_s(8) == 8.0
+    for _ in range(10):                                     # 19 s of beats 1.9 s apart
+        clock.now += 1.9
+        for node in range(8):
+            store.beat(node, 2)
+        assert health.detect(set()) == [] and not ctx.procs.lost
+    for _ in range(4):                                      # host 5 falls silent: 7.6 s
+        clock.now += 1.9
+        for node in range(8):
+            if node != 5:
+                store.beat(node, 2)
+        assert health.detect(set()) == [] and not ctx.procs.lost
+    clock.now += 1.9                                        # 9.5 s > 8 s
+    for node in range(8):
+        if node != 5:
+            store.beat(node, 2)
+    found = health.detect(set())
+    assert set(ctx.procs.lost) == {5} and {f.worker for f in found} == {"w10", "w11"}
+    assert all(f.kind == "host" for f in found)
 
 
 def detector(clock, nodes=3, per_node=2):

@@ -425,7 +425,8 @@ class Agent:
         # beat thread before the beat that announces them
         self._perfs = Perfs(on_reject=lambda name, why: self.events.emit(
             "message_rejected", key=f"channel of {name}", error=why, level="error"))
-        self._host_beat = HostBeat(client(), self.node, self.cfg.health.heartbeat_interval_s,
+        self._host_beat = HostBeat(client(), self.node,
+                                   self.cfg.health.host_beat_interval_s(self.cfg.hosts.nnodes),
                                    self.cfg.health.quiet_listed_s(),
                                    lambda: list(self.children.values()), self._perfs)
         # its processes' votes, relayed as one ballot a host (agent/votes.py), and the

@@ -105,7 +105,7 @@ class Health:
         self._looked_at = now
         stalled = self.stalled_for(now)
         timeout = self._heartbeat_timeout_s()
-        silence_s = health.silence_s()
+        silence_s = health.silence_s(ctx.procs.nnodes)
         self.read_hosts(now)
         found = {f.worker for f in out}
         # the workers to judge: the ones their hosts list as quiet, and every worker of a
@@ -214,9 +214,10 @@ class Health:
                 if pid is None:
                     continue
                 since = self._unbeaten.setdefault((name, pid), now)
-                if now - since > health.startup_timeout_s:
+                if now - since > max(health.startup_timeout_s, health.timeout_s(
+                        ctx.procs.nnodes)):
                     out.append((name, f"no heartbeat {now - since:.1f} s after it started"))
-            elif now - beat > health.heartbeat_timeout_s:
+            elif now - beat > health.timeout_s(ctx.procs.nnodes):
                 out.append((name, f"no heartbeat for {now - beat:.2f} s"))
         out = [(name, why) for name, why in out
                if (name, ctx.procs.procs[name].incarnation) not in self._reported]
@@ -230,7 +231,11 @@ class Health:
         when workers of the host were just found hung (the agent's last beat may have come
         a moment after its workers': the host, not the workers, failed). Returns them."""
         ctx, health = self.ctx, self.ctx.cfg.health
-        silence_s = health.silence_s()
+        hosts = ctx.procs.nnodes
+        # the hosts' beats come this often (less often than a worker's in a large job: the
+        # store's budget for them, ``health.host_beats_per_s``), and every rule counts them
+        beat_s, silence_s = health.host_beat_interval_s(hosts), health.silence_s(hosts)
+        timeout = health.timeout_s(hosts)
         self.read_hosts(now)
         quiet_of = {}
         # host 0 serves the built-in store (its loss ends the job anyway); with the store on
@@ -245,14 +250,13 @@ class Health:
         fresh = sum(1 for q, _ in quiet_of.values() if q < silence_s)
         found = {}
         for node, (quiet, started) in quiet_of.items():
-            if started and quiet <= min(2 * health.heartbeat_interval_s, silence_s,
-                                        health.heartbeat_timeout_s):
+            if started and quiet <= min(2 * beat_s, silence_s, timeout):
                 continue                            # heard lately: most hosts, at a look
             if not started:
-                why = quiet > health.startup_timeout_s and "never connected"
-            elif quiet > health.heartbeat_timeout_s:
+                why = quiet > max(health.startup_timeout_s, timeout) and "never connected"
+            elif quiet > timeout:
                 why = "its agent's heartbeat stopped"
-            elif node in hung and quiet > 2 * health.heartbeat_interval_s:
+            elif node in hung and quiet > 2 * beat_s:
                 why = "its workers hung and its agent fell silent"
             else:
                 others = len(beating) > 1 or bool(beating) and node not in beating or \
@@ -280,7 +284,8 @@ class Health:
             self._wide.add(whose)
             self.ctx.events.emit("wide_silence", whose=whose, hosts=len(nodes),
                                  first=sorted(nodes)[:8], level="warning",
-                                 waited_to_s=self.ctx.cfg.health.heartbeat_timeout_s)
+                                 waited_to_s=self.ctx.cfg.health.timeout_s(
+                                     self.ctx.procs.nnodes))
         return False
 
     def _declare_lost(self, node: int, why: str) -> None:
@@ -313,9 +318,10 @@ class Health:
         """The liveness timeout once the job committed a step since it last changed; the
         longer start-up timeout before that."""
         health, records = self.ctx.cfg.health, self.ctx.progress.records
+        timeout = health.timeout_s(self.ctx.procs.nnodes)
         if records and records[-1]["time"] > self.ctx.steady_since:
-            return health.heartbeat_timeout_s
-        return health.startup_timeout_s
+            return timeout
+        return max(health.startup_timeout_s, timeout)
 
     def stalled_for(self, now: float) -> float | None:
         health = self.ctx.cfg.health

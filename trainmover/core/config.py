@@ -481,6 +481,13 @@ class HealthConfig:
     # The least time (seconds) before the watchdog calls a heartbeat silent, whatever
     # silence_beats gives (one late beat is scheduling noise).
     silence_floor_s: float = 1.0
+    # The most host beats a second the job's store is given: each host's agent writes one
+    # key a beat, every heartbeat_interval_s up to host_beats_per_s x heartbeat_interval_s
+    # hosts (1,000 by default), every hosts / host_beats_per_s seconds beyond (12,500 hosts:
+    # 3.1 s), and the host rules wait as many of those beats (``host_beat_interval_s``):
+    # a store's one thread serves ~50K requests a second, which 12,500 hosts beating four
+    # times a second would take whole. Higher: a lost host found sooner at that scale.
+    host_beats_per_s: float = 4000.0
     # The most hosts the watchdog's silence rule (and a silent agent's while other hosts are
     # heard) fences in one check. A silence wider than that is waited out to
     # heartbeat_timeout_s: independent hangs on that many hosts within one silence interval
@@ -506,10 +513,21 @@ class HealthConfig:
     # evaluation). 0: not judged.
     main_stall_s: float = 600.0
 
-    def silence_s(self) -> float:
+    def host_beat_interval_s(self, hosts: int) -> float:
+        """How often each of ``hosts`` agents writes its host's beat (``host_beats_per_s``)."""
+        return max(self.heartbeat_interval_s, hosts / self.host_beats_per_s)
+
+    def silence_s(self, hosts: int = 1) -> float:
         """How long a heartbeat may pause before the step watchdog may call it silent: a few
-        missed beats, never under the floor (one late beat is scheduling noise)."""
-        return max(self.silence_floor_s, self.silence_beats * self.heartbeat_interval_s)
+        missed beats, never under the floor (one late beat is scheduling noise). The
+        controller hears a worker through its host's beats: in a job of ``hosts``, a few of
+        those."""
+        return max(self.silence_floor_s, self.silence_beats * self.host_beat_interval_s(hosts))
+
+    def timeout_s(self, hosts: int = 1) -> float:
+        """``heartbeat_timeout_s`` as applied in a job of ``hosts``: never under twice its
+        silence (``silence_s``), whose host beats may come seconds apart."""
+        return max(self.heartbeat_timeout_s, 2 * self.silence_s(hosts))
 
     def quiet_listed_s(self) -> float:
         """After how long without a beat an agent lists a process in its host's beat
@@ -529,7 +547,8 @@ class HealthConfig:
             raise ValueError(f"health.stall_factor must be >= 1 and stall_floor_s > 0, got "
                              f"{self.stall_factor!r} and {self.stall_floor_s!r}")
         _positive("health", silence_beats=self.silence_beats,
-                  silence_max_hosts=self.silence_max_hosts)
+                  silence_max_hosts=self.silence_max_hosts,
+                  host_beats_per_s=self.host_beats_per_s)
         _non_negative("health", verify_every=self.verify_every)
         if self.main_stall_s and self.main_stall_s < 2.0:
             # a survivor waiting for its recovery plan shows progress once a second
