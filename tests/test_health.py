@@ -221,6 +221,8 @@ def test_hosts_beat_less_often_past_the_stores_budget_and_the_rules_wait_as_many
     assert (h.host_beat_interval_s(12_500), h.silence_s(12_500), h.timeout_s(12_500)) == \
         (3.125, 12.5, 25.0)
     assert 12_500 / h.host_beat_interval_s(12_500) == h.host_beats_per_s
+    # a silence floor raised by the user leaves the timeout as set below 1,000 hosts
+    assert HealthConfig(silence_floor_s=5.0).timeout_s(512) == 3.0
     bad = HealthConfig(host_beats_per_s=0)
     try:
         bad.validate()

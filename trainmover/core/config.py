@@ -525,9 +525,10 @@ class HealthConfig:
         return max(self.silence_floor_s, self.silence_beats * self.host_beat_interval_s(hosts))
 
     def timeout_s(self, hosts: int = 1) -> float:
-        """``heartbeat_timeout_s`` as applied in a job of ``hosts``: never under twice its
-        silence (``silence_s``), whose host beats may come seconds apart."""
-        return max(self.heartbeat_timeout_s, 2 * self.silence_s(hosts))
+        """``heartbeat_timeout_s`` as applied in a job of ``hosts``, whose host beats may
+        come seconds apart: never under twice ``silence_beats`` of them."""
+        return max(self.heartbeat_timeout_s,
+                   2 * self.silence_beats * self.host_beat_interval_s(hosts))
 
     def quiet_listed_s(self) -> float:
         """After how long without a beat an agent lists a process in its host's beat
