@@ -223,13 +223,15 @@ def test_hosts_beat_less_often_past_the_stores_budget_and_the_rules_wait_as_many
     assert 12_500 / h.host_beat_interval_s(12_500) == h.host_beats_per_s
     # a silence floor raised by the user leaves the timeout as set below 1,000 hosts
     assert HealthConfig(silence_floor_s=5.0).timeout_s(512) == 3.0
-    bad = HealthConfig(host_beats_per_s=0)
-    try:
-        bad.validate()
-    except ValueError as exc:
-        assert "host_beats_per_s" in str(exc)
-    else:
-        raise AssertionError("host_beats_per_s=0 accepted")
+    h.validate()
+    HealthConfig(host_beats_per_s=2500.5).validate()
+    for bad in (0, -1.0, "many"):
+        try:
+            HealthConfig(host_beats_per_s=bad).validate()
+        except ValueError as exc:
+            assert f"health.host_beats_per_s must be > 0, got {bad!r}" in str(exc)
+        else:
+            raise AssertionError(f"host_beats_per_s={bad!r} accepted")
 
 
 def test_a_large_jobs_hosts_beating_seconds_apart_are_heard_and_a_silent_one_is_lost(

@@ -548,8 +548,8 @@ class HealthConfig:
             raise ValueError(f"health.stall_factor must be >= 1 and stall_floor_s > 0, got "
                              f"{self.stall_factor!r} and {self.stall_floor_s!r}")
         _positive("health", silence_beats=self.silence_beats,
-                  silence_max_hosts=self.silence_max_hosts,
-                  host_beats_per_s=self.host_beats_per_s)
+                  silence_max_hosts=self.silence_max_hosts)
+        _seconds("health", host_beats_per_s=self.host_beats_per_s)    # any number > 0
         _non_negative("health", verify_every=self.verify_every)
         if self.main_stall_s and self.main_stall_s < 2.0:
             # a survivor waiting for its recovery plan shows progress once a second
