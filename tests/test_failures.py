@@ -121,6 +121,52 @@ def test_hang_is_detected_within_the_bound_and_fenced(tmp_path, baseline, watchd
 
 
 @pytest.mark.timeout(300)
+def test_with_host_beats_seconds_apart_a_hang_waits_that_many_beats_and_nothing_else_does(
+        tmp_path, baseline):
+    """The store's budget for host beats reached (``health.host_beats_per_s`` 1 a second,
+    as 12,500 hosts at the default budget would be): the agent beats once a second, not
+    every 0.25 s, the heartbeat timeout applied is 8 of those beats, no healthy worker is
+    taken for silent meanwhile, and a hang is fenced once that timeout passed."""
+    import threading
+    import time
+
+    from trainmover.control.client import connect
+    from trainmover.core import protocol as P
+
+    cfg = with_faults(job(health_host_beats_per_s=1.0), Inject("hang", 5, "w2", "backward"))
+    cfg.health.stall_floor_s = 1000.0        # the heartbeat timeout alone
+    bound = cfg.health.timeout_s(cfg.hosts.nnodes)
+    assert cfg.health.host_beat_interval_s(cfg.hosts.nnodes) == 1.0 and bound == 8.0
+    run_dir = str(tmp_path / "run")
+    seqs = []
+
+    def watch_beats():                       # host 0's beat number, over 3 s of the run
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(seqs) < 2:
+            try:
+                store = connect(run_dir)
+                raw = store.valid(P.agent_key(0, "hb"))
+                if raw is not None:
+                    seqs.append((time.monotonic(), P.read_message(P.HostBeat, raw).seq))
+                    time.sleep(3.0)
+                    continue
+            except (ValueError, OSError, RuntimeError):
+                pass
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch_beats, daemon=True)
+    watcher.start()
+    summary = run_job(cfg, run_dir, quiet=True, timeout_s=300)
+    watcher.join(10)
+    rec = check_recovered(summary, "hang", "replica:")
+    assert list(rec["failures"]) == ["w2"] and summary["weights_sha256"] == baseline
+    latency = rec["detection_latency_s"]["w2"]
+    assert bound - 1.0 < latency < bound + 2.0, latency
+    (t0, s0), (t1, s1) = seqs
+    assert (s1 - s0) / (t1 - t0) < 1.6, seqs          # once a second, not four times
+
+
+@pytest.mark.timeout(300)
 # the forward point is on demand: the same watchdog at another place in the step
 @pytest.mark.parametrize("point", [pytest.param("forward", marks=pytest.mark.slow), "optimizer"])
 def test_a_wedged_main_thread_is_fenced_though_its_heartbeat_thread_runs(tmp_path, baseline,
