@@ -4,10 +4,10 @@ PIDs, the last committed step, what is in flight.
 Two sources, one shape (``JobStatus``): the controller writes ``<run dir>/status.json``
 (mode 0600, ``status_file``) every ``controller.status_interval_s`` from its live state,
 which a reader takes without importing torch or touching the store (``trainmover status``
-answers in tens of milliseconds); when that file is stale (the controller is down or being restarted),
-``read_status`` reads the controller's snapshot (the newest genuine copy of the store's and
-the run dir's, signed with the run's key: ``snapshot_codec``) and the agent's process
-records instead, so status works then too (the view is as of the last save)."""
+answers in tens of milliseconds); when that file is stale (the controller is down or being
+restarted), ``read_status`` reads the controller's snapshot (the newest genuine copy of the
+store's and the run dir's, signed with the run's key: ``snapshot_codec``) and the agent's
+process records instead, so status works then too (the view is as of the last save)."""
 from __future__ import annotations
 
 import json

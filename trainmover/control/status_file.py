@@ -3,10 +3,10 @@
 
 The file holds the processes as columns, one list a field (a process's row is its index in
 each), and the step measurements' times as whole microseconds. Written as one object a
-worker, the file took 0.13-0.26 s of the controller's round to encode at 16,384 workers:
-json's callback for each worker's dataclass, the field names repeated in every row and,
-most of it, the shortest decimal form of every float; as columns of integers a few times
-less (``benchmarks/status_write.py``). The reader turns the columns back into rows, so the
+worker, a write took 0.17-0.19 s of the controller's round at 16,384 workers (json's
+callback for each worker's dataclass, the field names repeated in every row, the shortest
+decimal form of every float); as columns of integers 0.07 s (``benchmarks/status_write.py``,
+results/status_write_columns.md). The reader turns the columns back into rows, so the
 shape seen by everything else (``status --json``, the dashboard) is ``JobStatus`` as before.
 A microsecond is finer than anything the status shows (step times in milliseconds)."""
 from __future__ import annotations

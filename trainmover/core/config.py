@@ -457,8 +457,9 @@ class HealthConfig:
     # Failure handling on: heartbeats, the commit vote, abortable waits, detection and
     # recovery. Off: any worker failure ends the job.
     recover: bool = True
-    # How often (seconds) each worker, and each agent of a host other than 0, bumps its
-    # heartbeat counter in the store; below heartbeat_timeout_s.
+    # How often (seconds) each worker beats to its host's agent, and each agent writes its
+    # host's beat to the store (less often past host_beats_per_s x this many hosts); below
+    # heartbeat_timeout_s.
     heartbeat_interval_s: float = 0.25
     # A worker whose heartbeat has not moved for this long (seconds) is hung and fenced (an
     # agent's: its host is lost), once the job committed a step since it last started or
