@@ -18,6 +18,7 @@ from trainmover.control.context import JobContext
 from trainmover.core import decisions as C
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, seal
+from trainmover.core.config import HealthConfig
 from trainmover.core.proc import pid_alive
 from trainmover.worker.liveness import Heartbeat
 
@@ -69,9 +70,9 @@ def controller_ctx(server, pids: dict[str, int], nnodes: int = 1):
     ctx.store = AuthStore(client(server), KEY, on_reject=lambda key, exc: ctx.events.emit(
         "message_rejected", key=key, error=str(exc)))
     ctx.read = lambda cls, key: JobContext.read(ctx, cls, key)
-    ctx.cfg = SimpleNamespace(health=SimpleNamespace(
+    ctx.cfg = SimpleNamespace(health=HealthConfig(
         check_interval_s=0.0, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
-        startup_timeout_s=30.0, silence_s=lambda: 1.0), process=SimpleNamespace(etcd=""))
+        startup_timeout_s=30.0), process=SimpleNamespace(etcd=""))
     procs = {name: SimpleNamespace(node=0, incarnation=1, code=None, pid=pid)
              for name, pid in pids.items()}
     lost = []
