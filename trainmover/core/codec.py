@@ -13,8 +13,9 @@ the entries whose value is another object; a copy of a table (a new membership) 
 from the JSON of the table it copies. The controller saves its snapshot every busy round,
 and most of it is tables of a line a worker that rarely change (who holds which role,
 which process runs where): encoding them again each time was 0.2-0.3 s a save at 16K
-workers, the most of a round; a round of a recovery, whose reports and process records
-change a few in every part, or a new membership, 30-80 ms, by part.
+workers, the most of a round; encoded by whole part, a round of a recovery (a few of its
+reports or process records changed in every part) or a new membership still took 30-115
+ms a save at 4K workers.
 
 A large table can also be written as *parts*: ``dumps(state, parts={}, part_min_bytes=n)``
 puts each part's JSON in ``parts`` under its digest and writes the table as the list of its parts'
