@@ -264,6 +264,35 @@ def test_a_large_jobs_hosts_beating_seconds_apart_are_heard_and_a_silent_one_is_
     assert all(f.kind == "host" for f in found)
 
 
+def test_the_hosts_keys_are_read_less_often_as_their_beats_come_less_often(monkeypatch):
+    """A look reads every host's key: at every check interval (0.05 s) while the hosts beat
+    every heartbeat interval (0.25 s), every 0.4 s when their beats come 2 s apart (the
+    store's budget for them reached: 12,500 hosts' reads at every check were 250,000 keys a
+    second)."""
+    clock = Clock()
+    monkeypatch.setattr(H, "time", clock)
+
+    def reads(beats_per_s: float) -> int:
+        health, ctx, store = detector(clock, nodes=8)
+        ctx.cfg.health.host_beats_per_s = beats_per_s
+        ctx.cfg.health.check_interval_s = 0.05
+        count = [0]
+        inner = store.try_multi_get
+
+        def counted(keys):
+            count[0] += any(k.endswith("/hb") for k in keys)
+            return inner(keys)
+
+        store.try_multi_get = counted
+        for _ in range(80):                               # 4 s, a look every 0.051 s
+            clock.now += 0.051
+            health.detect(set())
+        return count[0]
+
+    assert reads(4000.0) == 80                            # 8 hosts: beats every 0.25 s
+    assert 9 <= reads(4.0) <= 11                          # every 2 s: a look every 0.4 s
+
+
 def detector(clock, nodes=3, per_node=2):
     """A controller's detector over ``nodes`` hosts of ``per_node`` workers each, every
     worker started (its PID known), every host heard once with all of its workers beating."""

@@ -330,10 +330,14 @@ class Health:
                            health.stall_factor, health.stall_floor_s)
 
     def read_hosts(self, now: float) -> None:
-        """Read every live host's beat (at most once per ``check_interval_s``): a host's
-        own beat, and its processes', move when a genuine newer value says so."""
-        ctx = self.ctx
-        if now - self._hosts_read_at < ctx.cfg.health.check_interval_s:
+        """Read every live host's beat (at most once per ``check_interval_s``, stretched as
+        the hosts' beats are past the store's budget for them: a look reads every host's
+        key, and the beats come no faster): a host's own beat, and its processes', move when
+        a genuine newer value says so."""
+        ctx, health = self.ctx, self.ctx.cfg.health
+        every = health.check_interval_s * health.host_beat_interval_s(ctx.procs.nnodes) / \
+            health.heartbeat_interval_s
+        if now - self._hosts_read_at < every:
             return
         self._hosts_read_at = now
         nodes = [n for n in range(ctx.procs.nnodes) if n not in ctx.procs.lost]
