@@ -214,8 +214,7 @@ class Health:
                 if pid is None:
                     continue
                 since = self._unbeaten.setdefault((name, pid), now)
-                if now - since > max(health.startup_timeout_s, health.timeout_s(
-                        ctx.procs.nnodes)):
+                if now - since > health.startup_s(ctx.procs.nnodes):
                     out.append((name, f"no heartbeat {now - since:.1f} s after it started"))
             elif now - beat > health.timeout_s(ctx.procs.nnodes):
                 out.append((name, f"no heartbeat for {now - beat:.2f} s"))
@@ -253,7 +252,7 @@ class Health:
             if started and quiet <= min(2 * beat_s, silence_s, timeout):
                 continue                            # heard lately: most hosts, at a look
             if not started:
-                why = quiet > max(health.startup_timeout_s, timeout) and "never connected"
+                why = quiet > health.startup_s(hosts) and "never connected"
             elif quiet > timeout:
                 why = "its agent's heartbeat stopped"
             elif node in hung and quiet > 2 * beat_s:
@@ -318,10 +317,10 @@ class Health:
         """The liveness timeout once the job committed a step since it last changed; the
         longer start-up timeout before that."""
         health, records = self.ctx.cfg.health, self.ctx.progress.records
-        timeout = health.timeout_s(self.ctx.procs.nnodes)
+        hosts = self.ctx.procs.nnodes
         if records and records[-1]["time"] > self.ctx.steady_since:
-            return timeout
-        return max(health.startup_timeout_s, timeout)
+            return health.timeout_s(hosts)
+        return health.startup_s(hosts)
 
     def stalled_for(self, now: float) -> float | None:
         health = self.ctx.cfg.health

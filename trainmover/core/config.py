@@ -531,6 +531,10 @@ class HealthConfig:
         return max(self.heartbeat_timeout_s,
                    2 * self.silence_beats * self.host_beat_interval_s(hosts))
 
+    def startup_s(self, hosts: int = 1) -> float:
+        """``startup_timeout_s`` as applied in a job of ``hosts``: never under ``timeout_s``."""
+        return max(self.startup_timeout_s, self.timeout_s(hosts))
+
     def quiet_listed_s(self) -> float:
         """After how long without a beat an agent lists a process in its host's beat
         (``P.HostBeat.quiet``): one and a half heartbeat intervals (a process on time is
