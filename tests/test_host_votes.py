@@ -128,6 +128,30 @@ def test_forged_host_ballots_and_a_forged_count_commit_nothing(job):
 
 
 @pytest.mark.timeout(60)
+def test_a_forged_decision_planted_first_is_waited_past(job):
+    """An unsigned "commit" sits at the step's decision key before anyone votes, and one
+    voter never comes: the relays' waits (a get that returns the planted value at once) do
+    not take it, and every voter hears the controller's genuine "abort", which replaces
+    it; the relays kept looking at the ballots meanwhile, not spinning on the store."""
+    raw = job.server.client()
+    decision = P.commit_key(2, 4, "decision")
+    raw.set(decision, b"commit")
+    threads, out = vote_all(job, ["w0", "w1", "w2"], epoch=2, step=4)
+    time.sleep(0.6)
+    assert not out
+    before = job.server.server.requests
+    time.sleep(0.5)
+    # two relays polling the planted value every FORGED_POLL_S (a get and a ballot read):
+    # ~40 requests in 0.5 s; spinning on it would be thousands
+    assert job.server.server.requests - before < 200
+    store = job.stores.get()
+    assert store.compare_set(decision, "", "abort") == b"abort"
+    for t in threads:
+        t.join(10)
+    assert out == {"w0": False, "w1": False, "w2": False}
+
+
+@pytest.mark.timeout(60)
 def test_the_channels_count_beats_and_hand_on_votes():
     votes = []
     channels = Channels(lambda child, epoch, step, voter: votes.append((child.name, epoch,

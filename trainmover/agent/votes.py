@@ -289,8 +289,11 @@ class VoteRelay:
         while True:
             often = st.count >= self.num_voters - len(st.sent)
             try:
-                store.raw.wait([decision], timedelta(seconds=RECHECK_S if often
-                                                     else RECHECK_ALL_S))
+                # the wait and the read in one request: every host's is answered at the
+                # decision, one after another by the store's one thread (2,048 hosts: a
+                # wait then a read took ~2,000 requests more on each step's path)
+                value = store.await_value(decision, timedelta(seconds=RECHECK_S if often
+                                                              else RECHECK_ALL_S))
             except StoreTimeout:
                 now = time.monotonic()
                 if often or self._deputy(key) or now - read_at >= full_every or \
@@ -298,7 +301,6 @@ class VoteRelay:
                     read_at = now
                     self._decide(store, key, st)
                 continue
-            value = store.valid(decision)
             if value is not None:
                 return value
             time.sleep(FORGED_POLL_S)          # forged: the genuine one overwrites it

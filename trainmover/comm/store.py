@@ -50,8 +50,10 @@ class KVStore(dist.Store):
     def set(self, key: str, value) -> None:
         self._do(self._client.set, key, _bytes(value))
 
-    def get(self, key: str) -> bytes:
-        return self._do(self._client.get, key)
+    def get(self, key: str, timeout: timedelta | None = None) -> bytes:
+        """torch's get, waiting for the key up to the store's timeout; or up to ``timeout``
+        (not torch's: ``AuthStore.await_value``)."""
+        return self._do(self._client.get, key, timeout)
 
     def add(self, key: str, value: int) -> int:
         return self._do(self._client.add, key, value)

@@ -32,6 +32,7 @@ import hmac
 import os
 import secrets as _secrets
 import time
+from datetime import timedelta
 
 from trainmover.core import kvstore, rundir
 from trainmover.core.protocol import MessageError
@@ -169,6 +170,13 @@ class AuthStore:
         except AuthError as exc:
             self._reject(key, exc)
             return None
+
+    def await_value(self, key: str, timeout: timedelta) -> bytes | None:
+        """The key's value as soon as it exists, in one request (a ``get`` that waits): None
+        where it is not genuine (reported to ``on_reject``); ``StoreTimeout`` when the key
+        is not there within ``timeout``. A forged value planted first is answered at once:
+        the caller looks again after its own poll."""
+        return self.genuine(key, self.raw.get(key, timeout))
 
     def wait_valid(self, key: str, poll_s: float = WAIT_VALID_POLL_S) -> bytes:
         """Wait, up to the store's timeout, until the key holds a genuine value: one that
@@ -320,6 +328,9 @@ class PlainStore:
 
     def valid(self, key: str) -> bytes | None:
         return self.raw.get(key) if self.raw.check([key]) else None
+
+    def await_value(self, key: str, timeout: timedelta) -> bytes | None:
+        return self.raw.get(key, timeout)
 
     def wait_valid(self, key: str) -> bytes:
         self.raw.wait([key])

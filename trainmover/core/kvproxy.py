@@ -135,15 +135,14 @@ class KVProxy(KVServer):
 
     def _up_read(self) -> None:
         try:
-            data = self._up.sock.recv(1 << 20)
-        except (BlockingIOError, InterruptedError):
-            return
+            n = self.read_some(self._up)
         except OSError as exc:
             return self._lost(f"{exc}")
-        if not data:
+        if n is None:
+            return
+        if not n:
             return self._lost("the store closed the connection")
         buf = self._up.inbuf
-        buf += data
         while len(buf) >= 4:
             (size,) = FRAME.unpack_from(buf, 0)
             if len(buf) < 4 + size:
