@@ -107,6 +107,28 @@ def test_only_distinct_genuine_ballots_count():
     assert store.ballot_voters("commit/0/5/ballots") == {"w0", "w1"}
 
 
+def test_a_host_ballot_counts_its_voters_only_as_signed_for_that_host_and_step():
+    """Host ballots (``host:<node>:<voters>``) next to lines made to look like them: one
+    signed for another host, one for another step, one with its names changed after
+    signing, one with no ``:`` after the node, bytes that are no text, a truncated MAC."""
+    raw = DictStore()
+    raw.append = lambda key, value: raw.values.__setitem__(key, raw.values.get(key, b"") + value)
+    store = AuthStore(raw, SECRET)
+    key = "commit/3/9/ballots"
+    store.cast_host_ballot(key, 0, ["w0", "w1"])
+    store.cast_ballot(key, "w2")                                   # a voter's own ballot
+    as_host1 = seal(SECRET, f"{key}#host:1", "host:2:w5,w6")       # signed for host 1
+    other_step = seal(SECRET, "commit/3/8/ballots#host:3", "host:3:w7")
+    changed = seal(SECRET, f"{key}#host:4", "host:4:w8").replace(b"w8", b"w9")
+    no_colon = seal(SECRET, f"{key}#host:5w10", "host:5w10")
+    junk = b"tm1:" + b"f" * 64 + b":host:6:\xff\xfe"
+    short = seal(SECRET, f"{key}#host:7", "host:7:w11")[:40]
+    for line in (as_host1, other_step, changed, no_colon, junk, short):
+        raw.append(key, b"\n" + line + b"\n")
+    store.cast_host_ballot(key, 8, ["w12"])
+    assert store.ballot_voters(key) == {"w0", "w1", "w2", "w12"}
+
+
 def test_junk_planted_before_the_vote_does_not_swallow_the_first_ballot():
     """Bytes with no newline of their own set at a step's ballots key before anyone votes
     (the attack test's replayed decision): the first ballot appended after them still

@@ -321,7 +321,8 @@ BENCH_GROUPS = [
     ("Cost per step", [
         "step", "example_overhead", "example_overhead_torch_ddp", "example_overhead_torch_fsdp",
         "example_overhead_torch_fsdp-before-future-wait", "example_overhead_torch_fsdp_tp",
-        "example_overhead_torch_pipeline", "control_cpu", "vote_cost", "store_latency",
+        "example_overhead_torch_pipeline", "control_cpu", "vote_cost", "vote_hosts_store",
+        "store_latency",
         "store_step_before_after", "control_step_before_after"]),
     ("torch examples' downtime", ["example_downtime_torch_fsdp_tp"]),
     ("Stragglers and rolling maintenance", [
