@@ -329,7 +329,8 @@ BENCH_GROUPS = [
         "straggler", "straggler_false_positives", "straggler_results", "ettr_10min", "ettr",
         "ettr_prestarted", "ettr_results"]),
     ("Hosts, scale and endurance", [
-        "hosts", "store_etcd", "control", "control_hostbeats", "control_flat",
+        "hosts", "store_etcd", "control", "control_store_fixes", "control_hostbeats",
+        "control_flat",
         "control_scaling",
         "control_4096", "report-fencing-before-after", "projection", "projection-quick",
         "store_keys", "soak",
