@@ -258,8 +258,11 @@ def main() -> None:
     print(table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        meta = {"command": "python benchmarks/vote_hosts.py " + " ".join(sys.argv[1:]),
-                "commit": _commit(), "rows": results}
+        # ``trainmover project --vote-hosts`` reads it (bench/scaling.py)
+        meta = {"benchmark": "vote_hosts",
+                "command": "python benchmarks/vote_hosts.py " + " ".join(sys.argv[1:]),
+                "commit": _commit(), "voters_per_host": args.voters_per_host,
+                "rows": results}
         with open(os.path.join(args.out, args.name + ".json"), "w") as f:
             json.dump(meta, f, indent=1)
         with open(os.path.join(args.out, args.name + ".md"), "w") as f:

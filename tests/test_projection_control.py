@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from trainmover.bench.project import FLAT, Cluster, EventCosts, project, write_projection
+from trainmover.bench.project import (FLAT, STORE_VOTE, Cluster, EventCosts, project,
+                                      write_projection)
 from trainmover.bench.scaling import (ControlScaling, PowerLaw, control_from_bench,
-                                      fit_power_law)
+                                      fit_power_law, store_vote_from_file)
 from trainmover.cli import main
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -138,3 +139,65 @@ def test_project_command_rejects_bad_control_files(tmp_path, capsys):
     result = json.loads((tmp_path / "res" / "projection.json").read_text())
     assert result["control"]["step_overhead_s"]["b"] == pytest.approx(1.0)
     assert result["rows"][0]["control"]["step_overhead_s"] == pytest.approx(0.01024)
+
+
+def vote_result(path, rows, benchmark="vote_hosts"):
+    path.write_text(json.dumps({"benchmark": benchmark, "commit": "def", "voters_per_host": 8,
+                                "rows": rows}))
+    return str(path)
+
+
+def vote_row(hosts, all_ms, spread_ms=0.0, wait_get=False):
+    return {"hosts": hosts, "workers": 8 * hosts, "spread_ms": spread_ms, "wait_get": wait_get,
+            "all_ms": {"median": all_ms, "min": all_ms, "max": all_ms}}
+
+
+def test_the_store_vote_column_charges_each_step_the_stores_measured_share(tmp_path):
+    """A vote_hosts result (votes sent at once, the relay as it is) fitted against the
+    workers; its column charges every step that instead of the simulator's overhead; the
+    spread rows and the old wait-then-read rows are not read."""
+    path = vote_result(tmp_path / "v.json", [
+        vote_row(128, 4.0), vote_row(2048, 64.0), vote_row(2048, 1.0, spread_ms=20.0),
+        vote_row(2048, 999.0, wait_get=True)])
+    vote, source = store_vote_from_file(path)
+    assert [p[:2] for p in vote.points] == [[1024, 0.004], [16384, 0.064]]
+    assert vote.b == pytest.approx(1.0)
+    assert source["hosts"] == [128, 2048] and source["voters_per_host"] == 8
+    control = scaling(step=2.5)
+    control.store_vote_s, control.store_vote_source = vote, source
+    cluster = Cluster(gpus=[16384, 32768], step_s=5.0)
+    rows = project(cluster, COSTS, control)
+    for r, v in zip(rows, (0.064, 0.128)):
+        assert r.control["store_vote_s"] == pytest.approx(v)
+        assert r.ettr[STORE_VOTE] == pytest.approx(r.ettr[FLAT] * 5.0 / (5.0 + v))
+        assert r.ettr["trainmover"] == pytest.approx(r.ettr[FLAT] * 5.0 / 7.5)
+    assert rows[0].control["store_vote_extrapolated_x"] is None
+    assert rows[1].control["store_vote_extrapolated_x"] == pytest.approx(2.0)
+    result = write_projection(cluster, COSTS, str(tmp_path), control=control)
+    assert result["strategies"][-1] == STORE_VOTE
+    table = (tmp_path / "projection.md").read_text()
+    assert "the store's share 128 ms/step (extrapolated x2.0)" in table
+    assert "1,024: 4.0 vs 4.0, 16,384: 64.0 vs 64.0 ms" in table
+
+
+def test_project_command_rejects_bad_vote_hosts_files(tmp_path, capsys):
+    bench = sum((["--bench", b] for b in BENCH), [])
+    out = str(tmp_path / "res")
+    good = control_result(tmp_path / "good.json", [
+        {"workers": n, "vote_mean_ms": 0.01 * n, "crash_to_resumed_s": 0.001 * n}
+        for n in (256, 1024)])
+    votes = vote_result(tmp_path / "votes.json", [vote_row(128, 4.0), vote_row(2048, 64.0)])
+    assert main(["project", *bench, "--vote-hosts", votes, "--out", out]) == 2
+    assert "needs --control" in capsys.readouterr().err
+    spread = vote_result(tmp_path / "spread.json", [vote_row(128, 4.0, spread_ms=20.0)])
+    assert main(["project", *bench, "--control", good, "--vote-hosts", spread,
+                 "--out", out]) == 2
+    assert "spread.json" in capsys.readouterr().err
+    other = vote_result(tmp_path / "other.json", [vote_row(128, 4.0)], benchmark="control")
+    assert main(["project", *bench, "--control", good, "--vote-hosts", other,
+                 "--out", out]) == 2
+    assert "other.json" in capsys.readouterr().err
+    assert main(["project", *bench, "--control", good, "--vote-hosts", votes, "--out", out,
+                 "--gpus", "16384"]) == 0
+    result = json.loads((tmp_path / "res" / "projection.json").read_text())
+    assert result["rows"][0]["control"]["store_vote_s"] == pytest.approx(0.064)

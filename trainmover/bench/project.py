@@ -33,6 +33,11 @@ the per-event costs, and where the fitted CPU share of the root store or the con
 thread each) reaches a whole core the row is out of range. Rows beyond the largest size the
 control plane was measured at are marked with how far the fit extrapolates. Without
 ``--control`` the control plane is counted at its small-job cost, and the table says so.
+With ``--vote-hosts`` (a ``benchmarks/vote_hosts.py`` result) one more column charges
+each step only the store's share of the vote, measured at up to 12,500 hosts, instead of
+the simulator's whole step overhead: the simulator runs every host on this machine's two
+cores and is an upper bound, this the other bound (each host's own part of the vote, a
+channel hop and a thread, left out as if free).
 
 All of it is first order in the event rate: where ``N*r*cost`` reaches 1 the job cannot
 make progress and the ETTR is shown as 0. Torch-free (it only reads result files).
@@ -155,16 +160,21 @@ STRATEGIES = ("restart", "trainmover", "trainmover_no_standby", "trainmover_pape
 # with --control: trainmover's figure as it would be if the control plane cost what it
 # costs at the small jobs the per-event costs were measured at
 FLAT = "trainmover_flat_control"
+# with --vote-hosts: each step charged the store's measured share of the vote alone
+STORE_VOTE = "trainmover_store_vote"
 LABELS = {"restart": "checkpoint-restart",
           "trainmover": "trainmover (costs measured here)",
           FLAT: "trainmover, control plane at its small-job cost",
+          STORE_VOTE: "trainmover, each step charged the store's share of the vote alone",
           "trainmover_no_standby": "trainmover, no free standby (every event joins cold)",
           "trainmover_paper_cost": f"trainmover at {PAPER_EVENT_S:.0f} s per event (paper, "
                                    f"1,024 GPUs)"}
 
 
 def strategies(control: ControlScaling | None) -> tuple[str, ...]:
-    return STRATEGIES + ((FLAT,) if control is not None else ())
+    if control is None:
+        return STRATEGIES
+    return STRATEGIES + (FLAT,) + ((STORE_VOTE,) if control.store_vote_s is not None else ())
 
 
 def project(cluster: Cluster, costs: EventCosts,
@@ -200,6 +210,9 @@ def project(cluster: Cluster, costs: EventCosts,
             extra, keep = at_scale["crash_control_extra_s"], at_scale["step_kept"]
             raw["trainmover"] = tm(unplanned_s + extra, costs.planned_s, blocked) * keep
             raw["trainmover_no_standby"] = tm(unplanned_s + extra, costs.planned_s, 1.0) * keep
+            if control.store_vote_s is not None:
+                raw[STORE_VOTE] = tm(unplanned_s + extra, costs.planned_s, blocked) * \
+                    at_scale["store_vote_kept"]
         saturated = at_scale["saturated"] if at_scale else []
         out_of_range = [k for k, v in raw.items() if v <= 0.0 or
                         (saturated and k in ("trainmover", "trainmover_no_standby"))]
@@ -221,10 +234,15 @@ def _control_at(control: ControlScaling, gpus: int, costs: EventCosts,
     # the per-event costs already hold the control path of the job they were measured on
     measured_at = costs.source.get("workers", {}).get("switch") or control.crash_control_s.n_min
     extra = max(0.0, control.crash_control_s(gpus) - control.crash_control_s(measured_at))
-    return {"step_overhead_s": overhead,
-            "step_kept": step_s / (step_s + overhead) if step_s + overhead > 0 else 1.0,
-            "crash_control_extra_s": extra, "crash_measured_at": measured_at,
-            "extrapolated_x": control.beyond(gpus), "saturated": control.saturated(gpus)}
+    out = {"step_overhead_s": overhead,
+           "step_kept": step_s / (step_s + overhead) if step_s + overhead > 0 else 1.0,
+           "crash_control_extra_s": extra, "crash_measured_at": measured_at,
+           "extrapolated_x": control.beyond(gpus), "saturated": control.saturated(gpus)}
+    vote = control.store_vote_s
+    if vote is not None:
+        out.update(store_vote_s=vote(gpus), store_vote_kept=step_s / (step_s + vote(gpus)),
+                   store_vote_extrapolated_x=gpus / vote.n_max if gpus > vote.n_max else None)
+    return out
 
 
 def costs_from_bench(paths: list[str]) -> EventCosts:
@@ -388,6 +406,15 @@ def _control_words(r: dict) -> list[str]:
                  f"workers: larger sizes are extrapolated (marked in the last column); the "
                  f"planned migration's control path is not simulated, so its growth is not "
                  f"counted.")
+    if k.get("store_vote_s"):
+        v = k["store_vote_source"]
+        lines.append(
+            f"- the store's share of a step's vote (`benchmarks/vote_hosts.py`, {v['file']}, "
+            f"commit {v['commit']}, {', '.join(f'{h:,}' for h in v['hosts'])} hosts of "
+            f"{v['voters_per_host']} workers, every vote sent at once, to every host "
+            f"holding the decision): " + fit_words(k["store_vote_s"], "ms", 1000, 1) +
+            "; its column charges each step that alone (the crash path as above): the "
+            "simulator's step overhead is one bound, this the other.")
     return lines
 
 
@@ -398,6 +425,10 @@ def _control_cell(c: dict) -> str:
         words += f"; extrapolated x{c['extrapolated_x']:.0f}"
     if c["saturated"]:
         words += f"; {' and '.join(c['saturated'])} saturated"
+    if c.get("store_vote_s") is not None:
+        words += f"; the store's share {1000 * c['store_vote_s']:.0f} ms/step"
+        if c.get("store_vote_extrapolated_x"):
+            words += f" (extrapolated x{c['store_vote_extrapolated_x']:.1f})"
     return words
 
 

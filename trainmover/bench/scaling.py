@@ -21,6 +21,14 @@ What is fitted (per-size medians over the bench's repeats):
 The planned migration's control path is not simulated (``migration_control_s`` is empty in
 every result so far): its growth is not counted, and the projection says so.
 
+The simulator shares this machine's two cores among every simulated host, so past ~2K
+workers its step overhead is mostly hosts waiting for a core: an upper bound, whose fit
+grows steeply. ``benchmarks/vote_hosts.py`` measures what a step's vote costs the one
+store (the part that does not spread over the hosts) at up to 12,500 hosts, a lean client
+playing the hosts: ``store_vote_from_file`` fits its time from the last vote to every host
+holding the decision (votes all sent at once, the longest case) against the workers, for
+the projection's column that charges each step that alone: the other bound.
+
 Torch-free: it only reads result files.
 """
 from __future__ import annotations
@@ -81,6 +89,9 @@ class ControlScaling:
     controller_cpu: PowerLaw | None
     step_overhead_from: str            # "mean" or "p50" (an older result)
     source: dict = field(default_factory=dict)
+    # the store's share of a step's vote alone (``store_vote_from_file``), where given
+    store_vote_s: PowerLaw | None = None
+    store_vote_source: dict | None = None
 
     def beyond(self, n: int) -> float | None:
         """How far ``n`` lies beyond the largest size measured (None: inside)."""
@@ -133,6 +144,23 @@ def control_from_bench(path: str) -> ControlScaling:
                 "cores": (data.get("machine") or {}).get("cores"),
                 "sim_cpu_share": medians("sim_cpu_share"),
                 "repeats": {n: len(rows) for n, rows in sorted(by_size.items())}})
+
+
+def store_vote_from_file(path: str) -> tuple[PowerLaw, dict]:
+    """The store's share of a step's vote against the workers (seconds), fitted over a
+    ``benchmarks/vote_hosts.py`` result's rows with every vote sent at once; and where it
+    came from. ``ValueError`` naming the file where it cannot serve."""
+    data = read_result(path, "--vote-hosts", "vote_hosts")
+    rows = [r for r in data.get("rows", []) if r.get("spread_ms") == 0 and
+            not r.get("wait_get") and isinstance(r.get("all_ms"), dict)]
+    if not rows:
+        raise ValueError(f"--vote-hosts {path!r}: no rows with the votes sent at once "
+                         f"(--spread-ms 0) by the relay as it is (without --wait-get)")
+    points = [(int(r["workers"]), r["all_ms"]["median"] / 1000) for r in rows]
+    fit = fit_power_law(points, f"--vote-hosts {path}: the store's share of a vote")
+    return fit, {"file": path, "commit": data.get("commit"),
+                 "hosts": sorted(int(r["hosts"]) for r in rows),
+                 "voters_per_host": data.get("voters_per_host")}
 
 
 def fit_words(fit: dict, unit: str, scale: float = 1.0, digits: int = 2) -> str:

@@ -32,13 +32,18 @@ def cmd_project(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     from trainmover.bench.project import Cluster, costs_from_bench, write_projection
-    from trainmover.bench.scaling import control_from_bench
+    from trainmover.bench.scaling import control_from_bench, store_vote_from_file
 
     cluster = Cluster(**{f.name: getattr(args, f.name) for f in fields(Cluster)
                          if getattr(args, f.name) is not None})
     cluster.validate()
+    if args.vote_hosts and not args.control:
+        raise ValueError(f"--vote-hosts {args.vote_hosts!r} needs --control (a `trainmover "
+                         f"bench control` result): it bounds that result's step overhead")
     costs = costs_from_bench(args.bench)
     control = control_from_bench(args.control) if args.control else None
+    if args.vote_hosts:
+        control.store_vote_s, control.store_vote_source = store_vote_from_file(args.vote_hosts)
     write_projection(cluster, costs, args.out, args.name, control)
     return 0
 
@@ -58,6 +63,10 @@ def add_project_parser(sub) -> None:
                    help="a `trainmover bench control` result at two sizes or more: the "
                         "control plane's step overhead and crash path fitted against N and "
                         "counted (without it they stay at their small-job cost)")
+    p.add_argument("--vote-hosts", metavar="FILE",
+                   help="a `benchmarks/vote_hosts.py` result (with --control): one more "
+                        "column, each step charged the store's measured share of the vote "
+                        "alone, the other bound to the simulator's step overhead")
     p.add_argument("--out", default="benchmarks/results",
                    help="directory the projection is written to (see --name)")
     p.add_argument("--name", default="projection",
