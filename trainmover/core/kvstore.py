@@ -433,14 +433,29 @@ def _b(x: bytes | str) -> bytes:
     return x.encode() if isinstance(x, str) else bytes(x)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+# Past this many bytes an answer is read into a buffer of its size: a ``recv(n)`` allocates
+# n bytes at every call, each getting what one read brings (a step's ballots at 12,500 hosts,
+# 1.7 MB, came in ~30 reads of ~64 KB, each allocating up to 1.7 MB).
+RECV_INTO_BYTES = 1 << 16
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | bytearray:
+    if n > RECV_INTO_BYTES:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = sock.recv_into(view[got:], n - got)
+            if not k:
+                raise StoreClosed("connection closed by the store")
+            got += k
+        return buf
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
         if not chunk:
             raise StoreClosed("connection closed by the store")
-        buf += chunk
-    return bytes(buf)
+        out += chunk
+    return bytes(out)
 
 
 def connect(host: str, port: int, run_key: bytes, timeout_s: float,
