@@ -322,14 +322,15 @@ BENCH_GROUPS = [
         "step", "example_overhead", "example_overhead_torch_ddp", "example_overhead_torch_fsdp",
         "example_overhead_torch_fsdp-before-future-wait", "example_overhead_torch_fsdp_tp",
         "example_overhead_torch_pipeline", "control_cpu", "vote_cost", "vote_hosts_store",
-        "store_latency",
+        "vote_hosts", "store_latency", "store_big_get",
         "store_step_before_after", "control_step_before_after"]),
     ("torch examples' downtime", ["example_downtime_torch_fsdp_tp"]),
     ("Stragglers and rolling maintenance", [
         "straggler", "straggler_false_positives", "straggler_results", "ettr_10min", "ettr",
         "ettr_prestarted", "ettr_results"]),
     ("Hosts, scale and endurance", [
-        "hosts", "store_etcd", "control", "control_store_fixes", "control_hostbeats",
+        "hosts", "store_etcd", "control", "control_1k_4k", "control_store_fixes",
+        "control_hostbeats",
         "control_flat",
         "control_scaling",
         "control_4096", "report-fencing-before-after", "projection", "projection-quick",
