@@ -1,0 +1,127 @@
+"""A step's ballots and vote count written by H hosts at once, on the store on etcd and on
+the built-in store: the store requests every host's agent makes for a step's vote
+(``agent/votes.VoteRelay``: an append of its ballot line, an add of its voters to the
+step's counter), from H threads each with a client of its own, released together.
+
+On etcd both are revision-guarded transactions on one key (``core/etcdstore._update``):
+of H writers racing, one wins each round and the others read the key again and retry, so
+a step's vote costs O(H^2) transactions (and each append's marker holds the whole value).
+
+    python benchmarks/etcd_vote.py [--hosts 8,32,64,128] [--rounds 3] [--repeats 3]
+        [--out DIR --name NAME]
+
+Each repeat a fresh three-member etcd cluster (``bench/etcd_cluster.py``, on this
+machine's cores with the clients) and a fresh built-in store; per size the median of the
+rounds' times from the release to the last host's add answered; the table gives the
+median (min-max) of the repeats' medians. Needs Debian's etcd-server and openssl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from trainmover.core import kvserver, storeaddr  # noqa: E402
+
+
+def _round(clients: list, tag: str) -> float:
+    release = threading.Barrier(len(clients) + 1)
+    done: list[float] = []
+
+    def host(client) -> None:
+        release.wait()
+        client.append(f"{tag}/ballots", b"\n" + b"x" * 130 + b"\n")
+        client.add(f"{tag}/votes", 8)
+        done.append(time.perf_counter())
+
+    threads = [threading.Thread(target=host, args=(c,), daemon=True) for c in clients]
+    for t in threads:
+        t.start()
+    release.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    if clients[0].add(f"{tag}/votes", 0) != 8 * len(clients):
+        raise SystemExit(f"{tag}: the count is not every host's")
+    return (time.perf_counter() - start) * 1e3
+
+
+def one_repeat(store: str, sizes: list[int], rounds: int) -> dict[int, float]:
+    run_key = os.urandom(32)
+    with tempfile.TemporaryDirectory() as tmp:
+        if store == "etcd":
+            from trainmover.bench.etcd_cluster import EtcdCluster
+
+            cluster = EtcdCluster(Path(tmp)).start()
+            address, stop = cluster.address(), cluster.stop
+        else:
+            srv = kvserver.serve(run_key)
+            address, stop = f"127.0.0.1:{srv.port}", srv.close
+        try:
+            out = {}
+            for n in sizes:
+                clients = [storeaddr.connect(address, run_key, 120) for _ in range(n)]
+                out[n] = statistics.median(_round(clients, f"{n}/{r}") for r in range(rounds))
+                for c in clients:
+                    c.close()
+            return out
+        finally:
+            stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hosts", default="8,32,64,128")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="etcd_vote")
+    args = ap.parse_args()
+    sizes = [int(h) for h in args.hosts.split(",")]
+    reps = {s: [] for s in ("builtin", "etcd")}
+    for _ in range(args.repeats):
+        for store in reps:
+            reps[store].append(one_repeat(store, sizes, args.rounds))
+    rows = []
+    for n in sizes:
+        row = {"hosts": n}
+        for store, got in reps.items():
+            vals = [r[n] for r in got]
+            row[f"{store}_ms"] = {"median": statistics.median(vals), "min": min(vals),
+                                  "max": max(vals)}
+        rows.append(row)
+    lines = ["| hosts | built-in store (ms) | etcd (ms) |", "|---|---|---|"]
+    for r in rows:
+        b, e = r["builtin_ms"], r["etcd_ms"]
+        lines.append(f"| {r['hosts']} | {b['median']:.0f} ({b['min']:.0f}-{b['max']:.0f}) | "
+                     f"{e['median']:.0f} ({e['min']:.0f}-{e['max']:.0f}) |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        try:
+            commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = None
+        meta = {"benchmark": "etcd_vote",
+                "command": "python benchmarks/etcd_vote.py " + " ".join(sys.argv[1:]),
+                "commit": commit, "rows": rows}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        with open(os.path.join(args.out, args.name + ".md"), "w") as f:
+            f.write(f"Command: `{meta['command']}`; commit {commit}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
