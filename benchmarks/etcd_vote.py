@@ -5,7 +5,9 @@ step's counter), from H threads each with a client of its own, released together
 
 On etcd both are revision-guarded transactions on one key (``core/etcdstore._update``):
 of H writers racing, one wins each round and the others read the key again and retry, so
-a step's vote costs O(H^2) transactions (and each append's marker holds the whole value).
+a step's vote costs H rounds and O(H^2) transactions (and each append's marker holds the
+whole value). A third column has each host write keys of its own: the same requests
+without the race.
 
     python benchmarks/etcd_vote.py [--hosts 8,32,64,128] [--rounds 3] [--repeats 3]
         [--out DIR --name NAME]
@@ -34,29 +36,33 @@ sys.path.insert(0, ROOT)
 from trainmover.core import kvserver, storeaddr  # noqa: E402
 
 
-def _round(clients: list, tag: str) -> float:
+def _round(clients: list, tag: str, own: bool = False) -> float:
+    """One step's writes; ``own``: each host to keys of its own (no race: what the same
+    requests cost etcd without contention)."""
     release = threading.Barrier(len(clients) + 1)
     done: list[float] = []
 
-    def host(client) -> None:
+    def host(i: int, client) -> None:
+        key = f"{tag}/{i}" if own else tag
         release.wait()
-        client.append(f"{tag}/ballots", b"\n" + b"x" * 130 + b"\n")
-        client.add(f"{tag}/votes", 8)
+        client.append(f"{key}/ballots", b"\n" + b"x" * 130 + b"\n")
+        client.add(f"{key}/votes", 8)
         done.append(time.perf_counter())
 
-    threads = [threading.Thread(target=host, args=(c,), daemon=True) for c in clients]
+    threads = [threading.Thread(target=host, args=(i, c), daemon=True)
+               for i, c in enumerate(clients)]
     for t in threads:
         t.start()
     release.wait()
     start = time.perf_counter()
     for t in threads:
         t.join()
-    if clients[0].add(f"{tag}/votes", 0) != 8 * len(clients):
+    if not own and clients[0].add(f"{tag}/votes", 0) != 8 * len(clients):
         raise SystemExit(f"{tag}: the count is not every host's")
     return (time.perf_counter() - start) * 1e3
 
 
-def one_repeat(store: str, sizes: list[int], rounds: int) -> dict[int, float]:
+def one_repeat(store: str, sizes: list[int], rounds: int) -> dict[int, dict[str, float]]:
     run_key = os.urandom(32)
     with tempfile.TemporaryDirectory() as tmp:
         if store == "etcd":
@@ -71,7 +77,11 @@ def one_repeat(store: str, sizes: list[int], rounds: int) -> dict[int, float]:
             out = {}
             for n in sizes:
                 clients = [storeaddr.connect(address, run_key, 120) for _ in range(n)]
-                out[n] = statistics.median(_round(clients, f"{n}/{r}") for r in range(rounds))
+                out[n] = {"shared": statistics.median(_round(clients, f"{n}/{r}")
+                                                      for r in range(rounds))}
+                if store == "etcd":
+                    out[n]["own"] = statistics.median(_round(clients, f"own/{n}/{r}", True)
+                                                      for r in range(rounds))
                 for c in clients:
                     c.close()
             return out
@@ -95,16 +105,19 @@ def main() -> None:
     rows = []
     for n in sizes:
         row = {"hosts": n}
-        for store, got in reps.items():
-            vals = [r[n] for r in got]
-            row[f"{store}_ms"] = {"median": statistics.median(vals), "min": min(vals),
-                                  "max": max(vals)}
+        for name, store, kind in (("builtin_ms", "builtin", "shared"),
+                                  ("etcd_ms", "etcd", "shared"),
+                                  ("etcd_own_keys_ms", "etcd", "own")):
+            vals = [r[n][kind] for r in reps[store]]
+            row[name] = {"median": statistics.median(vals), "min": min(vals),
+                         "max": max(vals)}
         rows.append(row)
-    lines = ["| hosts | built-in store (ms) | etcd (ms) |", "|---|---|---|"]
+    lines = ["| hosts | built-in store (ms) | etcd (ms) | etcd, each host its own keys (ms) |",
+             "|---|---|---|---|"]
     for r in rows:
-        b, e = r["builtin_ms"], r["etcd_ms"]
-        lines.append(f"| {r['hosts']} | {b['median']:.0f} ({b['min']:.0f}-{b['max']:.0f}) | "
-                     f"{e['median']:.0f} ({e['min']:.0f}-{e['max']:.0f}) |")
+        lines.append(f"| {r['hosts']} | " + " | ".join(
+            f"{m['median']:.0f} ({m['min']:.0f}-{m['max']:.0f})"
+            for m in (r["builtin_ms"], r["etcd_ms"], r["etcd_own_keys_ms"])) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:
