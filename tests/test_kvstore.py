@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from trainmover.core.kvserver import KVServer
-from trainmover.core.kvstore import (MAGIC, NONCE_BYTES, KVClient, StoreClosed, StoreError,
-                                     StoreLimits, StoreRefused, StoreTimeout, Op, REFUSED,
-                                     encode_request, store_key)
+from trainmover.core.kvstore import (MAGIC, NONCE_BYTES, REFUSED, KVClient, Op, StoreClosed,
+                                     StoreError, StoreLimits, StoreNotANumber, StoreRefused,
+                                     StoreTimeout, encode_request, store_key)
 
 KEY = store_key(b"k" * 32)
 
@@ -220,6 +220,21 @@ def test_the_store_answers_as_torchs_own_store_does(ops):
             k for k in ("a", "b", "c/d", "n") if theirs.check([k]))
     finally:
         srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_ballot_and_its_count_go_in_one_write_the_append_first(server):
+    """``append_then_add``: the append is made before the add is answered (another client
+    reading after the answer sees it); on a counter holding no number the add is refused
+    as ``add`` is (the connection kept) and the append stays made."""
+    a, b = client(server), client(server)
+    assert a.append_then_add("ballots", b"h0,", "votes", 3) == 3
+    assert a.append_then_add("ballots", b"h1,", "votes", 5) == 8
+    assert b.get("ballots") == b"h0,h1," and b.add("votes", 0) == 8
+    b.set("junk", b"not a number")
+    with pytest.raises(StoreNotANumber):
+        a.append_then_add("ballots", b"h2,", "junk", 1)
+    assert a.get("ballots") == b"h0,h1,h2,"
 
 
 @pytest.mark.timeout(60)

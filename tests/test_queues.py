@@ -129,6 +129,27 @@ def test_a_host_ballot_counts_its_voters_only_as_signed_for_that_host_and_step()
     assert store.ballot_voters(key) == {"w0", "w1", "w2", "w12"}
 
 
+def test_a_host_ballot_and_its_count_in_one_write_and_a_forged_counter_repaired():
+    """``cast_host_ballot_and_count`` on the built-in store: the ballot appended once and
+    counted; a counter someone set to junk is replaced by the last count this client saw
+    plus the host's voters, the ballot not cast twice."""
+    from trainmover.core import kvserver, kvstore
+
+    run_key = b"q" * 32
+    srv = kvserver.serve(run_key)
+    try:
+        raw = kvstore.connect("127.0.0.1", srv.port, run_key, 10)
+        store = AuthStore(raw, SECRET)
+        key, votes = "commit/0/4/ballots", "commit/0/4/votes"
+        assert store.cast_host_ballot_and_count(key, 0, ["w0", "w1"], votes) == 2
+        raw.set(votes, b"junk")
+        assert store.cast_host_ballot_and_count(key, 1, ["w2"], votes) == 3
+        assert store.ballot_voters(key) == {"w0", "w1", "w2"}
+        assert raw.get(key).count(b"host:1:") == 1
+    finally:
+        srv.close()
+
+
 def test_junk_planted_before_the_vote_does_not_swallow_the_first_ballot():
     """Bytes with no newline of their own set at a step's ballots key before anyone votes
     (the attack test's replayed decision): the first ballot appended after them still

@@ -242,8 +242,9 @@ class VoteRelay:
     def _cast(self, key: tuple[int, int], st: _Step, names: list[str]) -> None:
         store = self.forward_store
         ballots = P.commit_key(*key, "ballots")
-        store.cast_host_ballot(ballots, self.node, names)
-        st.count = store.add(P.commit_key(*key, "votes"), len(names))
+        # the ballot and the count in one write (on the built-in store)
+        st.count = store.cast_host_ballot_and_count(ballots, self.node, names,
+                                                    P.commit_key(*key, "votes"))
         if st.count >= self.num_voters:
             self._decide(store, key, st)
         if not st.waited:

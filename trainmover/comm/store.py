@@ -81,6 +81,10 @@ class KVStore(dist.Store):
     def append(self, key: str, value) -> None:
         self._do(self._client.append, key, _bytes(value))
 
+    def append_then_add(self, key: str, value, counter: str, delta: int) -> int:
+        """Not torch's: ``KVClient.append_then_add``."""
+        return self._do(self._client.append_then_add, key, _bytes(value), counter, delta)
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._do(self._client.multi_get, list(keys))
 

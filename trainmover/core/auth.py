@@ -203,9 +203,25 @@ class AuthStore:
     def cast_host_ballot(self, key: str, node: int, voters: list[str]) -> None:
         """A host's ballot: the voters of its processes its agent relays at once, one signed
         line (``host:<node>:<voter>,<voter>...``; ``ballot_voters`` counts each voter)."""
+        self.raw.append(key, self._host_line(key, node, voters))
+
+    def cast_host_ballot_and_count(self, key: str, node: int, voters: list[str],
+                                   counter: str) -> int:
+        """``cast_host_ballot``, then ``add(counter, len(voters))``: in one write where the
+        store can (``KVClient.append_then_add``), the count repaired as ``add`` repairs it."""
+        line = self._host_line(key, node, voters)
+        both = getattr(self.raw, "append_then_add", None)
+        if both is None:
+            self.raw.append(key, line)
+            return self.add(counter, len(voters))
+        try:
+            return self._counted(counter, both(key, line, counter, len(voters)))
+        except kvstore.StoreNotANumber:
+            return self.add(counter, len(voters))      # the ballot is in: count again
+
+    def _host_line(self, key: str, node: int, voters: list[str]) -> bytes:
         payload = f"{HOST_BALLOT}{node}:" + ",".join(voters)
-        self.raw.append(key, b"\n" + seal(self._secret, f"{key}#{HOST_BALLOT}{node}",
-                                           payload) + b"\n")
+        return b"\n" + seal(self._secret, f"{key}#{HOST_BALLOT}{node}", payload) + b"\n"
 
     def ballot_voters(self, key: str) -> set[str]:
         """The distinct voters whose genuine ballots ``key`` holds, a voter's own or in its
@@ -276,6 +292,11 @@ class AuthStore:
         else:
             raise AuthError(f"{key}: forged values kept taking the counter's place "
                             f"({CAS_REPLACE_TRIES} tries)")
+        return self._counted(key, value)
+
+    def _counted(self, key: str, value: int) -> int:
+        """``value``, kept as the last count seen at ``key`` (what a forged value there is
+        replaced by)."""
         self._counts[key] = value
         self._counts.move_to_end(key)
         if len(self._counts) > MAX_COUNTERS_KEPT:
@@ -349,6 +370,11 @@ class PlainStore:
 
     def cast_host_ballot(self, key: str, node: int, voters: list[str]) -> None:
         self.raw.append(key, f"{HOST_BALLOT}{node}:{','.join(voters)}\n".encode())
+
+    def cast_host_ballot_and_count(self, key: str, node: int, voters: list[str],
+                                   counter: str) -> int:
+        self.cast_host_ballot(key, node, voters)
+        return self.raw.add(counter, len(voters))
 
     def ballot_voters(self, key: str) -> set[str]:
         out = set()

@@ -276,10 +276,12 @@ class KVClient:
     def close(self) -> None:
         self._sock.close()
 
-    def _call(self, op: Op, fields=(), number: int = 0, wait_s: float | None = None
-              ) -> tuple[int, list[bytes]]:
+    def _call(self, op: Op, fields=(), number: int = 0, wait_s: float | None = None,
+              before: bytes = b"") -> tuple[int, list[bytes]]:
+        """One request and its answer; ``before``: requests that answer nothing
+        (``NO_REPLY``), sent in the same write ahead of it."""
         timeout_ms = 0 if wait_s is None else max(0, int(wait_s * 1000))
-        request = encode_request(op, fields, number, timeout_ms)
+        request = before + encode_request(op, fields, number, timeout_ms)
         with self._lock:
             try:
                 # the server answers a wait at its timeout: the socket's is a margin later
@@ -356,6 +358,14 @@ class KVClient:
 
     def append(self, key: str, value: bytes | str) -> None:
         self._tell(Op.APPEND, [_b(key), _b(value)])
+
+    def append_then_add(self, key: str, value: bytes | str, counter: str, delta: int) -> int:
+        """``append(key, value)``, then ``add(counter, delta)``'s count, in one write: a
+        step's ballot and its count, from every host on every step, reach the store's one
+        thread as one read instead of two. A counter holding no number raises
+        ``StoreNotANumber`` after the append was made."""
+        return self._call(Op.ADD, [_b(counter)], number=int(delta),
+                          before=encode_request(Op.APPEND | NO_REPLY, [_b(key), _b(value)]))[0]
 
     def multi_get(self, keys: list[str], timeout: float | timedelta | None = None
                   ) -> list[bytes]:
