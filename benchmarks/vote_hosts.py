@@ -6,7 +6,8 @@ sharing those cores).
 The store is the job's (``core/kvserver.py``, in a process of its own, run key and
 handshake as in a job). Each host is one connection of one client process, sending the
 requests the host's agent sends for a step (``agent/votes.VoteRelay``): its signed ballot
-(an append that waits for no answer), the add of its voters to the step's counter and, on
+(an append that waits for no answer), the add of its voters to the step's counter (the two
+in one write, as the relay sends them since 55a6cfb; ``--two-writes`` as before) and, on
 the add's answer, its wait for the decision; the host whose add reaches the job's voter
 count reads the ballots, checks them with the agent's own code
 (``AuthStore.ballot_voters``) and writes ``commit`` (compare-and-set) first. The requests
@@ -84,7 +85,7 @@ class Host:
 
 
 def _round(hosts: list[Host], sel, step: int, voters_per_host: int, spread_s: float,
-           wait_get: bool) -> dict:
+           wait_get: bool, two_writes: bool = False) -> dict:
     """One step's vote of every host; the times are from the last host's vote sent."""
     epoch, num_voters = 1, voters_per_host * len(hosts)
     ballots_key = P.commit_key(epoch, step, "ballots")
@@ -95,8 +96,8 @@ def _round(hosts: list[Host], sel, step: int, voters_per_host: int, spread_s: fl
         names = ",".join(f"w{h.node * voters_per_host + i}" for i in range(voters_per_host))
         payload = f"host:{h.node}:{names}"
         line = b"\n" + seal(SECRET, f"{ballots_key}#host:{h.node}", payload) + b"\n"
-        firsts.append(encode_request(Op.APPEND | NO_REPLY, [ballots_key.encode(), line]) +
-                      encode_request(Op.ADD, [votes_key.encode()], voters_per_host))
+        firsts.append((encode_request(Op.APPEND | NO_REPLY, [ballots_key.encode(), line]),
+                       encode_request(Op.ADD, [votes_key.encode()], voters_per_host)))
     wait = (encode_request(Op.WAIT, [decision_key.encode()], 0, WAIT_MS) if wait_get else
             encode_request(Op.GET, [decision_key.encode()], 0, WAIT_MS))
     after_wait = encode_request(Op.TRY_GET, [decision_key.encode()])
@@ -115,7 +116,11 @@ def _round(hosts: list[Host], sel, step: int, voters_per_host: int, spread_s: fl
             while time.perf_counter() < due:
                 pass
         h.state = "add"
-        h.sock.sendall(firsts[i])
+        if two_writes:
+            h.sock.sendall(firsts[i][0])
+            h.sock.sendall(firsts[i][1])
+        else:
+            h.sock.sendall(firsts[i][0] + firsts[i][1])
     last_sent = time.perf_counter()
     while pending:
         for key, _ in sel.select():
@@ -165,7 +170,7 @@ def _round(hosts: list[Host], sel, step: int, voters_per_host: int, spread_s: fl
 
 
 def run(n_hosts: int, voters_per_host: int, spread_ms: float, rounds: int,
-        wait_get: bool) -> dict:
+        wait_get: bool, two_writes: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     server = ctx.Process(target=_serve, args=(RUN_KEY, theirs), daemon=True)
@@ -185,7 +190,8 @@ def run(n_hosts: int, voters_per_host: int, spread_ms: float, rounds: int,
         for step in range(warm + rounds):
             if step == warm:
                 cpu0, mine0 = _cpu_s(server.pid), time.process_time()
-            row = _round(hosts, sel, step, voters_per_host, spread_ms / 1e3, wait_get)
+            row = _round(hosts, sel, step, voters_per_host, spread_ms / 1e3, wait_get,
+                         two_writes)
             if step >= warm:
                 rows.append(row)
         store_cpu = (_cpu_s(server.pid) - cpu0) / rounds
@@ -228,16 +234,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--wait-get", action="store_true",
                     help="a host waits for the decision and then reads it (two requests)")
+    ap.add_argument("--two-writes", action="store_true",
+                    help="a host's ballot and its count sent as two writes (the relay "
+                         "before 55a6cfb)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="vote_hosts")
     args = ap.parse_args()
     results = []
     for spread in [float(s) for s in args.spread_ms.split(",")]:
         for n in [int(h) for h in args.hosts.split(",")]:
-            reps = [run(n, args.voters_per_host, spread, args.rounds, args.wait_get)
-                    for _ in range(args.repeats)]
+            reps = [run(n, args.voters_per_host, spread, args.rounds, args.wait_get,
+                        args.two_writes) for _ in range(args.repeats)]
             row = {"hosts": n, "workers": n * args.voters_per_host, "spread_ms": spread,
-                   "wait_get": args.wait_get}
+                   "wait_get": args.wait_get, "two_writes": args.two_writes}
             for k in ("decided_ms", "all_ms", "check_ms"):
                 row[k] = _mmm([statistics.median(r[k] for r in rep["rounds"]) for rep in reps])
                 row[k.replace("_ms", "_p99_ms")] = _p99([r[k] for rep in reps

@@ -152,10 +152,12 @@ def store_vote_from_file(path: str) -> tuple[PowerLaw, dict]:
     came from. ``ValueError`` naming the file where it cannot serve."""
     data = read_result(path, "--vote-hosts", "vote_hosts")
     rows = [r for r in data.get("rows", []) if r.get("spread_ms") == 0 and
-            not r.get("wait_get") and isinstance(r.get("all_ms"), dict)]
+            not r.get("wait_get") and not r.get("two_writes") and
+            isinstance(r.get("all_ms"), dict)]
     if not rows:
         raise ValueError(f"--vote-hosts {path!r}: no rows with the votes sent at once "
-                         f"(--spread-ms 0) by the relay as it is (without --wait-get)")
+                         f"(--spread-ms 0) by the relay as it is (without --wait-get or "
+                         f"--two-writes)")
     points = [(int(r["workers"]), r["all_ms"]["median"] / 1000) for r in rows]
     fit = fit_power_law(points, f"--vote-hosts {path}: the store's share of a vote")
     return fit, {"file": path, "commit": data.get("commit"),
