@@ -228,9 +228,9 @@ class AuthStore:
         host's (forged lines, copies of a ballot and anything else appended there count for
         nothing). The caller cast its ballot there first: the key exists (one round trip, no
         check). One MAC a line: a job's hosts' ballots are one a host. The lines are checked
-        as bytes and only a genuine one decoded: the step's deciding agent reads every
-        host's line on the step's path (2,048 hosts: 10.4 ms as text, ``seal``'s MAC per
-        line unchanged)."""
+        as bytes and only a genuine one's names decoded: the step's deciding agent reads
+        every host's line on the step's path (2,048 hosts: 8.3-8.8 ms, against 10.1-16.9
+        ms when each line was decoded first)."""
         voters: set[str] = set()
         head = len(_TAG) + _MAC_HEX + 1
         signed_for = key.encode() + b"#"
