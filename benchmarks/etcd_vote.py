@@ -20,10 +20,8 @@ median (min-max) of the repeats' medians. Needs Debian's etcd-server and openssl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +31,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from trainmover.bench.report import git_commit, spread, write_result  # noqa: E402
 from trainmover.core import kvserver, storeaddr  # noqa: E402
 
 
@@ -109,8 +108,7 @@ def main() -> None:
                                   ("etcd_ms", "etcd", "shared"),
                                   ("etcd_own_keys_ms", "etcd", "own")):
             vals = [r[n][kind] for r in reps[store]]
-            row[name] = {"median": statistics.median(vals), "min": min(vals),
-                         "max": max(vals)}
+            row[name] = spread(vals)
         rows.append(row)
     lines = ["| hosts | built-in store (ms) | etcd (ms) | etcd, each host its own keys (ms) |",
              "|---|---|---|---|"]
@@ -119,22 +117,14 @@ def main() -> None:
             f"{m['median']:.0f} ({m['min']:.0f}-{m['max']:.0f})"
             for m in (r["builtin_ms"], r["etcd_ms"], r["etcd_own_keys_ms"])) + " |")
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        try:
-            commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = None
-        meta = {"benchmark": "etcd_vote",
-                "command": "python benchmarks/etcd_vote.py " + " ".join(sys.argv[1:]),
-                "commit": commit, "rows": rows}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        with open(os.path.join(args.out, args.name + ".md"), "w") as f:
-            f.write(f"Command: `{meta['command']}`; commit {commit}\n\n{table}\n")
-
+    if not args.out:
+        print(table)
+        return
+    result = {"benchmark": "etcd_vote",
+              "command": "python benchmarks/etcd_vote.py " + " ".join(sys.argv[1:]),
+              "commit": git_commit(), "rows": rows}
+    write_result(args.out, args.name, result,
+                 f"Command: `{result['command']}`; commit {result['commit']}\n\n{table}\n")
 
 if __name__ == "__main__":
     main()

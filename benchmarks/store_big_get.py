@@ -11,16 +11,15 @@ table gives the median (min-max) of the repeats' medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from trainmover.bench.report import git_commit, spread, write_result  # noqa: E402
 from trainmover.core import kvserver, kvstore  # noqa: E402
 
 
@@ -56,29 +55,19 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     reps = [one_repeat(sizes, args.gets) for _ in range(args.repeats)]
-    rows = [{"bytes": s, "get_ms": {"median": statistics.median(r[s] for r in reps),
-                                    "min": min(r[s] for r in reps),
-                                    "max": max(r[s] for r in reps)}} for s in sizes]
+    rows = [{"bytes": s, "get_ms": spread([r[s] for r in reps])} for s in sizes]
     lines = ["| value (bytes) | one get (ms) |", "|---|---|"]
     lines += [f"| {r['bytes']:,} | {r['get_ms']['median']:.2f} ({r['get_ms']['min']:.2f}-"
               f"{r['get_ms']['max']:.2f}) |" for r in rows]
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        try:
-            commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = None
-        meta = {"benchmark": "store_big_get",
-                "command": "python benchmarks/store_big_get.py " + " ".join(sys.argv[1:]),
-                "commit": commit, "rows": rows}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        with open(os.path.join(args.out, args.name + ".md"), "w") as f:
-            f.write(f"Command: `{meta['command']}`; commit {commit}\n\n{table}\n")
-
+    if not args.out:
+        print(table)
+        return
+    result = {"benchmark": "store_big_get",
+              "command": "python benchmarks/store_big_get.py " + " ".join(sys.argv[1:]),
+              "commit": git_commit(), "rows": rows}
+    write_result(args.out, args.name, result,
+                 f"Command: `{result['command']}`; commit {result['commit']}\n\n{table}\n")
 
 if __name__ == "__main__":
     main()

@@ -34,13 +34,13 @@ import multiprocessing as mp
 import os
 import selectors
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from trainmover.bench.report import git_commit, spread, write_result  # noqa: E402
 from trainmover.core import kvstore  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.core.auth import AuthStore, seal, unseal  # noqa: E402
@@ -209,18 +209,6 @@ def _p99(values: list[float]) -> float:
     return v[min(len(v) - 1, int(0.99 * len(v)))]
 
 
-def _mmm(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _fmt(m: dict) -> str:
     return f"{m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f})"
 
@@ -241,18 +229,18 @@ def main() -> None:
     ap.add_argument("--name", default="vote_hosts")
     args = ap.parse_args()
     results = []
-    for spread in [float(s) for s in args.spread_ms.split(",")]:
+    for spread_ms in [float(s) for s in args.spread_ms.split(",")]:
         for n in [int(h) for h in args.hosts.split(",")]:
-            reps = [run(n, args.voters_per_host, spread, args.rounds, args.wait_get,
+            reps = [run(n, args.voters_per_host, spread_ms, args.rounds, args.wait_get,
                         args.two_writes) for _ in range(args.repeats)]
-            row = {"hosts": n, "workers": n * args.voters_per_host, "spread_ms": spread,
+            row = {"hosts": n, "workers": n * args.voters_per_host, "spread_ms": spread_ms,
                    "wait_get": args.wait_get, "two_writes": args.two_writes}
             for k in ("decided_ms", "all_ms", "check_ms"):
-                row[k] = _mmm([statistics.median(r[k] for r in rep["rounds"]) for rep in reps])
+                row[k] = spread([statistics.median(r[k] for r in rep["rounds"]) for rep in reps])
                 row[k.replace("_ms", "_p99_ms")] = _p99([r[k] for rep in reps
                                                          for r in rep["rounds"]])
             for k in ("store_cpu_ms", "client_cpu_ms"):
-                row[k] = _mmm([rep[k] for rep in reps])
+                row[k] = spread([rep[k] for rep in reps])
             results.append(row)
             print(json.dumps(row), flush=True)
     head = ("| hosts (workers) | spread (ms) | decided (ms) | p99 | every host has it (ms) | "
@@ -264,19 +252,15 @@ def main() -> None:
                      f"{_fmt(r['all_ms'])} | {r['all_p99_ms']:.1f} | {_fmt(r['check_ms'])} | "
                      f"{_fmt(r['store_cpu_ms'])} | {_fmt(r['client_cpu_ms'])} |")
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        # ``trainmover project --vote-hosts`` reads it (bench/scaling.py)
-        meta = {"benchmark": "vote_hosts",
-                "command": "python benchmarks/vote_hosts.py " + " ".join(sys.argv[1:]),
-                "commit": _commit(), "voters_per_host": args.voters_per_host,
-                "rows": results}
-        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        with open(os.path.join(args.out, args.name + ".md"), "w") as f:
-            f.write(f"Command: `{meta['command']}`; commit {meta['commit']}\n\n{table}\n")
-
+    if not args.out:
+        print(table)
+        return
+    # ``trainmover project --vote-hosts`` reads it (bench/scaling.py)
+    result = {"benchmark": "vote_hosts",
+              "command": "python benchmarks/vote_hosts.py " + " ".join(sys.argv[1:]),
+              "commit": git_commit(), "voters_per_host": args.voters_per_host, "rows": results}
+    write_result(args.out, args.name, result,
+                 f"Command: `{result['command']}`; commit {result['commit']}\n\n{table}\n")
 
 if __name__ == "__main__":
     main()
