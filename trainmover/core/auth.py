@@ -229,12 +229,13 @@ class AuthStore:
         nothing). The caller cast its ballot there first: the key exists (one round trip, no
         check). One MAC a line: a job's hosts' ballots are one a host. The lines are checked
         as bytes and only a genuine one's names decoded: the step's deciding agent reads
-        every host's line on the step's path (2,048 hosts: 8.3-8.8 ms, against 10.1-16.9
-        ms when each line was decoded first)."""
+        every host's line on the step's path (2,048 hosts: 6.8-7.2 ms; 7.9-8.3 with a MAC
+        keyed afresh for each line, 10.1-16.9 when each line was also decoded first)."""
         voters: set[str] = set()
         head = len(_TAG) + _MAC_HEX + 1
-        signed_for = key.encode() + b"#"
         host = HOST_BALLOT.encode()
+        # every line's MAC starts with the same bytes: keyed once, copied for each line
+        signed_for = hmac.new(self._secret, key.encode() + b"#", hashlib.sha256)
         for line in self.raw.get(key).split(b"\n"):
             if len(line) < head or not line.startswith(_TAG) or line[head - 1] != 0x3A:
                 continue                          # not a signed line (0x3A: ":")
@@ -246,9 +247,9 @@ class AuthStore:
                 signer, names = payload[:end], payload[end + 1:]
             else:
                 signer = names = payload
-            mac = hmac.new(self._secret, signed_for + signer + b"\0" + payload,
-                           hashlib.sha256).hexdigest().encode()
-            if hmac.compare_digest(line[len(_TAG):head - 1], mac):
+            mac = signed_for.copy()
+            mac.update(signer + b"\0" + payload)
+            if hmac.compare_digest(line[len(_TAG):head - 1], mac.hexdigest().encode()):
                 voters.update(names.decode(errors="replace").split(","))
         voters.discard("")
         return voters
