@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainmover.bench.report import git_commit, spread, write_result  # noqa: E402
+from trainmover.bench.report import fmt_spread, spread, write_script_result  # noqa: E402
 from trainmover.core import kvserver, storeaddr  # noqa: E402
 
 
@@ -114,17 +114,13 @@ def main() -> None:
              "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['hosts']} | " + " | ".join(
-            f"{m['median']:.0f} ({m['min']:.0f}-{m['max']:.0f})"
-            for m in (r["builtin_ms"], r["etcd_ms"], r["etcd_own_keys_ms"])) + " |")
+            fmt_spread(r[k], 0) for k in ("builtin_ms", "etcd_ms", "etcd_own_keys_ms")) + " |")
     table = "\n".join(lines)
     if not args.out:
         print(table)
         return
-    result = {"benchmark": "etcd_vote",
-              "command": "python benchmarks/etcd_vote.py " + " ".join(sys.argv[1:]),
-              "commit": git_commit(), "rows": rows}
-    write_result(args.out, args.name, result,
-                 f"Command: `{result['command']}`; commit {result['commit']}\n\n{table}\n")
+    write_script_result(args.out, args.name, "etcd_vote", table, rows=rows)
+
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainmover.bench.report import git_commit, spread, write_result  # noqa: E402
+from trainmover.bench.report import fmt_spread, spread, write_script_result  # noqa: E402
 from trainmover.core import kvserver, kvstore  # noqa: E402
 
 
@@ -57,17 +57,13 @@ def main() -> None:
     reps = [one_repeat(sizes, args.gets) for _ in range(args.repeats)]
     rows = [{"bytes": s, "get_ms": spread([r[s] for r in reps])} for s in sizes]
     lines = ["| value (bytes) | one get (ms) |", "|---|---|"]
-    lines += [f"| {r['bytes']:,} | {r['get_ms']['median']:.2f} ({r['get_ms']['min']:.2f}-"
-              f"{r['get_ms']['max']:.2f}) |" for r in rows]
+    lines += [f"| {r['bytes']:,} | {fmt_spread(r['get_ms'], 2)} |" for r in rows]
     table = "\n".join(lines)
     if not args.out:
         print(table)
         return
-    result = {"benchmark": "store_big_get",
-              "command": "python benchmarks/store_big_get.py " + " ".join(sys.argv[1:]),
-              "commit": git_commit(), "rows": rows}
-    write_result(args.out, args.name, result,
-                 f"Command: `{result['command']}`; commit {result['commit']}\n\n{table}\n")
+    write_script_result(args.out, args.name, "store_big_get", table, rows=rows)
+
 
 if __name__ == "__main__":
     main()

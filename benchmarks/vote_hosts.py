@@ -40,7 +40,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainmover.bench.report import git_commit, spread, write_result  # noqa: E402
+from trainmover.bench.report import fmt_spread, spread, write_script_result  # noqa: E402
 from trainmover.core import kvstore  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.core.auth import AuthStore, seal, unseal  # noqa: E402
@@ -209,10 +209,6 @@ def _p99(values: list[float]) -> float:
     return v[min(len(v) - 1, int(0.99 * len(v)))]
 
 
-def _fmt(m: dict) -> str:
-    return f"{m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f})"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", default="128,2048,12500")
@@ -248,19 +244,18 @@ def main() -> None:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         lines.append(f"| {r['hosts']} ({r['workers']}) | {r['spread_ms']:g} | "
-                     f"{_fmt(r['decided_ms'])} | {r['decided_p99_ms']:.1f} | "
-                     f"{_fmt(r['all_ms'])} | {r['all_p99_ms']:.1f} | {_fmt(r['check_ms'])} | "
-                     f"{_fmt(r['store_cpu_ms'])} | {_fmt(r['client_cpu_ms'])} |")
+                     f"{fmt_spread(r['decided_ms'], 1)} | {r['decided_p99_ms']:.1f} | "
+                     f"{fmt_spread(r['all_ms'], 1)} | {r['all_p99_ms']:.1f} | "
+                     f"{fmt_spread(r['check_ms'], 1)} | {fmt_spread(r['store_cpu_ms'], 1)} | "
+                     f"{fmt_spread(r['client_cpu_ms'], 1)} |")
     table = "\n".join(lines)
     if not args.out:
         print(table)
         return
     # ``trainmover project --vote-hosts`` reads it (bench/scaling.py)
-    result = {"benchmark": "vote_hosts",
-              "command": "python benchmarks/vote_hosts.py " + " ".join(sys.argv[1:]),
-              "commit": git_commit(), "voters_per_host": args.voters_per_host, "rows": results}
-    write_result(args.out, args.name, result,
-                 f"Command: `{result['command']}`; commit {result['commit']}\n\n{table}\n")
+    write_script_result(args.out, args.name, "vote_hosts", table,
+                        voters_per_host=args.voters_per_host, rows=results)
+
 
 if __name__ == "__main__":
     main()

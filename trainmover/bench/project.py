@@ -238,10 +238,11 @@ def _control_at(control: ControlScaling, gpus: int, costs: EventCosts,
            "step_kept": step_s / (step_s + overhead) if step_s + overhead > 0 else 1.0,
            "crash_control_extra_s": extra, "crash_measured_at": measured_at,
            "extrapolated_x": control.beyond(gpus), "saturated": control.saturated(gpus)}
-    vote = control.store_vote_s
-    if vote is not None:
-        out.update(store_vote_s=vote(gpus), store_vote_kept=step_s / (step_s + vote(gpus)),
-                   store_vote_extrapolated_x=gpus / vote.n_max if gpus > vote.n_max else None)
+    fit = control.store_vote_s
+    if fit is not None:
+        vote = fit(gpus)
+        out.update(store_vote_s=vote, store_vote_kept=step_s / (step_s + vote),
+                   store_vote_extrapolated_x=gpus / fit.n_max if gpus > fit.n_max else None)
     return out
 
 

@@ -104,6 +104,18 @@ def read_result(path: str, flag: str, benchmark: str) -> dict:
     return data
 
 
+def write_script_result(out_dir: str, name: str, benchmark: str, table: str,
+                        **fields) -> None:
+    """A ``benchmarks/*.py`` script's result: ``write_result`` of ``fields`` with the
+    benchmark's name, the command as run and the commit, the markdown headed by both."""
+    import sys
+
+    command = f"python benchmarks/{os.path.basename(sys.argv[0])} " + " ".join(sys.argv[1:])
+    result = {"benchmark": benchmark, "command": command, "commit": git_commit(), **fields}
+    write_result(out_dir, name, result,
+                 f"Command: `{command}`; commit {result['commit']}\n\n{table}\n")
+
+
 def write_result(out_dir: str, name: str, result: dict, table: str,
                  json_path: str | None = None) -> None:
     """``<name>.json`` and ``<name>.md`` under ``out_dir``, the table printed; with
