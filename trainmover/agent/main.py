@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from trainmover.agent import forkserver
+from trainmover.agent import forkserver, groupvote
 from trainmover.agent.aborts import AbortRelay
 from trainmover.agent.commands import CommandRelay
 from trainmover.agent.beat import HostBeat
@@ -152,6 +152,7 @@ class Agent:
         self._fence: FenceWatch | None = None        # hosts but 0: declared lost?
         self._host_beat: HostBeat | None = None       # the host's heartbeat (a thread)
         self._relay: VoteRelay | None = None          # its processes' votes, relayed
+        self._group: groupvote.GroupLeader | None = None   # its vote group's store, if leader
         self._channels: Channels | None = None        # its processes' channels, read
         self._aborts: AbortRelay | None = None        # its processes' abort watches
         self._commands: CommandRelay | None = None    # the controller's commands to them
@@ -431,9 +432,7 @@ class Agent:
                                    lambda: list(self.children.values()), self._perfs)
         # its processes' votes, relayed as one ballot a host (agent/votes.py), and the
         # reader of their channels (beats and votes)
-        self._relay = VoteRelay(client(direct=True), client(direct=True), self.node,
-                                self.cfg.layout.num_roles,
-                                self.cfg.agent.vote_coalesce_s, hosts=self.cfg.hosts.nnodes)
+        self._relay = self._vote_relay(client, run_key)
         # its processes' watches of the controller's aborts, one a host (agent/aborts.py)
         self._aborts = AbortRelay(client)
         # the controller's commands to its processes, relayed on their channels
@@ -490,6 +489,32 @@ class Agent:
             self.events.emit("agent_stopped", node=self.node, reason=f"store lost: {exc}",
                              level="error")
             return 1
+
+    def _vote_relay(self, client, run_key: bytes) -> VoteRelay:
+        """The host's vote relay, in its vote group (``agent/groupvote.py``) where the job
+        has groups: their leaders serve a store for their members."""
+        nnodes, cfg = self.cfg.hosts.nnodes, self.cfg
+        size = cfg.agent.vote_group_size(nnodes)
+        relay = VoteRelay(client(direct=True), client(direct=True), self.node,
+                          cfg.layout.num_roles, cfg.agent.vote_coalesce_s,
+                          hosts=-(-nnodes // size), root_index=self.node // size)
+        members = groupvote.group_of(self.node, nnodes, size)
+        leader = members[-1]
+        if len(members) == 1:
+            return relay
+        if self.node == leader:
+            self._group = groupvote.GroupLeader(run_key, self.address, self.node, members,
+                                                relay, kvstore.StoreLimits.of(cfg.comm),
+                                                cfg.comm.store_timeout_s)
+            self.store.set(P.agent_key(self.node, "votes"), self._group.address)
+            self.events.emit("vote_group_serving", node=self.node, address=self._group.address,
+                             members=[n for n in members if n != self.node])
+            return relay
+        relay.on_left_group = lambda why: self.events.emit(
+            "vote_group_left", node=self.node, leader=leader, why=why, level="warning")
+        relay.group = groupvote.GroupLink(run_key, leader, client(),
+                                          cfg.agent.vote_group_timeout_s, relay.leave_group)
+        return relay
 
     def _loop(self) -> int:
         while True:

@@ -20,6 +20,11 @@ first vote here (a worker that stopped voting: a leaver past its switch, until i
 after its host's ballot went goes in a ballot of its own. The decision never depends on the
 batching: it is taken when the ballots hold every voter.
 
+In a job of many hosts the agents vote through vote groups (``agent/groupvote.py``): a
+member host's relay casts its ballot into its group leader's store and waits there; the
+leader's relay takes each member host's ballot as one of its own processes' votes (and
+waits for it as for them), casts one ballot for the group, and hands the decision back.
+
 Threads: the reader (every channel: beats counted, votes handed on), the forwarder (casts
 ballots, decides) and the waiter (waits for each decision, relays it). The last two have a
 store client each: the waiter's blocking waits would hold the forwarder's requests.
@@ -38,7 +43,7 @@ from datetime import timedelta
 
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthError
-from trainmover.core.kvstore import StoreTimeout
+from trainmover.core.kvstore import StoreError, StoreTimeout
 
 # How often a relay waiting for a decision looks at the ballots itself (a forged or
 # overwritten counter can leave nobody at the count): the relay that may have been the
@@ -57,6 +62,10 @@ RECHECK_DEPUTIES = 2
 RECHECK_FULL_HOSTS = 100
 FORGED_POLL_S = 0.05
 DECISIONS_KEPT = 64          # decided steps remembered for a vote that comes late
+HOST_PROXY = "host:"         # a member host of this leader's vote group, in ``_last``
+# A member waiting on its vote group reads the decision at the job's store this often (one
+# request a waiting member host each time: only steps slower than this pay it).
+GROUP_LOOK_ROOT_S = 2.0
 
 
 class Channels:
@@ -168,14 +177,24 @@ class _Step:
     sent: set = field(default_factory=set)         # voters whose ballot went
     count: int = 0                                 # the counter after this host's last add
     waited: bool = False                           # handed to the waiter
+    # cast in the host's vote group (agent/groupvote.py), not at the job's store; None:
+    # not cast yet
+    via_group: bool | None = None
 
 
 class VoteRelay:
+    """``hosts``: the relays that cast at the job's store (the vote groups, where there are
+    groups), this one the ``root_index``-th of them. A member of a vote group is given its
+    ``group`` later (``join_group``); a leader hands its members' ballots in
+    (``relay_host``)."""
+
     def __init__(self, forward_store, wait_store, node: int, num_voters: int,
-                 coalesce_s: float, hosts: int = 1):
+                 coalesce_s: float, hosts: int = 1, root_index: int | None = None):
         self.forward_store, self.wait_store = forward_store, wait_store
         self.node, self.num_voters, self.coalesce_s = node, num_voters, coalesce_s
         self.hosts = max(1, hosts)
+        self.root_index = node if root_index is None else root_index
+        self.group = None             # agent/groupvote.GroupLink: this host is a member
         self.error: BaseException | None = None     # the store is gone
         self._cv = threading.Condition()
         self._steps: dict[tuple[int, int], _Step] = {}
@@ -183,6 +202,7 @@ class VoteRelay:
         self._decided: collections.OrderedDict = collections.OrderedDict()
         self._waits: queue.Queue = queue.Queue()
         self.on_decided = None       # called with each step's (key, decision) once known
+        self.on_left_group = None    # called with why, when a member leaves its vote group
         threading.Thread(target=self._run, args=(self._forward,), name="vote-forwarder",
                          daemon=True).start()
         threading.Thread(target=self._run, args=(self._wait,), name="vote-waiter",
@@ -215,6 +235,40 @@ class VoteRelay:
             self._last.pop(name, None)
             self._cv.notify()
 
+    # --- vote groups (agent/groupvote.py) -------------------------------------------------------
+    def relay_host(self, node: int, key: tuple[int, int], names: list[str], group) -> None:
+        """A leader's: member host ``node``'s ballot for step ``key``, cast in the group's
+        store (``group``: the ``GroupLeader`` that hands the decision back). The member is
+        waited for on the next steps as one of this host's processes is, until a step is
+        decided without it (its processes exited)."""
+        with self._cv:
+            decided = self._decided.get(key)
+            if decided is None:
+                st = self._steps.get(key)
+                if st is None:
+                    st = self._steps[key] = _Step(time.monotonic())
+                for name in names:
+                    st.voters.setdefault(name, group)
+                self._last[f"{HOST_PROXY}{node}"] = key
+                self._cv.notify()
+                return
+        group.decided(key, decided)            # a late ballot on a decided step
+
+    def leave_group(self, why: str) -> None:
+        """A member's: its leader is gone. Every step cast in the group is cast again at the
+        job's store (its voters' names count once there) and waited for there."""
+        with self._cv:
+            if self.group is None:
+                return
+            self.group = None
+            for st in self._steps.values():
+                if st.via_group:
+                    st.via_group, st.count, st.first_at = False, 0, 0.0
+                    st.sent.clear()
+            self._cv.notify()
+        if self.on_left_group is not None:
+            self.on_left_group(why)
+
     # --- the forwarder ------------------------------------------------------------------------
     def _ready(self, key: tuple[int, int], st: _Step, now: float) -> bool:
         """Whether the host's ballot for ``key`` goes now (the module doc's rule)."""
@@ -238,9 +292,26 @@ class VoteRelay:
                 for key, st in due:
                     names = sorted(set(st.voters) - st.sent)
                     st.sent.update(names)
-                    batches.append((key, st, names))
-            for key, st, names in batches:
-                self._cast(key, st, names)
+                    if st.via_group is None:
+                        st.via_group = self.group is not None and self.group.ready()
+                    batches.append((key, st, names, self.group if st.via_group else None))
+            for key, st, names, group in batches:
+                if group is not None:
+                    self._cast_in_group(group, key, st, names)
+                else:
+                    self._cast(key, st, names)
+
+    def _cast_in_group(self, group, key: tuple[int, int], st: _Step, names: list[str]) -> None:
+        """The ballot into the group's store (its count there is the group's, no hint here)."""
+        try:
+            group.forward.cast_host_ballot_and_count(
+                P.commit_key(*key, "ballots"), self.node, names, P.commit_key(*key, "votes"))
+        except (OSError, StoreError) as exc:
+            group.lose(f"casting into its store: {exc}")
+            return
+        if not st.waited:
+            st.waited = True
+            self._waits.put(key)
 
     def _cast(self, key: tuple[int, int], st: _Step, names: list[str]) -> None:
         store = self.forward_store
@@ -276,7 +347,14 @@ class VoteRelay:
                 self._decided[key] = value
                 while len(self._decided) > DECISIONS_KEPT:
                     self._decided.popitem(last=False)
-                children = list(st.voters.values()) if st is not None else []
+                # (a member host's voters share one record: told once)
+                children = list({id(c): c for c in st.voters.values()}.values()) \
+                    if st is not None else []
+                # member hosts that voted on none of the steps up to this one have no voters
+                # now: not waited for any more
+                for name in [n for n, last in self._last.items()
+                             if n.startswith(HOST_PROXY) and last < key]:
+                    del self._last[name]
             for child in children:
                 _tell(child, key, value)
             if self.on_decided is not None:
@@ -289,8 +367,28 @@ class VoteRelay:
         decision = P.commit_key(*key, "decision")
         st = self._steps[key]
         full_every = RECHECK_ALL_S * max(1.0, self.hosts / RECHECK_FULL_HOSTS)
-        read_at = time.monotonic()
+        read_at = look_at = time.monotonic()
         while True:
+            group = self.group
+            if st.via_group and group is not None:
+                try:
+                    value = group.wait.await_value(decision, timedelta(seconds=RECHECK_S))
+                except StoreTimeout:
+                    # a leader that stopped relaying: the decision is read where it is taken
+                    now = time.monotonic()
+                    if now - look_at >= GROUP_LOOK_ROOT_S:
+                        look_at = now
+                        value = store.valid(decision)
+                        if value is not None:
+                            return value
+                    continue
+                except (OSError, StoreError) as exc:
+                    group.lose(f"waiting in its store: {exc}")
+                    continue
+                if value is not None:
+                    return value
+                time.sleep(FORGED_POLL_S)      # forged in the group's store
+                continue
             often = st.count >= self.num_voters - len(st.sent)
             try:
                 # the wait and the read in one request: every host's is answered at the
@@ -313,7 +411,7 @@ class VoteRelay:
     def _deputy(self, key: tuple[int, int]) -> bool:
         """Whether this host reads step ``key``'s ballots at every re-check (``RECHECK_DEPUTIES``
         hosts a step, a different few each step)."""
-        return (self.node - key[1]) % self.hosts < RECHECK_DEPUTIES
+        return (self.root_index - key[1]) % self.hosts < RECHECK_DEPUTIES
 
     def _run(self, loop) -> None:
         try:
@@ -324,8 +422,13 @@ class VoteRelay:
 
 def _tell(child, key: tuple[int, int], decision: bytes) -> None:
     """The decision to one voter (a process that exited meanwhile is past caring; one whose
-    channel is full reads the decision in the store: ``worker/liveness.HostVote``)."""
-    send_on(child, P.decision_message(*key, decision))
+    channel is full reads the decision in the store: ``worker/liveness.HostVote``), or to
+    the member hosts of this host's vote group (``GroupLeader.decided``)."""
+    decided = getattr(child, "decided", None)
+    if decided is not None:
+        decided(key, decision)
+    else:
+        send_on(child, P.decision_message(*key, decision))
 
 
 def send_on(child, message: bytes) -> str:

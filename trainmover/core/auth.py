@@ -50,6 +50,7 @@ MAX_COUNTERS_KEPT = 1024        # the counts last seen, kept to repair a forged 
 DEFAULT_STORE_TIMEOUT_S = 300.0  # a store object that does not say (test doubles)
 KEYS_PER_READ = 1024            # keys read in one request (``read_raw``, ``read_valid``)
 HOST_BALLOT = "host:"           # a host's ballot line (``cast_host_ballot``); no voter's name
+_HOST = HOST_BALLOT.encode()
 
 
 class AuthError(MessageError):
@@ -104,6 +105,53 @@ def store_timeout_s(store) -> float:
     """How long the store client's blocking calls wait (its ``timeout``)."""
     limit = getattr(store, "timeout", None)
     return limit.total_seconds() if limit is not None else DEFAULT_STORE_TIMEOUT_S
+
+
+class _BallotCheck:
+    """Checks ballot lines appended at one key, as bytes: each line's MAC before anything is
+    decoded, the MAC keyed once and copied for each line (every line's starts with the same
+    bytes)."""
+
+    def __init__(self, secret: bytes, key: str):
+        self._signed_for = hmac.new(secret, key.encode() + b"#", hashlib.sha256)
+
+    def line(self, line: bytes) -> tuple[bytes, bytes] | None:
+        """A genuine line's signer (``host:<node>`` or the voter) and its names, else None."""
+        head = len(_TAG) + _MAC_HEX + 1
+        if len(line) < head or not line.startswith(_TAG) or line[head - 1] != 0x3A:
+            return None                           # not a signed line (0x3A: ":")
+        payload = line[head:]
+        if payload.startswith(_HOST):
+            end = payload.find(b":", len(_HOST))
+            if end < 0:
+                return None
+            signer, names = payload[:end], payload[end + 1:]
+        else:
+            signer = names = payload
+        mac = self._signed_for.copy()
+        mac.update(signer + b"\0" + payload)
+        if not hmac.compare_digest(line[len(_TAG):head - 1], mac.hexdigest().encode()):
+            return None
+        return signer, names
+
+
+def host_ballots(secret: bytes, key: str, value: bytes) -> list[tuple[int, list[str]]]:
+    """The genuine host ballots (``AuthStore.cast_host_ballot``) in ``value``, a write
+    appended at ``key``: each as (node, voters). Lines of single voters, forged lines and
+    anything else appended count for nothing. What a group's leader reads of its members'
+    ballots as they come (``agent/groupvote.py``)."""
+    check = _BallotCheck(secret, key)
+    out = []
+    for line in value.split(b"\n"):
+        got = check.line(line)
+        if got is None or not got[0].startswith(_HOST):
+            continue
+        node = got[0][len(_HOST):]
+        if not node.isdigit():
+            continue
+        names = [n for n in got[1].decode(errors="replace").split(",") if n]
+        out.append((int(node), names))
+    return out
 
 
 class AuthStore:
@@ -232,25 +280,11 @@ class AuthStore:
         every host's line on the step's path (2,048 hosts: 6.8-7.2 ms; 7.9-8.3 with a MAC
         keyed afresh for each line, 10.1-16.9 when each line was also decoded first)."""
         voters: set[str] = set()
-        head = len(_TAG) + _MAC_HEX + 1
-        host = HOST_BALLOT.encode()
-        # every line's MAC starts with the same bytes: keyed once, copied for each line
-        signed_for = hmac.new(self._secret, key.encode() + b"#", hashlib.sha256)
+        check = _BallotCheck(self._secret, key)
         for line in self.raw.get(key).split(b"\n"):
-            if len(line) < head or not line.startswith(_TAG) or line[head - 1] != 0x3A:
-                continue                          # not a signed line (0x3A: ":")
-            payload = line[head:]
-            if payload.startswith(host):
-                end = payload.find(b":", len(host))
-                if end < 0:
-                    continue
-                signer, names = payload[:end], payload[end + 1:]
-            else:
-                signer = names = payload
-            mac = signed_for.copy()
-            mac.update(signer + b"\0" + payload)
-            if hmac.compare_digest(line[len(_TAG):head - 1], mac.hexdigest().encode()):
-                voters.update(names.decode(errors="replace").split(","))
+            got = check.line(line)
+            if got is not None:
+                voters.update(got[1].decode(errors="replace").split(","))
         voters.discard("")
         return voters
 

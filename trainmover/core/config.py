@@ -3,6 +3,7 @@ bad value. A whole job is a ``JobConfig``; named recipes (``recipes.py``) produc
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -264,6 +265,11 @@ MAX_STANDBYS_SMALL_JOB = 16
 event; a small job may keep more to ride out repeated failures or to move one worker after
 another without replenishing (rolling maintenance: one standby per move). Beyond that, a
 count is a typo that would start hundreds of processes."""
+
+# From this many hosts the commit vote goes through groups of hosts by default
+# (``AgentConfig.vote_group_hosts``): below it, a group's extra hop costs more than the one
+# store's per-host requests save (benchmarks/results/vote_groups.md).
+VOTE_GROUPS_FROM_HOSTS = 64
 
 
 @dataclass
@@ -857,6 +863,17 @@ class AgentConfig:
     # The same for its processes' failure reports of an epoch (agent/reports.py): written
     # as one value once every running worker reported, else this long after the first.
     vote_coalesce_s: float = 0.005
+    # The commit vote aggregated per group of this many hosts (``agent/groupvote.py``): each
+    # group's last host serves a small store its members cast their ballots into, casts one
+    # ballot for the group at the job's store and hands the decision back the same way. The
+    # job's store then serves a few requests a group a step instead of three a host (its one
+    # thread: ~85 ms a step at 2,048 hosts, flat). 0: automatic (flat below
+    # ``VOTE_GROUPS_FROM_HOSTS`` hosts, else groups of about sqrt(hosts)); 1: flat.
+    vote_group_hosts: int = 0
+    # A member host's requests to its group's store give up after this (the leader's host
+    # silent): the member then votes at the job's store as a host of no group. A leader
+    # declared lost (fenced) or whose store closed is left at once.
+    vote_group_timeout_s: float = 5.0
     # After stopping every process, how long it keeps the store up for the controller to
     # read that it did (then it exits regardless).
     shutdown_ack_s: float = 5.0
@@ -875,12 +892,25 @@ class AgentConfig:
         _seconds("agent", poll_s=self.poll_s, idle_wake_s=self.idle_wake_s,
                  controller_check_s=self.controller_check_s,
                  request_recheck_s=self.request_recheck_s, vote_coalesce_s=self.vote_coalesce_s,
+                 vote_group_timeout_s=self.vote_group_timeout_s,
                  shutdown_ack_s=self.shutdown_ack_s,
                  fork_server_timeout_s=self.fork_server_timeout_s,
                  refusal_report_s=self.refusal_report_s)
         if not isinstance(self.fork_server, bool):
             raise ValueError(f"agent.fork_server must be true or false, got "
                              f"{self.fork_server!r}")
+        if isinstance(self.vote_group_hosts, bool) or not isinstance(self.vote_group_hosts, int) \
+                or self.vote_group_hosts < 0:
+            raise ValueError(f"agent.vote_group_hosts must be an integer >= 0 (0: automatic, "
+                             f"1: no groups), got {self.vote_group_hosts!r}")
+
+    def vote_group_size(self, nnodes: int) -> int:
+        """Hosts a vote group (1: every host votes at the job's store itself)."""
+        if self.vote_group_hosts:
+            return min(self.vote_group_hosts, nnodes)
+        if nnodes < VOTE_GROUPS_FROM_HOSTS:
+            return 1
+        return math.isqrt(nnodes - 1) + 1          # ceil(sqrt(nnodes))
 
 
 @dataclass

@@ -264,6 +264,9 @@ class KVClient:
                  connect_timeout_s: float | None = None):
         self.host, self.port = host, port
         self.timeout_s = timeout_s
+        # how much later than the request's own timeout the socket gives up: a server
+        # answers a wait at its timeout, a margin before (0: the timeout is the bound)
+        self.answer_margin_s = 5.0
         self._lock = threading.Lock()
         self._sock = connect_socket(host, port, key, timeout_s if connect_timeout_s is None
                                     else connect_timeout_s)
@@ -276,6 +279,15 @@ class KVClient:
     def close(self) -> None:
         self._sock.close()
 
+    def abort(self) -> None:
+        """Close the connection from another thread: a request blocked on it raises
+        ``StoreClosed`` at once (a ``close`` alone leaves a blocked read waiting)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass                     # not connected any more
+        self._sock.close()
+
     def _call(self, op: Op, fields=(), number: int = 0, wait_s: float | None = None,
               before: bytes = b"") -> tuple[int, list[bytes]]:
         """One request and its answer; ``before``: requests that answer nothing
@@ -285,7 +297,7 @@ class KVClient:
         with self._lock:
             try:
                 # the server answers a wait at its timeout: the socket's is a margin later
-                self._sock.settimeout(self.timeout_s + (wait_s or 0) + 5)
+                self._sock.settimeout(self.timeout_s + (wait_s or 0) + self.answer_margin_s)
                 self._sock.sendall(request)
                 (size,) = FRAME.unpack(_recv_exactly(self._sock, 4))
                 status, number, out = decode_answer(_recv_exactly(self._sock, size))

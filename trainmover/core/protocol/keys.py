@@ -152,6 +152,7 @@ AGENT_KEYS = {
     "hb": "HostBeat: the agent's heartbeat, with the processes it did not hear from lately",
     "perf": "HostPerf: the step measurements of the host's processes (straggler detector)",
     "snapshots": "host:port of the host's peer-snapshot holder (core/snapshots.py)",
+    "votes": "host:port of the store of the vote group the host leads (agent/groupvote.py)",
     "fenced": "the host was declared lost: its agent stops its processes and exits",
     "done": "the agent stopped every process at the job's end",
     "done_ack": "the controller read 'done' (host 0's agent may now take the store down)",
