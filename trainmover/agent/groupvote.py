@@ -126,6 +126,9 @@ class GroupLeader:
                                               for what in ("ballots", "votes", "decision")])
         except (OSError, StoreError) as exc:     # its own store's thread failed
             self.error = exc
+            # its members would wait for decisions that never come there: closed, they
+            # leave the group and vote at the job's store
+            self.server.close()
 
     def close(self) -> None:
         self.server.close()
