@@ -84,7 +84,7 @@ class GroupServer(kvserver.KVServer):
 class GroupLeader:
     """A leader's side: serves the group's store, hands its members' ballots to the host's
     relay (``VoteRelay.relay_host``) and writes each decision the relay hands back
-    (``decided``) into the group's store, from a thread of its own."""
+    (``decided``) into the group's store."""
 
     def __init__(self, run_key: bytes, address: str, node: int, members: range, relay,
                  limits: kvstore.StoreLimits, timeout_s: float):
@@ -95,7 +95,8 @@ class GroupLeader:
         self.address = f"{address}:{self.server.port}"
         self._client = AuthStore(kvstore.connect(address, self.server.port, run_key,
                                                  timeout_s), run_key)
-        self._decisions: queue.Queue = queue.Queue()
+        self._late: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
         self._told: collections.OrderedDict = collections.OrderedDict()
         self.server.on_append = self._appended
         threading.Thread(target=self._loop, name="vote-group", daemon=True).start()
@@ -109,15 +110,13 @@ class GroupLeader:
                 self.relay.relay_host(node, step, names, self)
 
     def decided(self, key: tuple[int, int], value: bytes) -> None:
-        """Step ``key``'s decision, for the members (from the relay's waiter)."""
-        self._decisions.put((key, value))
-
-    def _loop(self) -> None:
+        """Step ``key``'s decision into the group's store, where the members' waits wake
+        (from the relay's waiter: written at once, a thread handoff less on every step's
+        path)."""
         try:
-            while True:
-                key, value = self._decisions.get()
+            with self._lock:
                 if key in self._told:
-                    continue                 # told already (a member's vote came late)
+                    return                   # told already (a member's vote came late)
                 self._client.set(P.commit_key(*key, "decision"), value)
                 self._told[key] = None
                 if len(self._told) > GROUP_STEPS_KEPT:
@@ -129,6 +128,15 @@ class GroupLeader:
             # its members would wait for decisions that never come there: closed, they
             # leave the group and vote at the job's store
             self.server.close()
+
+    def late(self, key: tuple[int, int], value: bytes) -> None:
+        """``decided``, for a member's ballot on a step decided already: from the store's
+        own thread, which must not wait on its store, so written from another."""
+        self._late.put((key, value))
+
+    def _loop(self) -> None:
+        while True:
+            self.decided(*self._late.get())
 
     def close(self) -> None:
         self.server.close()

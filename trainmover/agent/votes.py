@@ -176,6 +176,7 @@ class _Step:
     voters: dict = field(default_factory=dict)     # voter -> its process's record
     sent: set = field(default_factory=set)         # voters whose ballot went
     count: int = 0                                 # the counter after this host's last add
+    arrived: int = 0                               # entries of the relay's ``_last`` at it
     waited: bool = False                           # handed to the waiter
     # cast in the host's vote group (agent/groupvote.py), not at the job's store; None:
     # not cast yet
@@ -214,12 +215,10 @@ class VoteRelay:
         with self._cv:
             decided = self._decided.get(key)
             if decided is None:
-                st = self._steps.get(key)
-                if st is None:
-                    st = self._steps[key] = _Step(time.monotonic())
+                st, created = self._step(key)
                 st.voters[voter] = child
-                self._last[child.name] = key
-                self._cv.notify()
+                self._arrive(child.name, key)
+                self._wake_if(created, key, st)
                 return
         _tell(child, key, decided)           # a late vote on a decided step
 
@@ -232,7 +231,7 @@ class VoteRelay:
     def forget(self, name: str) -> None:
         """The process exited: no vote of it is expected any more."""
         with self._cv:
-            self._last.pop(name, None)
+            self._drop(name)
             self._cv.notify()
 
     # --- vote groups (agent/groupvote.py) -------------------------------------------------------
@@ -244,15 +243,13 @@ class VoteRelay:
         with self._cv:
             decided = self._decided.get(key)
             if decided is None:
-                st = self._steps.get(key)
-                if st is None:
-                    st = self._steps[key] = _Step(time.monotonic())
+                st, created = self._step(key)
                 for name in names:
                     st.voters.setdefault(name, group)
-                self._last[f"{HOST_PROXY}{node}"] = key
-                self._cv.notify()
+                self._arrive(f"{HOST_PROXY}{node}", key)
+                self._wake_if(created, key, st)
                 return
-        group.decided(key, decided)            # a late ballot on a decided step
+        group.late(key, decided)               # a late ballot on a decided step
 
     def leave_group(self, why: str) -> None:
         """A member's: its leader is gone. Every step cast in the group is cast again at the
@@ -269,12 +266,43 @@ class VoteRelay:
         if self.on_left_group is not None:
             self.on_left_group(why)
 
+    # --- who has voted where (under the lock) -------------------------------------------------
+    # ``_last``: each process (and a leader's member host) -> the step it last voted on;
+    # each pending step counts the entries at it (``arrived``), so whether all are there is
+    # one comparison, not a pass over the host's processes (a leader's: its members) at
+    # every vote
+    def _step(self, key: tuple[int, int]) -> tuple[_Step, bool]:
+        st = self._steps.get(key)
+        if st is not None:
+            return st, False
+        st = self._steps[key] = _Step(time.monotonic())
+        return st, True
+
+    def _arrive(self, name: str, key: tuple[int, int]) -> None:
+        old = self._last.get(name)
+        if old == key:
+            return
+        self._drop(name)
+        self._last[name] = key
+        self._steps[key].arrived += 1
+
+    def _drop(self, name: str) -> None:
+        old = self._last.pop(name, None)
+        st = self._steps.get(old) if old is not None else None
+        if st is not None:
+            st.arrived -= 1
+
+    def _wake_if(self, created: bool, key: tuple[int, int], st: _Step) -> None:
+        """The forwarder, where a vote changed what it does: a new step (a coalescing
+        deadline), one whose every process has voted, or a vote after the host's ballot
+        for the step went (not in any deadline the forwarder sleeps to)."""
+        if created or st.sent or self._ready(key, st, time.monotonic()):
+            self._cv.notify()
+
     # --- the forwarder ------------------------------------------------------------------------
     def _ready(self, key: tuple[int, int], st: _Step, now: float) -> bool:
         """Whether the host's ballot for ``key`` goes now (the module doc's rule)."""
-        if now - st.first_at >= self.coalesce_s:
-            return True
-        return all(last == key for last in self._last.values())
+        return st.arrived >= len(self._last) or now - st.first_at >= self.coalesce_s
 
     def _forward(self) -> None:
         while True:
@@ -302,10 +330,10 @@ class VoteRelay:
                     self._cast(key, st, names)
 
     def _cast_in_group(self, group, key: tuple[int, int], st: _Step, names: list[str]) -> None:
-        """The ballot into the group's store (its count there is the group's, no hint here)."""
+        """The ballot into the group's store: an append that waits for no answer and no
+        count (the leader counts what it relays; a store gone is seen by the wait)."""
         try:
-            group.forward.cast_host_ballot_and_count(
-                P.commit_key(*key, "ballots"), self.node, names, P.commit_key(*key, "votes"))
+            group.forward.cast_host_ballot(P.commit_key(*key, "ballots"), self.node, names)
         except (OSError, StoreError) as exc:
             group.lose(f"casting into its store: {exc}")
             return
@@ -347,14 +375,16 @@ class VoteRelay:
                 self._decided[key] = value
                 while len(self._decided) > DECISIONS_KEPT:
                     self._decided.popitem(last=False)
-                # (a member host's voters share one record: told once)
-                children = list({id(c): c for c in st.voters.values()}.values()) \
+                # (a member host's voters share one record: told once, and first: its
+                # members' processes wait two hops further)
+                children = sorted({id(c): c for c in st.voters.values()}.values(),
+                                  key=lambda c: not hasattr(c, "decided")) \
                     if st is not None else []
                 # member hosts that voted on none of the steps up to this one have no voters
                 # now: not waited for any more
                 for name in [n for n, last in self._last.items()
                              if n.startswith(HOST_PROXY) and last < key]:
-                    del self._last[name]
+                    self._drop(name)
             for child in children:
                 _tell(child, key, value)
             if self.on_decided is not None:
