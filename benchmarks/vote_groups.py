@@ -254,6 +254,8 @@ def main() -> None:
     ap.add_argument("--voters-per-host", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-flat", action="store_true",
+                    help="the grouped vote only (to compare two trees' grouped votes)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="vote_groups")
     args = ap.parse_args()
@@ -266,12 +268,14 @@ def main() -> None:
         grouped, flat = [], []
         for _ in range(args.repeats):      # alternately: the same machine state for both
             grouped.append(run_grouped(n, size, args.voters_per_host, args.rounds))
-            flat.append(vote_hosts.run(n, args.voters_per_host, 0.0, args.rounds, False))
+            if not args.no_flat:
+                flat.append(vote_hosts.run(n, args.voters_per_host, 0.0, args.rounds, False))
         row = {"hosts": n, "workers": n * args.voters_per_host, "group_hosts": size,
                "groups": -(-n // size),
                "grouped": _row(grouped, ("all_ms", "members_ms", "leaders_ms", "store_cpu_ms",
-                                         "leader_cpu_ms", "client_cpu_ms")),
-               "flat": _row(flat, ("all_ms", "store_cpu_ms", "client_cpu_ms"))}
+                                         "leader_cpu_ms", "client_cpu_ms"))}
+        if flat:
+            row["flat"] = _row(flat, ("all_ms", "store_cpu_ms", "client_cpu_ms"))
         results.append(row)
         print(json.dumps(row), flush=True)
     head = ("| hosts (workers) | group (groups) | every host has it, grouped (ms) | p99 | "
@@ -279,13 +283,20 @@ def main() -> None:
             "leader CPU a round (ms) | client CPU, grouped / flat (ms) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
-        g, f = r["grouped"], r["flat"]
+        g = r["grouped"]
+        f = r.get("flat")
+
+        def flat(k: str, digits: int) -> str:
+            return "-" if f is None else fmt_spread(f[k], digits)
+
+        flat_p99 = "-" if f is None else f"{f['all_p99_ms']:.2f}"
+
         lines.append(f"| {r['hosts']} ({r['workers']}) | {r['group_hosts']} ({r['groups']}) | "
                      f"{fmt_spread(g['all_ms'], 2)} | {g['all_p99_ms']:.2f} | "
-                     f"{fmt_spread(f['all_ms'], 2)} | {f['all_p99_ms']:.2f} | "
-                     f"{fmt_spread(g['store_cpu_ms'], 2)} | {fmt_spread(f['store_cpu_ms'], 2)} | "
+                     f"{flat('all_ms', 2)} | {flat_p99} | "
+                     f"{fmt_spread(g['store_cpu_ms'], 2)} | {flat('store_cpu_ms', 2)} | "
                      f"{fmt_spread(g['leader_cpu_ms'], 2)} | "
-                     f"{fmt_spread(g['client_cpu_ms'], 1)} / {fmt_spread(f['client_cpu_ms'], 1)} |")
+                     f"{fmt_spread(g['client_cpu_ms'], 1)} / {flat('client_cpu_ms', 1)} |")
     table = "\n".join(lines)
     if not args.out:
         print(table)
