@@ -185,9 +185,9 @@ class _Step:
 
 class VoteRelay:
     """``hosts``: the relays that cast at the job's store (the vote groups, where there are
-    groups), this one the ``root_index``-th of them. A member of a vote group is given its
-    ``group`` later (``join_group``); a leader hands its members' ballots in
-    (``relay_host``)."""
+    groups), this one the ``root_index``-th of them. A member of a vote group has its
+    ``group`` set by its agent (a ``groupvote.GroupLink``); a leader's ``GroupLeader`` hands
+    its members' ballots in (``relay_host``)."""
 
     def __init__(self, forward_store, wait_store, node: int, num_voters: int,
                  coalesce_s: float, hosts: int = 1, root_index: int | None = None):
