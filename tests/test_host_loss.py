@@ -71,8 +71,12 @@ def _all_warm(run_dir: str) -> bool:
 
 
 @pytest.mark.timeout(600)
+# groups: the hosts vote in vote groups of two (agent/groupvote.py): host 1 leads hosts 0
+# and 1, so host 0 dies as a member of host 1's group, and the job's store its leader
+# casts the group's ballots at is the etcd cluster
+@pytest.mark.parametrize("group_hosts", [1, 2], ids=["flat", "groups"])
 def test_the_host_of_the_controller_and_the_etcd_leader_dies_and_the_job_goes_on(
-        tmp_path, baseline):
+        tmp_path, baseline, group_hosts):
     run_dir = str(tmp_path / "run")
     with netns.Hosts(4) as hosts:
         spaces = [1, 2, 3]                      # namespaces of the etcd members
@@ -91,7 +95,8 @@ def test_the_host_of_the_controller_and_the_etcd_leader_dies_and_the_job_goes_on
             # machine (~2 s in CI), or the next host would take over from the restarted one
             cfg = job_config(addr[0], 3, steps=STEPS, process_etcd=cluster.address(),
                              controller_beat_interval_s=0.5, controller_takeover_after_s=5.0,
-                             health_heartbeat_timeout_s=5.0, recovery_report_timeout_s=10.0)
+                             health_heartbeat_timeout_s=5.0, recovery_report_timeout_s=10.0,
+                             agent_vote_group_hosts=group_hosts)
             os.makedirs(run_dir)
             with open(os.path.join(run_dir, "..", "job-config.json"), "w") as f:
                 json.dump(cfg.to_dict(), f)
@@ -142,3 +147,5 @@ def test_the_host_of_the_controller_and_the_etcd_leader_dies_and_the_job_goes_on
     assert summary["steps"] == STEPS
     failed = sorted(w for r in summary["recoveries"] for w in r["failures"])
     assert failed == ["w0", "w1"]
+    serving = [e["node"] for e in events if e["event"] == "vote_group_serving"]
+    assert serving == ([1] if group_hosts == 2 else [])
