@@ -494,7 +494,7 @@ class Agent:
         """The host's vote relay, in its vote group (``agent/groupvote.py``) where the job
         has groups: their leaders serve a store for their members."""
         nnodes, cfg = self.cfg.hosts.nnodes, self.cfg
-        size = cfg.agent.vote_group_size(nnodes)
+        size = cfg.agent.vote_group_size(nnodes, self.etcd)
         relay = VoteRelay(client(direct=True), client(direct=True), self.node,
                           cfg.layout.num_roles, cfg.agent.vote_coalesce_s,
                           hosts=-(-nnodes // size), root_index=self.node // size)

@@ -268,8 +268,12 @@ count is a typo that would start hundreds of processes."""
 
 # From this many hosts the commit vote goes through groups of hosts by default
 # (``AgentConfig.vote_group_hosts``): below it, a group's extra hop costs more than the one
-# store's per-host requests save (benchmarks/results/vote_groups.md).
+# store's per-host requests save (benchmarks/results/vote_groups.md). On etcd from far
+# fewer: there H hosts' racing writes take H rounds (8 hosts: 63 ms, 16: 166 ms), which
+# groups cut to about sqrt(H) writers for a hop of ~1 ms (benchmarks/results/
+# etcd_vote_small.md).
 VOTE_GROUPS_FROM_HOSTS = 64
+VOTE_GROUPS_FROM_HOSTS_ETCD = 4
 
 
 @dataclass
@@ -868,7 +872,8 @@ class AgentConfig:
     # ballot for the group at the job's store and hands the decision back the same way. The
     # job's store then serves a few requests a group a step instead of three a host (its one
     # thread: ~85 ms a step at 2,048 hosts, flat). 0: automatic (flat below
-    # ``VOTE_GROUPS_FROM_HOSTS`` hosts, else groups of about sqrt(hosts)); 1: flat.
+    # ``VOTE_GROUPS_FROM_HOSTS`` hosts, 64, or ``VOTE_GROUPS_FROM_HOSTS_ETCD``, 4, with the
+    # store on etcd; else groups of about sqrt(hosts)); 1: flat.
     vote_group_hosts: int = 0
     # A member host's requests to its group's store give up after this (the leader's host
     # silent): the member then votes at the job's store as a host of no group. A leader
@@ -904,11 +909,12 @@ class AgentConfig:
             raise ValueError(f"agent.vote_group_hosts must be an integer >= 0 (0: automatic, "
                              f"1: no groups), got {self.vote_group_hosts!r}")
 
-    def vote_group_size(self, nnodes: int) -> int:
-        """Hosts a vote group (1: every host votes at the job's store itself)."""
+    def vote_group_size(self, nnodes: int, etcd: bool = False) -> int:
+        """Hosts a vote group (1: every host votes at the job's store itself); ``etcd``:
+        the job's store is on etcd."""
         if self.vote_group_hosts:
             return min(self.vote_group_hosts, nnodes)
-        if nnodes < VOTE_GROUPS_FROM_HOSTS:
+        if nnodes < (VOTE_GROUPS_FROM_HOSTS_ETCD if etcd else VOTE_GROUPS_FROM_HOSTS):
             return 1
         return math.isqrt(nnodes - 1) + 1          # ceil(sqrt(nnodes))
 
