@@ -269,7 +269,7 @@ count is a typo that would start hundreds of processes."""
 # From this many hosts the commit vote goes through groups of hosts by default
 # (``AgentConfig.vote_group_hosts``): below it, a group's extra hop costs more than the one
 # store's per-host requests save (benchmarks/results/vote_groups.md). On etcd from far
-# fewer: there H hosts' racing writes take H rounds (8 hosts: 63 ms, 16: 166 ms), which
+# fewer: there H hosts' racing writes take H rounds (8 hosts: 67 ms, 16: 130 ms), which
 # groups cut to about sqrt(H) writers for a hop of ~1 ms (benchmarks/results/
 # etcd_vote_small.md).
 VOTE_GROUPS_FROM_HOSTS = 64
