@@ -330,8 +330,8 @@ BENCH_GROUPS = [
         "straggler", "straggler_false_positives", "straggler_results", "ettr_10min", "ettr",
         "ettr_prestarted", "ettr_results"]),
     ("Hosts, scale and endurance", [
-        "hosts", "store_etcd", "etcd_vote", "etcd_vote_small", "control", "control_1k_4k", "control_store_fixes", "control_groups",
-        "control_groups_flat",
+        "hosts", "store_etcd", "etcd_vote", "etcd_vote_small", "control", "control_1k_4k",
+        "control_store_fixes", "control_groups", "control_groups_flat",
         "control_hostbeats",
         "control_flat",
         "control_scaling",
