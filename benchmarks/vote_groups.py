@@ -7,8 +7,8 @@ Grouped: hosts in groups of G (``agent.vote_group_hosts``; by default ceil(sqrt(
 the agent's automatic size, also below the host count where the agent starts grouping). One group is real: its leader is the agent's own code (``GroupLeader`` serving the
 group's store, ``VoteRelay``, with its own voters) in a process of its own; its G-1
 members are connections of the client process, sending what a member's relay sends (its
-signed ballot and count in one write into the group's store, then a ``get`` that waits for
-the decision there). Every other group is its leader alone, at the job's store, sending
+signed ballot, an append that waits for no answer, into the group's store, then a ``get``
+that waits for the decision there). Every other group is its leader alone, at the job's store, sending
 what a leader sends (one signed ballot naming its group's voters with their count, the
 wait for the decision; the one whose count completes the job's reads and checks the
 ballots and writes ``commit``). In a job each group is on hosts of its own, in parallel:
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vote_hosts  # noqa: E402
 from trainmover.agent import groupvote  # noqa: E402
 from trainmover.bench.report import fmt_spread, spread, write_script_result  # noqa: E402
-from trainmover.core import kvstore  # noqa: E402
+from trainmover.core import ballots, kvstore  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.core.auth import AuthStore, seal, unseal  # noqa: E402
 from trainmover.core.config import AgentConfig  # noqa: E402
@@ -102,12 +102,13 @@ def _leader(key: bytes, root_port: int, nnodes: int, size: int, voters_per_host:
 class Voter:
     __slots__ = ("sock", "node", "names", "member", "buf", "state", "done_at")
 
-    def __init__(self, sock, node: int, names: list[str], member: bool):
+    def __init__(self, sock, node: int, names: tuple, member: bool):
         self.sock, self.node, self.names, self.member = sock, node, names, member
         self.buf, self.state, self.done_at = bytearray(), "", 0.0
 
 
-def _connect(port: int, node: int, names: list[str], member: bool, sel) -> Voter:
+def _connect(port: int, node: int, names: tuple, member: bool, sel) -> Voter:
+    """``names``: (its own voters, {member node: voters}) as its ballot names them."""
     sock = kvstore.connect_socket("127.0.0.1", port, kvstore.store_key(KEY), 60)
     sock.setblocking(True)
     sock.settimeout(None)
@@ -120,15 +121,19 @@ def _round(others: list[Voter], members: list[Voter], leader_conn, sel, step: in
            num_voters: int) -> dict:
     epoch = 1
     ballots_key = P.commit_key(epoch, step, "ballots")
+    wait = encode_request(Op.GET, [P.commit_key(epoch, step, "decision").encode()], 0, WAIT_MS)
     votes_key = P.commit_key(epoch, step, "votes")
     decision_key = P.commit_key(epoch, step, "decision")
     first = {}
     for v in others + members:
+        # a leader's line names its members' voters under their hosts (core/ballots.py)
         line = b"\n" + seal(KEY, f"{ballots_key}#host:{v.node}",
-                            f"host:{v.node}:" + ",".join(v.names)) + b"\n"
-        first[v] = (encode_request(Op.APPEND | NO_REPLY, [ballots_key.encode(), line]) +
-                    encode_request(Op.ADD, [votes_key.encode()], len(v.names)))
-    wait = encode_request(Op.GET, [decision_key.encode()], 0, WAIT_MS)
+                            ballots.payload(v.node, *v.names)) + b"\n"
+        count = len(v.names[0]) + sum(len(n) for n in v.names[1].values())
+        # a member's relay appends its ballot (no answer) and waits for the decision; a
+        # leader's sends its ballot and count in one write
+        first[v] = encode_request(Op.APPEND | NO_REPLY, [ballots_key.encode(), line]) + (
+            wait if v.member else encode_request(Op.ADD, [votes_key.encode()], count))
     get_ballots = encode_request(Op.GET, [ballots_key.encode()], 0, WAIT_MS)
     cas = encode_request(Op.COMPARE_SET, [decision_key.encode(), b"",
                                           seal(KEY, decision_key, "commit")])
@@ -141,7 +146,7 @@ def _round(others: list[Voter], members: list[Voter], leader_conn, sel, step: in
         v.sock.sendall(first[v])
     leader_conn.send((epoch, step))           # the real leader's own voters
     for v in members:                         # its members last
-        v.state = "add"
+        v.state = "wait"
         v.sock.sendall(first[v])
     last_sent = time.perf_counter()
     while pending:
@@ -168,7 +173,7 @@ def _round(others: list[Voter], members: list[Voter], leader_conn, sel, step: in
                         v.sock.sendall(wait)
                 elif v.state == "ballots":
                     checker.raw = vote_hosts._Ballots(fields[0])
-                    if len(checker.ballot_voters(ballots_key)) >= num_voters:
+                    if checker.ballot_tally(ballots_key, {v.node})[0] >= num_voters:
                         v.state = "cas"
                         v.sock.sendall(cas)
                     else:                     # the real group's ballot is not in yet
@@ -202,16 +207,17 @@ def run_grouped(nnodes: int, size: int, voters_per_host: int, rounds: int) -> di
     group_port = lead_ours.recv()
     sel = selectors.DefaultSelector()
 
-    def names(nodes) -> list[str]:
-        return [f"w{n * voters_per_host + i}" for n in nodes for i in range(voters_per_host)]
+    def names(node: int) -> list[str]:
+        return [f"w{node * voters_per_host + i}" for i in range(voters_per_host)]
 
     members, others = [], []
     try:
         for node in groupvote.group_of(0, nnodes, size)[:-1]:
-            members.append(_connect(group_port, node, names([node]), True, sel))
+            members.append(_connect(group_port, node, (names(node), {}), True, sel))
         for first in range(size, nnodes, size):
             nodes = groupvote.group_of(first, nnodes, size)
-            others.append(_connect(root_port, nodes[-1], names(nodes), False, sel))
+            others.append(_connect(root_port, nodes[-1], (names(nodes[-1]), {
+                n: names(n) for n in nodes[:-1]}), False, sel))
         rows, warm = [], 3
         for step in range(warm + rounds):
             if step == warm:

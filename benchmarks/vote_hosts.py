@@ -10,7 +10,7 @@ requests the host's agent sends for a step (``agent/votes.VoteRelay``): its sign
 in one write, as the relay sends them since 55a6cfb; ``--two-writes`` as before) and, on
 the add's answer, its wait for the decision; the host whose add reaches the job's voter
 count reads the ballots, checks them with the agent's own code
-(``AuthStore.ballot_voters``) and writes ``commit`` (compare-and-set) first. The requests
+(``AuthStore.ballot_tally``) and writes ``commit`` (compare-and-set) first. The requests
 are built and signed before the round: in a job each host builds its own, in parallel; here
 one process reads every host's answers, so the client's CPU a round is reported beside the
 store's (the latency is bounded by the busier of the two).
@@ -77,7 +77,7 @@ def _cpu_s(pid: int) -> float:
 
 
 class _Ballots:
-    """The store's ballot value, as ``AuthStore.ballot_voters`` reads it."""
+    """The store's ballot value, as ``AuthStore.ballot_tally`` reads it."""
 
     def __init__(self, value: bytes):
         self.value = value
@@ -157,7 +157,7 @@ def _round(hosts: list[Host], sel, step: int, voters_per_host: int, spread_s: fl
                 elif h.state == "ballots":
                     t = time.perf_counter()
                     checker.raw = _Ballots(fields[0])
-                    if len(checker.ballot_voters(ballots_key)) < num_voters:
+                    if checker.ballot_tally(ballots_key, {h.node})[0] < num_voters:
                         raise SystemExit("the ballots do not hold every voter")
                     check_s = time.perf_counter() - t
                     h.state = "cas"

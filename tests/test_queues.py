@@ -1,6 +1,9 @@
 """Numbered queues in the store (core/queues.py) under forged values: a forged head is not
 consumed, a genuine value behind a hole is reached, nothing is read twice."""
-from trainmover.core.auth import AuthStore, seal
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from trainmover.core.auth import AuthStore, PlainStore, seal
 from trainmover.core.queues import SlotReader
 
 SECRET = b"s" * 64
@@ -127,6 +130,7 @@ def test_a_host_ballot_counts_its_voters_only_as_signed_for_that_host_and_step()
         raw.append(key, b"\n" + line + b"\n")
     store.cast_host_ballot(key, 8, ["w12"])
     assert store.ballot_voters(key) == {"w0", "w1", "w2", "w12"}
+    assert store.ballot_tally(key, {0, 8}) == (4, {"w0", "w1", "w12"})
 
 
 def test_a_host_ballot_and_its_count_in_one_write_and_a_forged_counter_repaired():
@@ -162,3 +166,52 @@ def test_junk_planted_before_the_vote_does_not_swallow_the_first_ballot():
     for voter in ("w0", "w1"):
         store.cast_ballot("commit/0/7/ballots", voter)
     assert store.ballot_voters("commit/0/7/ballots") == {"w0", "w1"}
+
+
+def test_a_leaders_ballot_names_its_members_voters_under_their_hosts_and_each_counts_once():
+    """A vote group's leader (host 5) casts for itself and members 3 and 4; member 3, which
+    left the group, casts its voters again on its own, and a late vote of host 4 comes in a
+    ballot of its own: every voter counts once, and each host's voters are found under it."""
+    raw = DictStore()
+    raw.append = lambda key, value: raw.values.__setitem__(key, raw.values.get(key, b"") + value)
+    store = AuthStore(raw, SECRET)
+    key = "commit/1/2/ballots"
+    store.cast_host_ballot(key, 5, ["w10", "w11"], {3: ["w6", "w7"], 4: ["w8"]})
+    store.cast_host_ballot(key, 3, ["w6", "w7"])
+    store.cast_host_ballot(key, 5, [], {4: ["w9"]})
+    assert store.ballot_voters(key) == {"w6", "w7", "w8", "w9", "w10", "w11"}
+    assert store.ballot_tally(key, {5}) == (6, {"w10", "w11"})
+    assert store.ballot_tally(key, {3, 4}) == (6, {"w6", "w7", "w8", "w9"})
+    with pytest.raises(ValueError, match="voter's name"):
+        store.cast_host_ballot(key, 5, ["w1,w2"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_tally_counts_as_the_set_of_every_voter_does(data):
+    """Random ballots of a job whose voters each live on one host (as process names do):
+    hosts casting their voters in one or more ballots, through their group's leader or on
+    their own, a voter cast more than once. The tally's count is the number of distinct
+    voters named, and its voters of the asked hosts are exactly theirs."""
+    hosts = data.draw(st.integers(1, 6))
+    on = {f"w{i}": data.draw(st.integers(0, hosts - 1)) for i in range(data.draw(
+        st.integers(1, 12)))}
+    store = PlainStore(DictStore())
+    store.raw.append = lambda key, value: store.raw.values.__setitem__(
+        key, store.raw.values.get(key, b"") + value)
+    key = "commit/0/0/ballots"
+    for _ in range(data.draw(st.integers(1, 8))):
+        caster = data.draw(st.integers(0, hosts - 1))
+        cast = data.draw(st.lists(st.sampled_from(sorted(on)), max_size=6, unique=True))
+        own = [v for v in cast if on[v] == caster]
+        members = {}
+        for v in cast:
+            if on[v] != caster:
+                members.setdefault(on[v], []).append(v)
+        if own or members:
+            store.cast_host_ballot(key, caster, own, members)
+    if key not in store.raw.values:
+        return
+    named = store.ballot_voters(key)
+    asked = set(data.draw(st.lists(st.integers(0, hosts - 1), max_size=3)))
+    assert store.ballot_tally(key, asked) == (len(named), {v for v in named if on[v] in asked})

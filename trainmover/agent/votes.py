@@ -181,6 +181,7 @@ class _Step:
     # cast in the host's vote group (agent/groupvote.py), not at the job's store; None:
     # not cast yet
     via_group: bool | None = None
+    member_of: dict = field(default_factory=dict)  # a leader's: member's voter -> its node
 
 
 class VoteRelay:
@@ -246,6 +247,7 @@ class VoteRelay:
                 st, created = self._step(key)
                 for name in names:
                     st.voters.setdefault(name, group)
+                    st.member_of[name] = node
                 self._arrive(f"{HOST_PROXY}{node}", key)
                 self._wake_if(created, key, st)
                 return
@@ -345,8 +347,9 @@ class VoteRelay:
         store = self.forward_store
         ballots = P.commit_key(*key, "ballots")
         # the ballot and the count in one write (on the built-in store)
-        st.count = store.cast_host_ballot_and_count(ballots, self.node, names,
-                                                    P.commit_key(*key, "votes"))
+        own, members = _by_host(st, names)
+        st.count = store.cast_host_ballot_and_count(ballots, self.node, own,
+                                                    P.commit_key(*key, "votes"), members)
         if st.count >= self.num_voters:
             self._decide(store, key, st)
         if not st.waited:
@@ -357,12 +360,13 @@ class VoteRelay:
         """Commit, if the ballots hold every voter; this host's ballot cast again if it was
         erased (an overwritten key: nobody would ever decide)."""
         ballots = P.commit_key(*key, "ballots")
-        voters = store.ballot_voters(ballots)
-        missing = sorted(st.sent - voters)
+        count, present = store.ballot_tally(ballots, {self.node, *st.member_of.values()})
+        missing = sorted(st.sent - present)
         if missing:
-            store.cast_host_ballot(ballots, self.node, missing)
-            voters.update(missing)
-        if len(voters) >= self.num_voters:
+            own, members = _by_host(st, missing)
+            store.cast_host_ballot(ballots, self.node, own, members)
+            count += len(missing)
+        if count >= self.num_voters:
             store.compare_set(P.commit_key(*key, "decision"), "", "commit")
 
     # --- the waiter ---------------------------------------------------------------------------
@@ -448,6 +452,21 @@ class VoteRelay:
             loop()
         except (AuthError, OSError, RuntimeError) as exc:    # the store is gone
             self.error = exc
+
+
+def _by_host(st: _Step, names: list[str]) -> tuple[list[str], dict[int, list[str]]]:
+    """``names`` as this host's own processes' and, for a vote group's leader, each member
+    host's (a ballot names them under their host: ``core/ballots.py``)."""
+    if not st.member_of:
+        return names, {}
+    own, members = [], collections.defaultdict(list)
+    for name in names:
+        node = st.member_of.get(name)
+        if node is None:
+            own.append(name)
+        else:
+            members[node].append(name)
+    return own, dict(members)
 
 
 def _tell(child, key: tuple[int, int], decision: bytes) -> None:
