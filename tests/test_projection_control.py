@@ -176,8 +176,35 @@ def test_the_store_vote_column_charges_each_step_the_stores_measured_share(tmp_p
     result = write_projection(cluster, COSTS, str(tmp_path), control=control)
     assert result["strategies"][-1] == STORE_VOTE
     table = (tmp_path / "projection.md").read_text()
-    assert "the store's share 128 ms/step (extrapolated x2.0)" in table
+    assert "the vote alone 128 ms/step (extrapolated x2.0)" in table
     assert "1,024: 4.0 vs 4.0, 16,384: 64.0 vs 64.0 ms" in table
+
+
+def test_a_vote_groups_result_is_fitted_over_its_grouped_rows_where_the_agent_groups(
+        tmp_path):
+    """A vote_groups result: the grouped vote's time to every host, from 64 hosts (below,
+    the agent votes flat), the flat rows beside it not read."""
+    def row(hosts, grouped_ms, flat_ms):
+        return {"hosts": hosts, "workers": 8 * hosts,
+                "grouped": {"all_ms": {"median": grouped_ms, "min": grouped_ms,
+                                       "max": grouped_ms}},
+                "flat": {"all_ms": {"median": flat_ms, "min": flat_ms, "max": flat_ms}}}
+
+    path = vote_result(tmp_path / "g.json", [row(16, 1.0, 0.5), row(128, 2.0, 6.0),
+                                            row(2048, 8.0, 90.0)], benchmark="vote_groups")
+    vote, source = store_vote_from_file(path)
+    assert [p[:2] for p in vote.points] == [[1024, 0.002], [16384, 0.008]]
+    assert source["benchmark"] == "vote_groups" and source["hosts"] == [128, 2048]
+    control = scaling(step=2.5)
+    control.store_vote_s, control.store_vote_source = vote, source
+    result = write_projection(Cluster(gpus=[16384], step_s=5.0), COSTS, str(tmp_path),
+                              control=control)
+    assert result["rows"][0]["control"]["store_vote_s"] == pytest.approx(0.008)
+    assert "through vote groups (`benchmarks/vote_groups.py`" in \
+        (tmp_path / "projection.md").read_text()
+    only_small = vote_result(tmp_path / "s.json", [row(16, 1.0, 0.5)], benchmark="vote_groups")
+    with pytest.raises(ValueError, match="s.json.*no grouped rows from 64 hosts"):
+        store_vote_from_file(only_small)
 
 
 def test_project_command_rejects_bad_vote_hosts_files(tmp_path, capsys):

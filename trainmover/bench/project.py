@@ -33,9 +33,9 @@ the per-event costs, and where the fitted CPU share of the root store or the con
 thread each) reaches a whole core the row is out of range. Rows beyond the largest size the
 control plane was measured at are marked with how far the fit extrapolates. Without
 ``--control`` the control plane is counted at its small-job cost, and the table says so.
-With ``--vote-hosts`` (a ``benchmarks/vote_hosts.py`` result) one more column charges
-each step only the store's share of the vote, measured at up to 12,500 hosts, instead of
-the simulator's whole step overhead: the simulator runs every host on this machine's two
+With ``--vote-hosts`` (a ``benchmarks/vote_hosts.py`` result, or ``vote_groups.py``'s: the
+vote through vote groups) one more column charges each step only the vote measured alone,
+at up to 12,500 hosts, instead of the simulator's whole step overhead: the simulator runs every host on this machine's two
 cores and is an upper bound, this the other bound (each host's own part of the vote, a
 channel hop and a thread, left out as if free).
 
@@ -160,12 +160,13 @@ STRATEGIES = ("restart", "trainmover", "trainmover_no_standby", "trainmover_pape
 # with --control: trainmover's figure as it would be if the control plane cost what it
 # costs at the small jobs the per-event costs were measured at
 FLAT = "trainmover_flat_control"
-# with --vote-hosts: each step charged the store's measured share of the vote alone
+# with --vote-hosts: each step charged the vote measured alone (the store's share of it, or
+# the whole vote through vote groups)
 STORE_VOTE = "trainmover_store_vote"
 LABELS = {"restart": "checkpoint-restart",
           "trainmover": "trainmover (costs measured here)",
           FLAT: "trainmover, control plane at its small-job cost",
-          STORE_VOTE: "trainmover, each step charged the store's share of the vote alone",
+          STORE_VOTE: "trainmover, each step charged the vote measured alone",
           "trainmover_no_standby": "trainmover, no free standby (every event joins cold)",
           "trainmover_paper_cost": f"trainmover at {PAPER_EVENT_S:.0f} s per event (paper, "
                                    f"1,024 GPUs)"}
@@ -409,8 +410,12 @@ def _control_words(r: dict) -> list[str]:
                  f"counted.")
     if k.get("store_vote_s"):
         v = k["store_vote_source"]
+        what = ("a step's vote through vote groups (`benchmarks/vote_groups.py`, one group "
+                "real, the others' leaders at the job's store" if
+                v.get("benchmark") == "vote_groups" else
+                "the store's share of a step's vote (`benchmarks/vote_hosts.py`")
         lines.append(
-            f"- the store's share of a step's vote (`benchmarks/vote_hosts.py`, {v['file']}, "
+            f"- {what}, {v['file']}, "
             f"commit {v['commit']}, {', '.join(f'{h:,}' for h in v['hosts'])} hosts of "
             f"{v['voters_per_host']} workers, every vote sent at once, to every host "
             f"holding the decision): " + fit_words(k["store_vote_s"], "ms", 1000, 1) +
@@ -427,7 +432,7 @@ def _control_cell(c: dict) -> str:
     if c["saturated"]:
         words += f"; {' and '.join(c['saturated'])} saturated"
     if c.get("store_vote_s") is not None:
-        words += f"; the store's share {1000 * c['store_vote_s']:.0f} ms/step"
+        words += f"; the vote alone {1000 * c['store_vote_s']:.0f} ms/step"
         if c.get("store_vote_extrapolated_x"):
             words += f" (extrapolated x{c['store_vote_extrapolated_x']:.1f})"
     return words

@@ -27,7 +27,10 @@ grows steeply. ``benchmarks/vote_hosts.py`` measures what a step's vote costs th
 store (the part that does not spread over the hosts) at up to 12,500 hosts, a lean client
 playing the hosts: ``store_vote_from_file`` fits its time from the last vote to every host
 holding the decision (votes all sent at once, the longest case) against the workers, for
-the projection's column that charges each step that alone: the other bound.
+the projection's column that charges each step that alone: the other bound. Since the
+hosts vote in groups (``agent/groupvote.py``), ``benchmarks/vote_groups.py`` measures the
+whole vote through them (the critical path, one group real); ``store_vote_from_file`` reads
+its grouped rows at the sizes the agent groups at.
 
 Torch-free: it only reads result files.
 """
@@ -38,6 +41,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from trainmover.bench.report import read_result
+from trainmover.core.config import VOTE_GROUPS_FROM_HOSTS
 
 
 @dataclass
@@ -147,21 +151,30 @@ def control_from_bench(path: str) -> ControlScaling:
 
 
 def store_vote_from_file(path: str) -> tuple[PowerLaw, dict]:
-    """The store's share of a step's vote against the workers (seconds), fitted over a
-    ``benchmarks/vote_hosts.py`` result's rows with every vote sent at once; and where it
-    came from. ``ValueError`` naming the file where it cannot serve."""
-    data = read_result(path, "--vote-hosts", "vote_hosts")
-    rows = [r for r in data.get("rows", []) if r.get("spread_ms") == 0 and
-            not r.get("wait_get") and not r.get("two_writes") and
-            isinstance(r.get("all_ms"), dict)]
+    """A step's vote against the workers (seconds): the store's share, fitted over a
+    ``benchmarks/vote_hosts.py`` result's rows with every vote sent at once, or the vote
+    through vote groups, over a ``benchmarks/vote_groups.py`` result's grouped rows from
+    ``VOTE_GROUPS_FROM_HOSTS`` hosts (below, the agent does not group); and where it came
+    from. ``ValueError`` naming the file where it cannot serve."""
+    try:
+        data = read_result(path, "--vote-hosts", "vote_groups")
+        rows = [(r, r["grouped"]["all_ms"]) for r in data.get("rows", [])
+                if isinstance(r.get("grouped", {}).get("all_ms"), dict) and
+                int(r.get("hosts", 0)) >= VOTE_GROUPS_FROM_HOSTS]
+        why = f"no grouped rows from {VOTE_GROUPS_FROM_HOSTS} hosts"
+    except ValueError:
+        data = read_result(path, "--vote-hosts", "vote_hosts")
+        rows = [(r, r["all_ms"]) for r in data.get("rows", []) if r.get("spread_ms") == 0 and
+                not r.get("wait_get") and not r.get("two_writes") and
+                isinstance(r.get("all_ms"), dict)]
+        why = ("no rows with the votes sent at once (--spread-ms 0) by the relay as it is "
+               "(without --wait-get or --two-writes)")
     if not rows:
-        raise ValueError(f"--vote-hosts {path!r}: no rows with the votes sent at once "
-                         f"(--spread-ms 0) by the relay as it is (without --wait-get or "
-                         f"--two-writes)")
-    points = [(int(r["workers"]), r["all_ms"]["median"] / 1000) for r in rows]
-    fit = fit_power_law(points, f"--vote-hosts {path}: the store's share of a vote")
-    return fit, {"file": path, "commit": data.get("commit"),
-                 "hosts": sorted(int(r["hosts"]) for r in rows),
+        raise ValueError(f"--vote-hosts {path!r}: {why}")
+    points = [(int(r["workers"]), ms["median"] / 1000) for r, ms in rows]
+    fit = fit_power_law(points, f"--vote-hosts {path}: a step's vote")
+    return fit, {"file": path, "commit": data.get("commit"), "benchmark": data["benchmark"],
+                 "hosts": sorted(int(r["hosts"]) for r, _ in rows),
                  "voters_per_host": data.get("voters_per_host")}
 
 
