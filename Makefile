@@ -61,8 +61,8 @@ bench-state-size: install
 # not in CI. `bench hosts` needs root (network namespaces); the soak is `make soak`. The
 # downtime files: eager (4, 8 and 16 workers) and compiled (4 and 8); the projection reads
 # the eager pair (every strategy, the naive migration's cold join included) and the control
-# plane's costs against N (bench control, the sizes this machine reaches; the store's share
-# of a vote to 12,500 hosts). bench-quick first.
+# plane's costs against N (bench control, the sizes this machine reaches; a step's vote
+# through vote groups to 12,500 hosts). bench-quick first.
 benchmarks: install bench-quick
 	$(BIN)/trainmover bench step
 	$(BIN)/trainmover bench downtime --workers 4,8,16 --scenarios planned --no-compile \
@@ -77,13 +77,15 @@ benchmarks: install bench-quick
 	$(BIN)/trainmover bench control --workers 4096 --health.silence_floor_s=5 \
 		--name control_4096
 	$(BIN)/trainmover bench control --workers 1024,2048,4096 --sim-procs 2 \
-		--health.silence_floor_s=5 --name control_1k_4k
+		--health.silence_floor_s=5 --name control_groups
 	$(BIN)/python benchmarks/vote_hosts.py --hosts 128,512,2048,12500 --spread-ms 0,20 \
 		--out benchmarks/results --name vote_hosts
+	$(BIN)/python benchmarks/vote_groups.py --hosts 16,32,64,128,512,2048,12500 \
+		--out benchmarks/results --name vote_groups
 	$(BIN)/trainmover project --bench benchmarks/results/downtime-eager.json \
 		--bench benchmarks/results/downtime-failures-eager.json \
-		--control benchmarks/results/control_1k_4k.json \
-		--vote-hosts benchmarks/results/vote_hosts.json
+		--control benchmarks/results/control_groups.json \
+		--vote-hosts benchmarks/results/vote_groups.json
 	$(BIN)/trainmover bench checkpoint
 	$(BIN)/trainmover bench sources
 	$(BIN)/trainmover bench straggler --json benchmarks/results/straggler_results.json
