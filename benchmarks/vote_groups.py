@@ -50,7 +50,7 @@ from trainmover.core import ballots, kvstore  # noqa: E402
 from trainmover.core import protocol as P  # noqa: E402
 from trainmover.core.auth import AuthStore, seal, unseal  # noqa: E402
 from trainmover.core.config import AgentConfig  # noqa: E402
-from trainmover.core.kvstore import FRAME, NO_REPLY, Op, decode_answer, encode_request  # noqa: E402
+from trainmover.core.kvstore import NO_REPLY, Op, encode_request  # noqa: E402
 
 KEY = os.urandom(32)       # the run's key: the stores' handshake and the values' MACs
 WAIT_MS = 60_000
@@ -150,43 +150,30 @@ def _round(others: list[Voter], members: list[Voter], leader_conn, sel, step: in
         v.sock.sendall(first[v])
     last_sent = time.perf_counter()
     while pending:
-        for key, _ in sel.select():
-            v = key.data
-            n = v.sock.recv_into(rview)
-            if not n:
-                raise SystemExit("a store closed a connection")
-            v.buf += rview[:n]
-            while len(v.buf) >= 4:
-                (size,) = FRAME.unpack_from(v.buf, 0)
-                if len(v.buf) < 4 + size:
-                    break
-                status, number, fields = decode_answer(bytes(v.buf[4:4 + size]))
-                del v.buf[:4 + size]
-                if status != kvstore.Status.OK:
-                    raise SystemExit(f"host {v.node}: {status!r} in state {v.state}")
-                if v.state == "add":
-                    if not v.member and number >= num_voters:
-                        v.state = "ballots"
-                        v.sock.sendall(get_ballots)
-                    else:
-                        v.state = "wait"
-                        v.sock.sendall(wait)
-                elif v.state == "ballots":
-                    checker.raw = vote_hosts._Ballots(fields[0])
-                    if checker.ballot_tally(ballots_key, {v.node})[0] >= num_voters:
-                        v.state = "cas"
-                        v.sock.sendall(cas)
-                    else:                     # the real group's ballot is not in yet
-                        v.state = "wait"
-                        v.sock.sendall(wait)
-                elif v.state == "cas":
+        for v, number, fields in vote_hosts.answers(sel, rview):
+            if v.state == "add":
+                if not v.member and number >= num_voters:
+                    v.state = "ballots"
+                    v.sock.sendall(get_ballots)
+                else:
                     v.state = "wait"
                     v.sock.sendall(wait)
-                else:
-                    if unseal(KEY, decision_key, fields[0]) != b"commit":
-                        raise SystemExit(f"host {v.node}: not the decision")
-                    v.state, v.done_at = "done", time.perf_counter()
-                    pending -= 1
+            elif v.state == "ballots":
+                checker.raw = vote_hosts._Ballots(fields[0])
+                if checker.ballot_tally(ballots_key, {v.node})[0] >= num_voters:
+                    v.state = "cas"
+                    v.sock.sendall(cas)
+                else:                     # the real group's ballot is not in yet
+                    v.state = "wait"
+                    v.sock.sendall(wait)
+            elif v.state == "cas":
+                v.state = "wait"
+                v.sock.sendall(wait)
+            else:
+                if unseal(KEY, decision_key, fields[0]) != b"commit":
+                    raise SystemExit(f"host {v.node}: not the decision")
+                v.state, v.done_at = "done", time.perf_counter()
+                pending -= 1
     members_at = max((v.done_at for v in members), default=last_sent)
     others_at = max((v.done_at for v in others), default=last_sent)
     return {"all_ms": (max(members_at, others_at) - last_sent) * 1e3,

@@ -94,6 +94,26 @@ class Host:
         self.state, self.done_at = "", 0.0
 
 
+def answers(sel, rview: memoryview):
+    """Each answer as it comes, on connections registered with ``sel`` whose data is a
+    record with ``sock``, ``buf``, ``node`` and ``state``: (record, number, fields)."""
+    for key, _ in sel.select():
+        h = key.data
+        n = h.sock.recv_into(rview)
+        if not n:
+            raise SystemExit("a store closed a connection")
+        h.buf += rview[:n]
+        while len(h.buf) >= 4:
+            (size,) = FRAME.unpack_from(h.buf, 0)
+            if len(h.buf) < 4 + size:
+                break
+            status, number, fields = decode_answer(bytes(h.buf[4:4 + size]))
+            del h.buf[:4 + size]
+            if status != kvstore.Status.OK:
+                raise SystemExit(f"host {h.node}: {status!r} in state {h.state}")
+            yield h, number, fields
+
+
 def _round(hosts: list[Host], sel, step: int, voters_per_host: int, spread_s: float,
            wait_get: bool, two_writes: bool = False) -> dict:
     """One step's vote of every host; the times are from the last host's vote sent."""
@@ -133,47 +153,34 @@ def _round(hosts: list[Host], sel, step: int, voters_per_host: int, spread_s: fl
             h.sock.sendall(firsts[i][0] + firsts[i][1])
     last_sent = time.perf_counter()
     while pending:
-        for key, _ in sel.select():
-            h = key.data
-            n = h.sock.recv_into(rview)
-            if not n:
-                raise SystemExit("the store closed a connection")
-            h.buf += rview[:n]
-            while len(h.buf) >= 4:
-                (size,) = FRAME.unpack_from(h.buf, 0)
-                if len(h.buf) < 4 + size:
-                    break
-                status, number, fields = decode_answer(bytes(h.buf[4:4 + size]))
-                del h.buf[:4 + size]
-                if status != kvstore.Status.OK:
-                    raise SystemExit(f"host {h.node}: {status!r} in state {h.state}")
-                if h.state == "add":
-                    if number >= num_voters:
-                        h.state = "ballots"
-                        h.sock.sendall(get_ballots)
-                    else:
-                        h.state = "wait"
-                        h.sock.sendall(wait)
-                elif h.state == "ballots":
-                    t = time.perf_counter()
-                    checker.raw = _Ballots(fields[0])
-                    if checker.ballot_tally(ballots_key, {h.node})[0] < num_voters:
-                        raise SystemExit("the ballots do not hold every voter")
-                    check_s = time.perf_counter() - t
-                    h.state = "cas"
-                    h.sock.sendall(cas)
-                elif h.state == "cas":
-                    decided_at = time.perf_counter()
+        for h, number, fields in answers(sel, rview):
+            if h.state == "add":
+                if number >= num_voters:
+                    h.state = "ballots"
+                    h.sock.sendall(get_ballots)
+                else:
                     h.state = "wait"
                     h.sock.sendall(wait)
-                elif h.state == "wait" and wait_get:
-                    h.state = "get"
-                    h.sock.sendall(after_wait)
-                else:
-                    if unseal(SECRET, decision_key, fields[0]) != b"commit":
-                        raise SystemExit(f"host {h.node}: not the decision")
-                    h.state, h.done_at = "done", time.perf_counter()
-                    pending -= 1
+            elif h.state == "ballots":
+                t = time.perf_counter()
+                checker.raw = _Ballots(fields[0])
+                if checker.ballot_tally(ballots_key, {h.node})[0] < num_voters:
+                    raise SystemExit("the ballots do not hold every voter")
+                check_s = time.perf_counter() - t
+                h.state = "cas"
+                h.sock.sendall(cas)
+            elif h.state == "cas":
+                decided_at = time.perf_counter()
+                h.state = "wait"
+                h.sock.sendall(wait)
+            elif h.state == "wait" and wait_get:
+                h.state = "get"
+                h.sock.sendall(after_wait)
+            else:
+                if unseal(SECRET, decision_key, fields[0]) != b"commit":
+                    raise SystemExit(f"host {h.node}: not the decision")
+                h.state, h.done_at = "done", time.perf_counter()
+                pending -= 1
     done = max(h.done_at for h in hosts)
     return {"decided_ms": (decided_at - last_sent) * 1e3, "all_ms": (done - last_sent) * 1e3,
             "check_ms": check_s * 1e3}

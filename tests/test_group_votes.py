@@ -11,12 +11,14 @@ import pytest
 
 from trainmover.agent import groupvote
 from trainmover.agent.votes import Channels, VoteRelay
-from trainmover.comm.groups import AbortSignal, StoreClients, start_store_server
+from trainmover.comm.groups import StoreClients, start_store_server
 from trainmover.core import kvstore, storeaddr
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, seal
 from trainmover.core.config import AgentConfig
-from trainmover.worker.liveness import HostVote, Inbox
+from trainmover.worker.liveness import Inbox
+
+from test_host_votes import vote_all
 
 SECRET = b"g" * 64
 HOSTS, SIZE, VOTERS = 4, 2, 8
@@ -60,17 +62,7 @@ class Job:
 
     def vote(self, names, epoch, step, signal=None):
         """Each named worker's ``HostVote`` in a thread; their decisions."""
-        out = {}
-
-        def one(name):
-            vote = HostVote(self.workers[name].inbox, self.stores, epoch,
-                            signal or AbortSignal(), voter=name)
-            out[name] = vote(step, {})
-
-        threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in names]
-        for t in threads:
-            t.start()
-        return threads, out
+        return vote_all(self, names, epoch, step, signal)
 
     def all_vote(self, epoch, step, timeout_s=20):
         threads, out = self.vote(list(self.workers), epoch, step)
