@@ -9,16 +9,18 @@ groups of ``agent.vote_group_hosts`` consecutive nodes (about sqrt(hosts) by def
 the job's store, leads none but a group of one); its agent serves a small store of its
 own (``GroupServer``, the built-in store with the run's handshake) whose address it
 publishes, signed, at ``agent/<leader>/votes``. Members' relays (``agent/votes.py``) cast
-their ballots there and wait there for the decision, unchanged; the leader's relay takes
+their ballots there (an append that waits for no answer) and wait there for the decision
+as they would at the job's store; the leader's relay takes
 each member's ballot as it is appended (checked: signed for that host, that step's key)
 as if the member were one of its own processes, casts one ballot for the group at the
 job's store, waits for the decision there, and writes it, as sealed there, into the
 group's store, where the members' waits wake.
 
 What keeps every guarantee: the decision is still taken at the job's store alone, from
-ballots that name every voter (a leader's line names its members' voters; names count
-once, so a ballot cast twice, through the group and again at the job's store, is no
-double vote; a count too high only makes a relay look at the ballots early). A member
+ballots that name every voter (a leader's line names its members' voters under their
+hosts, and a host found in two lines has its voters counted once: ``core/ballots.py``; so
+a ballot cast twice, through the group and again at the job's store, is no double vote,
+and a count too high only makes a relay look at the ballots early). A member
 leaves its group, for good, as soon as the leader's store closes, the leader is declared
 lost (``agent/<leader>/fenced``), or a request to it is not answered within
 ``agent.vote_group_timeout_s``: it then casts every ballot of its pending steps again at the
@@ -42,6 +44,7 @@ from trainmover.core.kvstore import Op, StoreError, StoreTimeout
 # The leader deletes a step's keys from its group's store once this many later steps were
 # decided (a late vote is answered by the relay's memory of decided steps, not the store).
 GROUP_STEPS_KEPT = 64
+FORGED_POLL_S = 0.05     # a forged value at a key waited for: looked at again this often
 _BALLOTS_SUFFIX = b"/ballots"
 
 
@@ -188,7 +191,7 @@ class GroupLink:
             value = store.valid(key)
             if value is not None:
                 return value
-            time.sleep(0.05)
+            time.sleep(FORGED_POLL_S)
 
     def lose(self, why: str) -> None:
         """Leave the group for good (``on_lost`` once; a request blocked on the leader's
