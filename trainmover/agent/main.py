@@ -503,9 +503,15 @@ class Agent:
         if len(members) == 1:
             return relay
         if self.node == leader:
-            self._group = groupvote.GroupLeader(run_key, self.address, self.node, members,
-                                                relay, kvstore.StoreLimits.of(cfg.comm),
-                                                cfg.comm.store_timeout_s)
+            try:
+                self._group = groupvote.GroupLeader(run_key, self.address, self.node, members,
+                                                    relay, kvstore.StoreLimits.of(cfg.comm),
+                                                    cfg.comm.store_timeout_s)
+            except (OSError, kvstore.StoreError) as exc:
+                # its members vote at the job's store until an address is published (never)
+                self.events.emit("vote_group_failed", node=self.node, error=str(exc),
+                                 level="warning")
+                return relay
             self.store.set(P.agent_key(self.node, "votes"), self._group.address)
             self.events.emit("vote_group_serving", node=self.node, address=self._group.address,
                              members=[n for n in members if n != self.node])
