@@ -118,7 +118,7 @@ def _connect(port: int, node: int, names: tuple, member: bool, sel) -> Voter:
 
 
 def _round(others: list[Voter], members: list[Voter], leader_conn, sel, step: int,
-           num_voters: int) -> dict:
+           num_voters: int, spread_s: float = 0.0) -> dict:
     epoch = 1
     ballots_key = P.commit_key(epoch, step, "ballots")
     wait = encode_request(Op.GET, [P.commit_key(epoch, step, "decision").encode()], 0, WAIT_MS)
@@ -145,7 +145,12 @@ def _round(others: list[Voter], members: list[Voter], leader_conn, sel, step: in
         v.state = "add"
         v.sock.sendall(first[v])
     leader_conn.send((epoch, step))           # the real leader's own voters
-    for v in members:                         # its members last
+    t0 = time.perf_counter()
+    for i, v in enumerate(members):           # its members last (over spread_s)
+        if spread_s:
+            due = t0 + spread_s * (i + 1) / len(members)
+            while time.perf_counter() < due:
+                pass
         v.state = "wait"
         v.sock.sendall(first[v])
     last_sent = time.perf_counter()
@@ -181,7 +186,8 @@ def _round(others: list[Voter], members: list[Voter], leader_conn, sel, step: in
             "leaders_ms": (others_at - last_sent) * 1e3}
 
 
-def run_grouped(nnodes: int, size: int, voters_per_host: int, rounds: int) -> dict:
+def run_grouped(nnodes: int, size: int, voters_per_host: int, rounds: int,
+                spread_ms: float = 0.0) -> dict:
     ctx = mp.get_context("spawn")
     store_ours, store_theirs = ctx.Pipe()
     server = ctx.Process(target=vote_hosts._serve, args=(KEY, store_theirs), daemon=True)
@@ -205,12 +211,18 @@ def run_grouped(nnodes: int, size: int, voters_per_host: int, rounds: int) -> di
             nodes = groupvote.group_of(first, nnodes, size)
             others.append(_connect(root_port, nodes[-1], (names(nodes[-1]), {
                 n: names(n) for n in nodes[:-1]}), False, sel))
+        root = kvstore.connect("127.0.0.1", root_port, KEY, 60)   # read after each round
+        mine = b":host:%d:" % groupvote.group_of(0, nnodes, size)[-1]
         rows, warm = [], 3
         for step in range(warm + rounds):
             if step == warm:
                 cpu0 = (vote_hosts._cpu_s(server.pid), vote_hosts._cpu_s(leader.pid),
                         time.process_time())
-            row = _round(others, members, lead_ours, sel, step, voters_per_host * nnodes)
+            row = _round(others, members, lead_ours, sel, step, voters_per_host * nnodes,
+                         spread_ms / 1e3)
+            # the real leader's ballots at the job's store this step (its group's in one
+            # line, or more where its members' votes came further apart than its coalescing)
+            row["leader_lines"] = root.get(P.commit_key(1, step, "ballots")).count(mine)
             if step >= warm:
                 rows.append(row)
         cpu1 = (vote_hosts._cpu_s(server.pid), vote_hosts._cpu_s(leader.pid),
@@ -234,8 +246,8 @@ def _row(reps: list[dict], keys: tuple[str, ...]) -> dict:
             row[k] = spread([rep[k] for rep in reps])
         else:
             row[k] = spread([statistics.median(r[k] for r in rep["rounds"]) for rep in reps])
-            row[k.replace("_ms", "_p99_ms")] = vote_hosts._p99(
-                [r[k] for rep in reps for r in rep["rounds"]])
+            p99 = k[:-3] + "_p99_ms" if k.endswith("_ms") else k + "_p99"
+            row[p99] = vote_hosts._p99([r[k] for rep in reps for r in rep["rounds"]])
     return row
 
 
@@ -247,6 +259,9 @@ def main() -> None:
     ap.add_argument("--voters-per-host", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--spread-ms", type=float, default=0.0,
+                    help="the real group's members vote evenly over this many ms (the "
+                         "grouped vote; the flat one's votes go at once)")
     ap.add_argument("--no-flat", action="store_true",
                     help="the grouped vote only (to compare two trees' grouped votes)")
     ap.add_argument("--out", default=None)
@@ -260,20 +275,23 @@ def main() -> None:
         size = min(n, args.group_hosts or max(2, math.isqrt(n - 1) + 1))
         grouped, flat = [], []
         for _ in range(args.repeats):      # alternately: the same machine state for both
-            grouped.append(run_grouped(n, size, args.voters_per_host, args.rounds))
+            grouped.append(run_grouped(n, size, args.voters_per_host, args.rounds,
+                                       args.spread_ms))
             if not args.no_flat:
                 flat.append(vote_hosts.run(n, args.voters_per_host, 0.0, args.rounds, False))
         row = {"hosts": n, "workers": n * args.voters_per_host, "group_hosts": size,
                "groups": -(-n // size),
+               "spread_ms": args.spread_ms,
                "grouped": _row(grouped, ("all_ms", "members_ms", "leaders_ms", "store_cpu_ms",
-                                         "leader_cpu_ms", "client_cpu_ms"))}
+                                         "leader_cpu_ms", "client_cpu_ms", "leader_lines"))}
         if flat:
             row["flat"] = _row(flat, ("all_ms", "store_cpu_ms", "client_cpu_ms"))
         results.append(row)
         print(json.dumps(row), flush=True)
     head = ("| hosts (workers) | group (groups) | every host has it, grouped (ms) | p99 | "
             "flat (ms) | p99 | store CPU a round, grouped (ms) | flat (ms) | "
-            "leader CPU a round (ms) | client CPU, grouped / flat (ms) |")
+            "leader CPU a round (ms) | client CPU, grouped / flat (ms) | "
+            "leader's ballots a step (p99) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         g = r["grouped"]
@@ -289,7 +307,8 @@ def main() -> None:
                      f"{flat('all_ms', 2)} | {flat_p99} | "
                      f"{fmt_spread(g['store_cpu_ms'], 2)} | {flat('store_cpu_ms', 2)} | "
                      f"{fmt_spread(g['leader_cpu_ms'], 2)} | "
-                     f"{fmt_spread(g['client_cpu_ms'], 1)} / {flat('client_cpu_ms', 1)} |")
+                     f"{fmt_spread(g['client_cpu_ms'], 1)} / {flat('client_cpu_ms', 1)} | "
+                     f"{g['leader_lines']['median']:g} ({g['leader_lines_p99']:g}) |")
     table = "\n".join(lines)
     if not args.out:
         print(table)
