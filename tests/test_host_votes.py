@@ -220,3 +220,38 @@ def test_at_scale_a_relay_waiting_on_a_slow_step_reads_the_count_not_every_ballo
         assert not server.client().check([P.commit_key(0, 7, "decision")])
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_votes_coming_apart_after_the_hosts_ballot_go_together():
+    """Host 0 expects six processes; one votes, the host's ballot goes with it after the
+    coalescing time; four more vote apart within that time after it, the sixth later: the
+    four are held and go with the sixth, in one more ballot (each in a ballot of its own
+    before: a vote group's leader cast nearly one ballot a member at the job's store)."""
+    server = start_store_server(timeout_s=20, run_key=SECRET)
+    try:
+        relay = VoteRelay(AuthStore(server.client(), SECRET), AuthStore(server.client(), SECRET),
+                          0, num_voters=6, coalesce_s=1.0)
+        children = []
+        for i in range(6):
+            a, _b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            a.setblocking(False)
+            children.append((SimpleNamespace(name=f"w{i}", channel=a), _b))
+            relay.expect(f"w{i}")
+        key = P.commit_key(0, 1, "ballots")
+        relay.vote(children[0][0], 0, 1, "w0")
+        time.sleep(1.3)                                  # w0's ballot went at 1.0 s
+        for child, _ in children[1:5]:
+            relay.vote(child, 0, 1, child.name)
+            time.sleep(0.05)
+        relay.vote(children[5][0], 0, 1, "w5")
+        deadline = time.monotonic() + 10
+        store = AuthStore(server.client(), SECRET)
+        while store.valid(P.commit_key(0, 1, "decision")) is None:
+            assert time.monotonic() < deadline, "never decided"
+            time.sleep(0.01)
+        lines = [x for x in server.client().get(key).split(b"\n") if x]
+        assert len(lines) == 2, lines
+        assert store.valid(P.commit_key(0, 1, "decision")) == b"commit"
+    finally:
+        server.close()

@@ -16,8 +16,9 @@ at 2,048 hosts (``benchmarks/vote_hosts.py``).
 
 When a host's ballot goes: as soon as every running worker of the host (started as one, or
 a standby that has voted since) has voted on this step, else ``coalesce_s`` after the step's
-first vote here (a worker that stopped voting: a leaver past its switch, until it exits). A vote that comes
-after its host's ballot went goes in a ballot of its own. The decision never depends on the
+first vote here (a worker that stopped voting: a leaver past its switch, until it exits).
+Votes that come after its host's ballot went go in one more ballot ``coalesce_s`` after
+the last one went, or at once with the last of them. The decision never depends on the
 batching: it is taken when the ballots hold every voter.
 
 In a job of many hosts the agents vote through vote groups (``agent/groupvote.py``): a
@@ -177,6 +178,7 @@ class _Step:
     sent: set = field(default_factory=set)         # voters whose ballot went
     count: int = 0                                 # the counter after this host's last add
     arrived: int = 0                               # entries of the relay's ``_last`` at it
+    cast_at: float = 0.0                           # when its last ballot went
     waited: bool = False                           # handed to the waiter
     # cast in the host's vote group (agent/groupvote.py), not at the job's store; None:
     # not cast yet
@@ -217,9 +219,10 @@ class VoteRelay:
             decided = self._decided.get(key)
             if decided is None:
                 st, created = self._step(key)
+                unsent = len(st.voters) - len(st.sent)
                 st.voters[voter] = child
                 self._arrive(child.name, key)
-                self._wake_if(created, key, st)
+                self._wake_if(created, key, st, unsent)
                 return
         _tell(child, key, decided)           # a late vote on a decided step
 
@@ -245,11 +248,12 @@ class VoteRelay:
             decided = self._decided.get(key)
             if decided is None:
                 st, created = self._step(key)
+                unsent = len(st.voters) - len(st.sent)
                 for name in names:
                     st.voters.setdefault(name, group)
                     st.member_of[name] = node
                 self._arrive(f"{HOST_PROXY}{node}", key)
-                self._wake_if(created, key, st)
+                self._wake_if(created, key, st, unsent)
                 return
         group.late(key, decided)               # a late ballot on a decided step
 
@@ -294,17 +298,26 @@ class VoteRelay:
         if st is not None:
             st.arrived -= 1
 
-    def _wake_if(self, created: bool, key: tuple[int, int], st: _Step) -> None:
+    def _wake_if(self, created: bool, key: tuple[int, int], st: _Step, unsent: int) -> None:
         """The forwarder, where a vote changed what it does: a new step (a coalescing
-        deadline), one whose every process has voted, or a vote after the host's ballot
-        for the step went (not in any deadline the forwarder sleeps to)."""
-        if created or st.sent or self._ready(key, st, time.monotonic()):
+        deadline), one whose every process has voted, or the first vote held after the
+        host's last ballot for the step went (a deadline the forwarder does not sleep to
+        yet). ``unsent``: the step's voters not in a ballot before this vote."""
+        if created or (st.sent and not unsent) or self._ready(key, st, time.monotonic()):
             self._cv.notify()
 
     # --- the forwarder ------------------------------------------------------------------------
     def _ready(self, key: tuple[int, int], st: _Step, now: float) -> bool:
         """Whether the host's ballot for ``key`` goes now (the module doc's rule)."""
-        return st.arrived >= len(self._last) or now - st.first_at >= self.coalesce_s
+        return st.arrived >= len(self._last) or now >= self._due_at(st)
+
+    def _due_at(self, st: _Step) -> float:
+        """When a step's held votes go though not every process has voted: ``coalesce_s``
+        after its first vote, and after each ballot that went, so that votes coming apart
+        go in one ballot every ``coalesce_s``, not one each (a leader's members vote up to
+        tens of ms apart: one ballot a member at the job's store was nearly a flat vote's
+        load, benchmarks/results/vote_groups_spread.md)."""
+        return (st.cast_at if st.sent else st.first_at) + self.coalesce_s
 
     def _forward(self) -> None:
         while True:
@@ -315,13 +328,14 @@ class VoteRelay:
                            if len(st.sent) < len(st.voters) and self._ready(key, st, now)]
                     if due:
                         break
-                    waiting = [st.first_at + self.coalesce_s - now
+                    waiting = [self._due_at(st) - now
                                for st in self._steps.values() if len(st.sent) < len(st.voters)]
                     self._cv.wait(max(0.0, min(waiting)) if waiting else None)
                 batches = []
                 for key, st in due:
                     names = sorted(set(st.voters) - st.sent)
                     st.sent.update(names)
+                    st.cast_at = now
                     if st.via_group is None:
                         st.via_group = self.group is not None and self.group.ready()
                     batches.append((key, st, names, self.group if st.via_group else None))
