@@ -862,8 +862,9 @@ class AgentConfig:
     request_recheck_s: float = 1.0
     # How long the agent holds its processes' votes on a step, once one came, before it
     # casts the host's ballot with the votes it has, when a process that voted before has
-    # not voted yet (a leaver past its switch, until it exits; a vote after the ballot went
-    # goes in a ballot of its own). In the steady state the ballot goes with the last vote.
+    # not voted yet (a leaver past its switch, until it exits; votes after the ballot went
+    # go in one more ballot this long after it, or with the last of them). In the steady
+    # state the ballot goes with the last vote.
     # The same for its processes' failure reports of an epoch (agent/reports.py): written
     # as one value once every running worker reported, else this long after the first.
     vote_coalesce_s: float = 0.005
