@@ -322,8 +322,8 @@ BENCH_GROUPS = [
         "step", "example_overhead", "example_overhead_torch_ddp", "example_overhead_torch_fsdp",
         "example_overhead_torch_fsdp-before-future-wait", "example_overhead_torch_fsdp_tp",
         "example_overhead_torch_pipeline", "control_cpu", "vote_cost", "vote_hosts_store",
-        "vote_hosts", "vote_hosts_one_write", "vote_groups", "vote_groups_relay", "vote_groups_spread",
-        "store_latency", "store_big_get",
+        "vote_hosts", "vote_hosts_one_write", "vote_groups", "vote_groups_relay",
+        "vote_groups_spread", "store_latency", "store_big_get",
         "store_step_before_after", "control_step_before_after"]),
     ("torch examples' downtime", ["example_downtime_torch_fsdp_tp"]),
     ("Stragglers and rolling maintenance", [
