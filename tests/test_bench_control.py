@@ -8,10 +8,15 @@ from trainmover.bench.control import layout_for, parse_sizes, run_once
 
 
 @pytest.mark.timeout(240)
-def test_a_simulated_job_of_256_workers_trains_recovers_and_is_measured(tmp_path):
+# groups: the hosts vote in vote groups of four (agent/groupvote.py; the job's 32 hosts vote
+# flat by default): the crashed worker's host is a member of host 3's group
+@pytest.mark.parametrize("overrides", [[], [("agent.vote_group_hosts", "4")]],
+                         ids=["flat", "groups"])
+def test_a_simulated_job_of_256_workers_trains_recovers_and_is_measured(tmp_path, overrides):
     # its hosts shared between two simulator processes (the larger sizes need it)
     row = run_once(256, compute_s=0.1, warmup=3, steady=6, after=3, standbys=2,
-                   timeout_s=180, work_dir=str(tmp_path), full_hosts=4, sim_procs=2)
+                   timeout_s=180, work_dir=str(tmp_path), full_hosts=4, sim_procs=2,
+                   overrides=overrides)
     assert row["workers"] == 256 and row["hosts"] == 32 and row["sim_procs"] == 2
     assert row["layout"] == {"dp": 4, "pp": 8, "tp": 8}
     # hosts 0-3, the reporter's (7) and the crashed worker's (2): every one of their
@@ -37,6 +42,9 @@ def test_a_simulated_job_of_256_workers_trains_recovers_and_is_measured(tmp_path
     assert all(line in logs for line in heard), logs
     assert logs.rindex("agent2 wrote agent/2/reports/0") > max(logs.index(h) for h in heard)
     assert "agent2 heard w17's" not in logs
+    events = "".join(p.read_text() for p in tmp_path.glob("control-256-*/events.jsonl"))
+    assert events.count('"vote_group_serving"') == (8 if overrides else 0)
+    assert '"vote_group_left"' not in events
 
 
 def test_sizes_are_checked_before_anything_starts():
