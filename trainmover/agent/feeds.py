@@ -75,6 +75,20 @@ class RequestFeed:
         return drain(self.queue)
 
 
+def await_genuine(store, key: str) -> bytes:
+    """``key``'s genuine value, once it is there (a forged one planted first is waited past:
+    the genuine writer overwrites it). One waiting request at a time, however long."""
+    while True:
+        try:
+            store.wait([key], timedelta(seconds=P.IDLE_WAIT_S))
+        except StoreTimeout:
+            continue
+        value = store.valid(key)
+        if value is not None:
+            return value
+        time.sleep(FORGED_POLL_S)
+
+
 class FenceWatch:
     """Sets ``fenced`` once the controller's signed word is at ``agent/<node>/fenced`` (a
     forged value there is no word: it is waited past)."""
@@ -86,18 +100,10 @@ class FenceWatch:
         threading.Thread(target=self._loop, name=f"fence-{node}", daemon=True).start()
 
     def _loop(self) -> None:
-        key = P.agent_key(self.node, "fenced")
         try:
-            while True:
-                try:
-                    self.store.wait([key], timedelta(seconds=P.IDLE_WAIT_S))
-                except StoreTimeout:
-                    continue
-                if self.store.valid(key) is not None:
-                    self.fenced.set()
-                    self.wake()
-                    return
-                time.sleep(FORGED_POLL_S)
+            await_genuine(self.store, P.agent_key(self.node, "fenced"))
+            self.fenced.set()
+            self.wake()
         except Exception as exc:  # noqa: BLE001 - the store is gone
             self.error = exc
             self.wake()

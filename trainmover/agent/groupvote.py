@@ -33,18 +33,16 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-import time
-from datetime import timedelta
 
+from trainmover.agent.feeds import await_genuine
 from trainmover.core import kvserver, kvstore
 from trainmover.core import protocol as P
 from trainmover.core.auth import AuthStore, host_ballots
-from trainmover.core.kvstore import Op, StoreError, StoreTimeout
+from trainmover.core.kvstore import Op, StoreError
 
 # The leader deletes a step's keys from its group's store once this many later steps were
 # decided (a late vote is answered by the relay's memory of decided steps, not the store).
 GROUP_STEPS_KEPT = 64
-FORGED_POLL_S = 0.05     # a forged value at a key waited for: looked at again this often
 _BALLOTS_SUFFIX = b"/ballots"
 
 
@@ -166,7 +164,7 @@ class GroupLink:
     def _run(self) -> None:
         store = self._root
         try:
-            address = self._await(store, P.agent_key(self.leader, "votes"))
+            address = await_genuine(store, P.agent_key(self.leader, "votes"))
             host, _, port = address.decode().rpartition(":")
             clients = [kvstore.connect(host, int(port), self._run_key, self._timeout_s)
                        for _ in range(2)]
@@ -175,23 +173,10 @@ class GroupLink:
             with self._lock:
                 if self.lost is None:
                     self.forward, self.wait = (AuthStore(c, self._run_key) for c in clients)
-            self._await(store, P.agent_key(self.leader, "fenced"))
+            await_genuine(store, P.agent_key(self.leader, "fenced"))
             self.lose(f"its leader, host {self.leader}, was declared lost")
         except (OSError, StoreError, ValueError) as exc:
             self.lose(f"its leader's store, host {self.leader}: {exc}")
-
-    @staticmethod
-    def _await(store, key: str) -> bytes:
-        """``key``'s genuine value, once there (a forged one is waited past)."""
-        while True:
-            try:
-                store.wait([key], timedelta(seconds=P.IDLE_WAIT_S))
-            except StoreTimeout:
-                continue
-            value = store.valid(key)
-            if value is not None:
-                return value
-            time.sleep(FORGED_POLL_S)
 
     def lose(self, why: str) -> None:
         """Leave the group for good (``on_lost`` once; a request blocked on the leader's

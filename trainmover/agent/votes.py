@@ -222,7 +222,7 @@ class VoteRelay:
                 unsent = len(st.voters) - len(st.sent)
                 st.voters[voter] = child
                 self._arrive(child.name, key)
-                self._wake_if(created, key, st, unsent)
+                self._wake_if(created, st, unsent)
                 return
         _tell(child, key, decided)           # a late vote on a decided step
 
@@ -253,7 +253,7 @@ class VoteRelay:
                     st.voters.setdefault(name, group)
                     st.member_of[name] = node
                 self._arrive(f"{HOST_PROXY}{node}", key)
-                self._wake_if(created, key, st, unsent)
+                self._wake_if(created, st, unsent)
                 return
         group.late(key, decided)               # a late ballot on a decided step
 
@@ -298,16 +298,16 @@ class VoteRelay:
         if st is not None:
             st.arrived -= 1
 
-    def _wake_if(self, created: bool, key: tuple[int, int], st: _Step, unsent: int) -> None:
+    def _wake_if(self, created: bool, st: _Step, unsent: int) -> None:
         """The forwarder, where a vote changed what it does: a new step (a coalescing
         deadline), one whose every process has voted, or the first vote held after the
         host's last ballot for the step went (a deadline the forwarder does not sleep to
         yet). ``unsent``: the step's voters not in a ballot before this vote."""
-        if created or (st.sent and not unsent) or self._ready(key, st, time.monotonic()):
+        if created or (st.sent and not unsent) or self._ready(st, time.monotonic()):
             self._cv.notify()
 
     # --- the forwarder ------------------------------------------------------------------------
-    def _ready(self, key: tuple[int, int], st: _Step, now: float) -> bool:
+    def _ready(self, st: _Step, now: float) -> bool:
         """Whether the host's ballot for ``key`` goes now (the module doc's rule)."""
         return st.arrived >= len(self._last) or now >= self._due_at(st)
 
@@ -325,7 +325,7 @@ class VoteRelay:
                 while True:
                     now = time.monotonic()
                     due = [(key, st) for key, st in self._steps.items()
-                           if len(st.sent) < len(st.voters) and self._ready(key, st, now)]
+                           if len(st.sent) < len(st.voters) and self._ready(st, now)]
                     if due:
                         break
                     waiting = [self._due_at(st) - now

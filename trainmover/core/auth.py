@@ -49,8 +49,8 @@ MAX_REJECTIONS_LOGGED = 10_000  # keys whose rejection is reported (once each)
 MAX_COUNTERS_KEPT = 1024        # the counts last seen, kept to repair a forged counter
 DEFAULT_STORE_TIMEOUT_S = 300.0  # a store object that does not say (test doubles)
 KEYS_PER_READ = 1024            # keys read in one request (``read_raw``, ``read_valid``)
-HOST_BALLOT = "host:"           # a host's ballot line (``cast_host_ballot``); no voter's name
-_HOST = HOST_BALLOT.encode()
+_HOST = ballots.HOST            # a host's ballot line (``cast_host_ballot``); no voter's name
+HOST_BALLOT = _HOST.decode()
 
 
 class AuthError(MessageError):
@@ -134,7 +134,6 @@ class _BallotCheck:
             return None
         return signer, names
 
-
     def lines(self, value: bytes) -> list[tuple[bytes, bytes]]:
         """(signer, names) of each genuine line of ``value``."""
         out = []
@@ -155,9 +154,9 @@ def host_ballots(secret: bytes, key: str, value: bytes) -> list[tuple[int, list[
         node = signer[len(_HOST):]
         if not signer.startswith(_HOST) or not node.isdigit():
             continue
-        own = names.split(b"|", 1)[0]
+        own = [voters for host, voters in ballots.segments(signer, names) if host == node]
         if own:
-            out.append((int(node), own.decode(errors="replace").split(",")))
+            out.append((int(node), own[0].decode(errors="replace").split(",")))
     return out
 
 

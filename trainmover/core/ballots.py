@@ -40,7 +40,7 @@ def payload(node: int, voters: list[str], members: dict[int, list[str]] | None =
         bad = [v for v in every if not v or any(c in v for c in _FORBIDDEN)]
         raise ValueError(f"a voter's name may be neither empty nor hold any of "
                          f"{', '.join(map(repr, _FORBIDDEN))}: {bad[:3]!r}")
-    return f"host:{node}:" + ",".join(voters) + "".join(
+    return f"{HOST.decode()}{node}:" + ",".join(voters) + "".join(
         f"|{m}:" + ",".join(names) for m, names in parts[1:])
 
 
